@@ -1,0 +1,54 @@
+"""graphc: an einsum computation-graph compiler for attention.
+
+Build attention layers (MHA, MQA, GQA) as typed DAGs of einsum and elementwise
+nodes, optimize them (above all: GQA's KV-head repeat becomes a grouped einsum),
+and run them on NumPy, the ONNX reference evaluator or onnxruntime.
+"""
+
+from . import errors
+from .attention import (
+    PRESETS,
+    AttentionConfig,
+    attention_layer_graph,
+    cross_attention_graph,
+    gqa,
+    init_weights,
+    kv_cache_graph,
+    mha,
+    mqa,
+    preset,
+    preset_names,
+    sdpa_graph,
+)
+from .dims import Dim
+from .einsum_spec import parse_einsum
+from .graph import Graph, Node, Value
+from .ops import TensorType
+from .serialize import load_graph, save_graph
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "errors",
+    "Graph",
+    "Node",
+    "Value",
+    "TensorType",
+    "Dim",
+    "parse_einsum",
+    "save_graph",
+    "load_graph",
+    "AttentionConfig",
+    "PRESETS",
+    "preset",
+    "preset_names",
+    "mha",
+    "mqa",
+    "gqa",
+    "init_weights",
+    "sdpa_graph",
+    "attention_layer_graph",
+    "cross_attention_graph",
+    "kv_cache_graph",
+    "__version__",
+]

@@ -1,0 +1,250 @@
+"""Attention graph builders: the SDPA core, a full layer, cross-attention and a KV-cache step.
+
+Layouts follow the ONNX ``Attention`` op's 4-D form: queries ``[B, Hq, Sq, D]``,
+keys and values ``[B, Hkv, Sk, D]``.  Value names carry their layout
+(``q_BHSD``, ``k_BHkvTD``; T is the key axis).  The unoptimized graphs repeat
+K/V explicitly with :class:`~graphc.ops.Repeat` (query head h reads KV head
+``h // group_size``); the optimizer turns that into a grouped einsum.
+
+Weights follow ``torch.nn.Linear``: ``q_proj.weight`` is ``[n_heads*head_dim, d_model]``
+(out, in), ``o_proj.weight`` is ``[d_model, n_heads*head_dim]``; biases are 1-D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from graphc.dims import Dim, dim_sub, normalize_dim
+from graphc.errors import WeightError
+from graphc.graph import Graph, Value
+from graphc.ops import FLOAT_DTYPES
+
+from .config import AttentionConfig
+
+__all__ = [
+    "weight_shapes",
+    "init_weights",
+    "attention_core",
+    "sdpa_graph",
+    "attention_layer_graph",
+    "cross_attention_graph",
+    "kv_cache_graph",
+]
+
+
+def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the layer's parameters (biases only when ``cfg.bias``)."""
+    q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
+    shapes = {
+        "q_proj.weight": (q, cfg.d_model),
+        "k_proj.weight": (kv, cfg.d_model),
+        "v_proj.weight": (kv, cfg.d_model),
+        "o_proj.weight": (cfg.d_model, q),
+    }
+    if cfg.bias:
+        shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (cfg.d_model,)})
+    return shapes
+
+
+def init_weights(cfg: AttentionConfig, seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Random weights from a seeded RNG, scaled by ``fan_in ** -0.5`` (biases small)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        std = shape[-1] ** -0.5 if name.endswith("weight") else 0.02
+        out[name] = (rng.standard_normal(shape) * std).astype(dtype)
+    return out
+
+
+def _check_weights(cfg: AttentionConfig, weights: Mapping[str, np.ndarray], dtype: str) -> None:
+    expected = weight_shapes(cfg)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing:
+        raise WeightError(f"weights are missing {missing}; a layer with bias={cfg.bias} takes {sorted(expected)}")
+    if extra:
+        raise WeightError(f"unexpected weights {extra}; a layer with bias={cfg.bias} takes {sorted(expected)}")
+    for name, shape in expected.items():
+        arr = weights[name]
+        if not isinstance(arr, np.ndarray):
+            raise WeightError(f"weight {name!r} must be a numpy.ndarray, got {type(arr).__name__}")
+        if tuple(arr.shape) != shape:
+            raise WeightError(f"weight {name!r} has shape {tuple(arr.shape)}, expected {shape} (torch Linear layout: out, in)")
+        if str(arr.dtype) != dtype:
+            raise WeightError(f"weight {name!r} has dtype {arr.dtype}, expected {dtype}")
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise WeightError(f"attention graphs need a float dtype, one of {FLOAT_DTYPES}; got {dtype!r}")
+
+
+def attention_core(
+    g: Graph,
+    cfg: AttentionConfig,
+    q: Value,
+    k: Value,
+    v: Value,
+    causal: bool,
+    offset: Dim = 0,
+    mask: Value | None = None,
+) -> Value:
+    """Append ``softmax(scale * q k^T [+ masks]) v`` to ``g``; returns ``[B, Hq, Sq, D]``.
+
+    K/V are repeated to the query heads by ``Repeat`` (axis 1, ``group_size``)
+    when ``group_size > 1``.  ``causal`` masks key j for query i when
+    ``j > i + offset``; ``mask`` is a bool value broadcastable to
+    ``[B, Hq, Sq, Sk]`` (True keeps a key).
+    """
+    if cfg.group_size > 1:
+        k = g.repeat(k, cfg.group_size, axis=1, name=g.fresh_name("k_rep_BHTD"))
+        v = g.repeat(v, cfg.group_size, axis=1, name=g.fresh_name("v_rep_BHTD"))
+    s = g.einsum("bhqd,bhkd->bhqk", q, k, name=g.fresh_name("scores_BHST"))
+    s = g.scale(s, cfg.softmax_scale, name=g.fresh_name("scaled_BHST"))
+    if causal:
+        s = g.causal_mask(s, offset, name=g.fresh_name("causal_BHST"))
+    if mask is not None:
+        neg_inf = g.constant(g.fresh_name("neg_inf"), np.array(-np.inf, dtype=s.dtype))
+        s = g.where(mask, s, neg_inf, name=g.fresh_name("masked_BHST"))
+    p = g.softmax(s, axis=-1, name=g.fresh_name("probs_BHST"))
+    return g.einsum("bhqk,bhkd->bhqd", p, v, name=g.fresh_name("attn_BHSD"))
+
+
+def sdpa_graph(
+    cfg: AttentionConfig,
+    batch: Dim = "batch",
+    q_len: Dim = "seq",
+    kv_len: Dim | None = None,
+    causal: bool | None = None,
+    mask: bool = False,
+    dtype: str = "float32",
+    name: str | None = None,
+) -> Graph:
+    """The attention core alone: inputs ``q [B,Hq,Sq,D]``, ``k``/``v [B,Hkv,Sk,D]``, output ``attn_BHSD [B,Hq,Sq,D]``.
+
+    ``kv_len`` defaults to ``q_len``.  With ``causal`` (default: ``cfg.causal``) and
+    ``Sk != Sq`` the mask is aligned bottom-right (offset ``Sk - Sq``), as for a
+    KV cache.  ``mask=True`` adds a bool input ``attn_mask [B,1,Sq,Sk]``.
+    """
+    _check_dtype(dtype)
+    kv_len = q_len if kv_len is None else kv_len
+    causal = cfg.causal if causal is None else causal
+    g = Graph(name or f"sdpa_{cfg.kind.lower()}")
+    q = g.input("q_BHSD", [batch, cfg.n_heads, q_len, cfg.hd], dtype)
+    k = g.input("k_BHkvTD", [batch, cfg.n_kv_heads, kv_len, cfg.hd], dtype)
+    v = g.input("v_BHkvTD", [batch, cfg.n_kv_heads, kv_len, cfg.hd], dtype)
+    m = g.input("attn_mask", [batch, 1, q_len, kv_len], "bool") if mask else None
+    offset = normalize_dim(dim_sub(kv_len, q_len))
+    out = attention_core(g, cfg, q, k, v, causal, offset, m)
+    g.output(out)
+    return g
+
+
+def _project(g: Graph, x: Value, prefix: str, cfg: AttentionConfig, seq: Dim, batch: Dim) -> Value:
+    """x [B,S,d_model] -> [B,heads,S,D] through ``{prefix}.weight`` (+ bias), a Reshape and a Transpose."""
+    tag = prefix[0]
+    heads, h = (cfg.n_heads, "H") if tag == "q" else (cfg.n_kv_heads, "Hkv")
+    y = g.einsum("bsm,nm->bsn", x, f"{prefix}.weight", name=g.fresh_name(f"{tag}_BSN"))
+    if cfg.bias:
+        y = g.add(y, f"{prefix}.bias", name=g.fresh_name(f"{tag}_biased_BSN"))
+    y = g.reshape(y, [batch, seq, heads, cfg.hd], name=g.fresh_name(f"{tag}_BS{h}D"))
+    return g.transpose(y, [0, 2, 1, 3], name=g.fresh_name(f"{tag}_B{h}SD"))
+
+
+def _merge_and_project(g: Graph, attn: Value, cfg: AttentionConfig, seq: Dim, batch: Dim) -> Value:
+    """[B,Hq,S,D] -> [B,S,Hq*D] -> output projection -> [B,S,d_model]."""
+    t = g.transpose(attn, [0, 2, 1, 3], name="attn_BSHD")
+    m = g.reshape(t, [batch, seq, cfg.n_heads * cfg.hd], name="attn_BSN")
+    y = g.einsum("bsn,mn->bsm", m, "o_proj.weight", name="proj_BSM")
+    if cfg.bias:
+        y = g.add(y, "o_proj.bias", name="proj_biased_BSM")
+    return y
+
+
+def _add_weights(g: Graph, cfg: AttentionConfig, weights: Mapping[str, np.ndarray] | None, seed: int, dtype: str) -> None:
+    _check_dtype(dtype)
+    if weights is None:
+        weights = init_weights(cfg, seed, dtype)
+    _check_weights(cfg, weights, dtype)
+    for wname in weight_shapes(cfg):
+        g.constant(wname, weights[wname])
+
+
+def attention_layer_graph(
+    cfg: AttentionConfig,
+    batch: Dim = "batch",
+    seq: Dim = "seq",
+    weights: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    name: str | None = None,
+) -> Graph:
+    """A full self-attention layer: ``x [B,S,d_model]`` -> Q/K/V projections -> core -> output projection.
+
+    ``weights`` (see :func:`weight_shapes`) default to :func:`init_weights` with ``seed``.
+    """
+    g = Graph(name or f"attention_{cfg.kind.lower()}")
+    _add_weights(g, cfg, weights, seed, dtype)
+    x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
+    q = _project(g, x, "q_proj", cfg, seq, batch)
+    k = _project(g, x, "k_proj", cfg, seq, batch)
+    v = _project(g, x, "v_proj", cfg, seq, batch)
+    attn = attention_core(g, cfg, q, k, v, cfg.causal, 0)
+    g.output(_merge_and_project(g, attn, cfg, seq, batch))
+    return g
+
+
+def cross_attention_graph(
+    cfg: AttentionConfig,
+    batch: Dim = "batch",
+    q_len: Dim = "q_len",
+    kv_len: Dim = "kv_len",
+    weights: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    name: str | None = None,
+) -> Graph:
+    """Cross-attention: queries from ``x [B,Sq,d_model]``, keys/values from ``memory [B,Sk,d_model]``; never causal."""
+    g = Graph(name or f"cross_attention_{cfg.kind.lower()}")
+    _add_weights(g, cfg, weights, seed, dtype)
+    x = g.input("x_BSM", [batch, q_len, cfg.d_model], dtype)
+    mem = g.input("memory_BTM", [batch, kv_len, cfg.d_model], dtype)
+    q = _project(g, x, "q_proj", cfg, q_len, batch)
+    k = _project(g, mem, "k_proj", cfg, kv_len, batch)
+    v = _project(g, mem, "v_proj", cfg, kv_len, batch)
+    attn = attention_core(g, cfg, q, k, v, causal=False)
+    g.output(_merge_and_project(g, attn, cfg, q_len, batch))
+    return g
+
+
+def kv_cache_graph(
+    cfg: AttentionConfig,
+    batch: Dim = "batch",
+    seq: Dim = "seq",
+    past: Dim = "past_seq",
+    weights: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    name: str | None = None,
+) -> Graph:
+    """One step of a layer with a KV cache (prefill when ``past`` is 0, decode when ``seq`` is 1).
+
+    Inputs ``x [B,S,d_model]``, ``past_key``/``past_value [B,Hkv,P,D]``; outputs
+    ``proj_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
+    Query i (token P+i) sees keys ``j <= i + P`` when ``cfg.causal``.
+    """
+    g = Graph(name or f"kv_cache_{cfg.kind.lower()}")
+    _add_weights(g, cfg, weights, seed, dtype)
+    x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
+    past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
+    past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
+    q = _project(g, x, "q_proj", cfg, seq, batch)
+    k_new = _project(g, x, "k_proj", cfg, seq, batch)
+    v_new = _project(g, x, "v_proj", cfg, seq, batch)
+    k = g.concat([past_k, k_new], axis=2, name="present_key")
+    v = g.concat([past_v, v_new], axis=2, name="present_value")
+    attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past)
+    g.output(_merge_and_project(g, attn, cfg, seq, batch), k, v)
+    return g

@@ -1,0 +1,393 @@
+"""The closed op set of graphc: frozen payloads with shape and dtype inference.
+
+Each op is a frozen dataclass whose fields are its typed attributes (a scale is a
+``float`` on :class:`Scale`, a causal offset a :data:`~graphc.dims.Dim` on
+:class:`CausalMask`, a softmax axis an ``int``), never text folded into a name.
+``op.infer(input_types)`` returns the output type or raises a
+:class:`~graphc.errors.GraphError` subclass that says which operand is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, format_shape, normalize_dim, normalize_shape
+from .einsum_spec import EinsumSpec, infer_einsum_shape, parse_einsum
+from .errors import DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
+
+__all__ = [
+    "DTYPES",
+    "FLOAT_DTYPES",
+    "TensorType",
+    "Op",
+    "Einsum",
+    "Reshape",
+    "Transpose",
+    "Repeat",
+    "Softmax",
+    "Concat",
+    "Cast",
+    "Unary",
+    "Binary",
+    "Where",
+    "Scale",
+    "CausalMask",
+    "UNARY_FUNCTIONS",
+    "BINARY_FUNCTIONS",
+    "OP_TYPES",
+    "check_dtype",
+    "broadcast_shapes",
+]
+
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
+FLOAT_DTYPES = ("float16", "float32", "float64")
+UNARY_FUNCTIONS = ("exp", "neg", "tanh", "sqrt", "reciprocal", "relu", "sigmoid")
+BINARY_FUNCTIONS = ("add", "sub", "mul", "div", "max")
+
+
+def check_dtype(dtype: str) -> str:
+    """Return ``dtype`` if graphc supports it, else raise :class:`UnknownNameError` listing the valid ones."""
+    if dtype not in DTYPES:
+        raise UnknownNameError("dtype", str(dtype), DTYPES)
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """The static type of a value: a shape of :data:`~graphc.dims.Dim` and a dtype name."""
+
+    shape: Shape
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", normalize_shape(self.shape))
+        check_dtype(self.dtype)
+
+    @property
+    def rank(self) -> int:
+        """Number of axes."""
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}{format_shape(self.shape)}"
+
+
+def _axis(axis: int, rank: int, op: str) -> int:
+    if not -rank <= axis < rank:
+        raise OpError(f"{op}: axis {axis} is out of range for rank {rank}")
+    return axis % rank
+
+
+def _same_dtype(op: str, ins: Sequence[TensorType]) -> str:
+    dtypes = {t.dtype for t in ins}
+    if len(dtypes) > 1:
+        listed = ", ".join(f"operand {i}: {t.dtype}" for i, t in enumerate(ins))
+        raise DTypeMismatchError(f"{op}: operands must share one dtype ({listed})")
+    return ins[0].dtype
+
+
+def _float(op: str, t: TensorType, i: int = 0) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise DTypeMismatchError(f"{op}: operand {i} must be a float tensor, got {t.dtype}")
+
+
+def broadcast_shapes(a: Shape, b: Shape, op: str = "broadcast") -> Shape:
+    """NumPy broadcasting of two symbolic shapes; a size-1 axis stretches, others must be equal."""
+    rank = max(len(a), len(b))
+    pa = (1,) * (rank - len(a)) + tuple(a)
+    pb = (1,) * (rank - len(b)) + tuple(b)
+    out = []
+    for axis, (x, y) in enumerate(zip(pa, pb)):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise ShapeMismatchError(f"{op}: shapes {format_shape(a)} and {format_shape(b)} do not broadcast (axis {axis}: {x!r} vs {y!r})")
+    return tuple(out)
+
+
+class Op:
+    """Base of every op payload. Subclasses are frozen dataclasses."""
+
+    arity: ClassVar[int | None] = None  # None: variadic (at least one)
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        """Return the output type for inputs of types ``ins``."""
+        raise NotImplementedError
+
+    def check_arity(self, n: int) -> None:
+        """Raise :class:`OpError` if ``n`` inputs do not fit this op."""
+        if self.arity is not None and n != self.arity:
+            raise OpError(f"{self.kind} takes {self.arity} input(s), got {n}")
+        if self.arity is None and n < 1:
+            raise OpError(f"{self.kind} takes at least one input, got none")
+
+    @property
+    def kind(self) -> str:
+        """The op's name, e.g. ``"Einsum"``."""
+        return type(self).__name__
+
+    def attributes(self) -> dict[str, Any]:
+        """The typed attributes as a plain dict (JSON-ready)."""
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    def __str__(self) -> str:
+        attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in self.attributes().items())
+        return f"{self.kind}[{attrs}]" if attrs else self.kind
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return str(v)
+
+
+@dataclass(frozen=True)
+class Einsum(Op):
+    """Tensor contraction written as an explicit einsum spec, e.g. ``"bhqd,bhkd->bhqk"``.
+
+    It cannot split or merge axes (use :class:`Reshape`); operands share one dtype.
+    """
+
+    spec: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", str(parse_einsum(self.spec)))
+
+    @property
+    def parsed(self) -> EinsumSpec:
+        """The spec as an :class:`~graphc.einsum_spec.EinsumSpec`."""
+        return parse_einsum(self.spec)
+
+    def check_arity(self, n: int) -> None:
+        if n != len(self.parsed.inputs):
+            raise OpError(f"Einsum {self.spec!r} has {len(self.parsed.inputs)} operand(s) but {n} input(s) were given")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        dtype = _same_dtype(f"Einsum {self.spec!r}", ins)
+        return TensorType(infer_einsum_shape(self.parsed, [t.shape for t in ins]), dtype)
+
+
+@dataclass(frozen=True)
+class Reshape(Op):
+    """Reinterpret a tensor with a new shape of the same element count (splits and merges axes)."""
+
+    shape: Shape
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", normalize_shape(self.shape))
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        (x,) = ins
+        if dim_prod(x.shape) != dim_prod(self.shape):
+            raise ShapeMismatchError(
+                f"Reshape: cannot reshape {format_shape(x.shape)} ({dim_prod(x.shape)} elements) to {format_shape(self.shape)} ({dim_prod(self.shape)} elements)"
+            )
+        return TensorType(self.shape, x.dtype)
+
+
+@dataclass(frozen=True)
+class Transpose(Op):
+    """Permute axes: output axis i is input axis ``perm[i]``."""
+
+    perm: tuple[int, ...]
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "perm", tuple(int(p) for p in self.perm))
+        if sorted(self.perm) != list(range(len(self.perm))):
+            raise OpError(f"Transpose: perm {list(self.perm)} is not a permutation of 0..{len(self.perm) - 1}")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        (x,) = ins
+        if len(self.perm) != x.rank:
+            raise ShapeMismatchError(f"Transpose: perm {list(self.perm)} has length {len(self.perm)} but the input has rank {x.rank}")
+        return TensorType(tuple(x.shape[p] for p in self.perm), x.dtype)
+
+
+@dataclass(frozen=True)
+class Repeat(Op):
+    """Repeat-interleave along ``axis``: element i of the output is element ``i // repeats`` of the input.
+
+    This is ``torch.repeat_interleave`` and the KV-head repeat of GQA: query head h
+    reads KV head ``h // repeats``.
+    """
+
+    axis: int
+    repeats: int
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
+            raise OpError(f"Repeat: repeats must be a positive int, got {self.repeats!r}")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        (x,) = ins
+        a = _axis(self.axis, x.rank, "Repeat")
+        shape = list(x.shape)
+        shape[a] = normalize_dim(dim_prod([shape[a], self.repeats]))
+        return TensorType(tuple(shape), x.dtype)
+
+
+@dataclass(frozen=True)
+class Softmax(Op):
+    """Softmax along ``axis``. A row whose entries are all ``-inf`` (fully masked) gives zeros, not NaN."""
+
+    axis: int = -1
+    arity: ClassVar[int | None] = 1
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        (x,) = ins
+        _float("Softmax", x)
+        _axis(self.axis, x.rank, "Softmax")
+        return x
+
+
+@dataclass(frozen=True)
+class Concat(Op):
+    """Concatenate the inputs along ``axis`` (the KV cache appends new keys to past keys)."""
+
+    axis: int
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        dtype = _same_dtype("Concat", ins)
+        rank = ins[0].rank
+        a = _axis(self.axis, rank, "Concat")
+        total: Dim = 0
+        for i, t in enumerate(ins):
+            if t.rank != rank:
+                raise ShapeMismatchError(f"Concat: operand {i} has rank {t.rank}, operand 0 has rank {rank}")
+            for ax in range(rank):
+                if ax != a and t.shape[ax] != ins[0].shape[ax]:
+                    raise ShapeMismatchError(
+                        f"Concat(axis={self.axis}): operand {i} shape {format_shape(t.shape)} differs from operand 0 shape {format_shape(ins[0].shape)} at axis {ax}"
+                    )
+            total = dim_add(total, t.shape[a])
+        shape = list(ins[0].shape)
+        shape[a] = total
+        return TensorType(tuple(shape), dtype)
+
+
+@dataclass(frozen=True)
+class Cast(Op):
+    """Convert to ``dtype``."""
+
+    dtype: str
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        return TensorType(ins[0].shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class Unary(Op):
+    """Elementwise unary function ``fn``, one of :data:`UNARY_FUNCTIONS`."""
+
+    fn: str
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        if self.fn not in UNARY_FUNCTIONS:
+            raise UnknownNameError("unary function", self.fn, UNARY_FUNCTIONS)
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        if self.fn != "neg":
+            _float(f"Unary {self.fn}", ins[0])
+        return ins[0]
+
+
+@dataclass(frozen=True)
+class Binary(Op):
+    """Elementwise binary function ``fn`` (one of :data:`BINARY_FUNCTIONS`) with NumPy broadcasting."""
+
+    fn: str
+    arity: ClassVar[int | None] = 2
+
+    def __post_init__(self) -> None:
+        if self.fn not in BINARY_FUNCTIONS:
+            raise UnknownNameError("binary function", self.fn, BINARY_FUNCTIONS)
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        dtype = _same_dtype(f"Binary {self.fn}", ins)
+        return TensorType(broadcast_shapes(ins[0].shape, ins[1].shape, f"Binary {self.fn}"), dtype)
+
+
+@dataclass(frozen=True)
+class Where(Op):
+    """``where(cond, x, y)`` with broadcasting; ``cond`` is bool (a user attention mask: True = keep)."""
+
+    arity: ClassVar[int | None] = 3
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        cond, x, y = ins
+        if cond.dtype != "bool":
+            raise DTypeMismatchError(f"Where: operand 0 (condition) must be bool, got {cond.dtype}")
+        dtype = _same_dtype("Where", [x, y])
+        shape = broadcast_shapes(broadcast_shapes(cond.shape, x.shape, "Where"), y.shape, "Where")
+        return TensorType(shape, dtype)
+
+
+@dataclass(frozen=True)
+class Scale(Op):
+    """Multiply by a constant ``factor`` (the attention scale, typically ``head_dim ** -0.5``)."""
+
+    factor: float
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "factor", float(self.factor))
+        if not math.isfinite(self.factor):
+            raise OpError(f"Scale: factor must be finite, got {self.factor!r}")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        _float("Scale", ins[0])
+        return ins[0]
+
+
+@dataclass(frozen=True)
+class CausalMask(Op):
+    """Set ``x[..., i, j]`` to ``-inf`` where ``j > i + offset`` (axes -2: queries, -1: keys).
+
+    With a KV cache of past length P the offset is P, so query i (the (P+i)-th
+    token) sees keys 0..P+i.  ``offset`` may be symbolic (``"past_seq"``).
+    """
+
+    offset: Dim = 0
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offset", normalize_dim(self.offset))
+
+    @property
+    def offset_is_nonnegative(self) -> bool:
+        """True when the offset is provably >= 0, so no row is ever fully masked."""
+        return dim_is_nonnegative(self.offset)
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        (x,) = ins
+        _float("CausalMask", x)
+        if x.rank < 2:
+            raise ShapeMismatchError(f"CausalMask: input must have rank >= 2 (queries, keys), got shape {format_shape(x.shape)}")
+        return x
+
+
+OP_TYPES: dict[str, type[Op]] = {
+    cls.__name__: cls
+    for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Where, Scale, CausalMask)
+}

@@ -1,0 +1,160 @@
+"""Saving graphs to JSON and loading them back (no pickle, no eval).
+
+The document is plain JSON: inputs, initializers (raw little-endian bytes in
+base64), nodes with their op kind, typed attributes, operand names and declared
+output type, and outputs.  Loading validates every field and then runs
+:meth:`~graphc.graph.Graph.verify`; anything malformed raises
+:class:`~graphc.errors.SerializationError` (or a verification error naming the
+node) instead of a traceback from deep inside ``json`` or NumPy.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import GraphcError, SerializationError
+from .graph import Graph
+from .ops import OP_TYPES, Op, TensorType
+
+__all__ = ["graph_to_dict", "graph_from_dict", "save_graph", "load_graph", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+def _op_to_dict(op: Op) -> dict[str, Any]:
+    return {"kind": op.kind, "attrs": op.attributes()}
+
+
+def graph_to_dict(graph: Graph, include_weights: bool = True) -> dict[str, Any]:
+    """Return ``graph`` as a JSON-ready dict; ``include_weights=False`` keeps only initializer types."""
+    inits = []
+    for name in sorted(graph.initializers):
+        arr = graph.initializers[name]
+        entry: dict[str, Any] = {"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape)}
+        if include_weights:
+            entry["data"] = base64.b64encode(np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()).decode("ascii")
+        inits.append(entry)
+    return {
+        "format": "graphc",
+        "version": FORMAT_VERSION,
+        "name": graph.name,
+        "inputs": [{"name": n, "shape": list(graph.types[n].shape), "dtype": graph.types[n].dtype} for n in graph.inputs],
+        "initializers": inits,
+        "nodes": [
+            {
+                "name": node.name,
+                "op": _op_to_dict(node.op),
+                "inputs": list(node.inputs),
+                "type": {"shape": list(graph.types[node.name].shape), "dtype": graph.types[node.name].dtype},
+            }
+            for node in graph.topological_order()
+        ],
+        "outputs": list(graph.outputs),
+    }
+
+
+_JSON_NAMES = {str: "string", list: "array", dict: "object"}
+
+
+def _req(d: Any, key: str, typ: type, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise SerializationError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    if key not in d:
+        raise SerializationError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ):
+        raise SerializationError(f"{where}: field {key!r} must be a JSON {_JSON_NAMES[typ]}, got {type(v).__name__}")
+    return v
+
+
+def _op_from_dict(d: Any, where: str) -> Op:
+    kind = _req(d, "kind", str, where)
+    attrs = _req(d, "attrs", dict, where)
+    if kind not in OP_TYPES:
+        raise SerializationError(f"{where}: unknown op kind {kind!r}; valid kinds: {', '.join(OP_TYPES)}")
+    cls = OP_TYPES[kind]
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    if set(attrs) != names:
+        raise SerializationError(f"{where}: op {kind} takes attributes {sorted(names)}, got {sorted(attrs)}")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items()}
+    try:
+        return cls(**kwargs)
+    except GraphcError as e:
+        raise SerializationError(f"{where}: invalid {kind} attributes: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise SerializationError(f"{where}: invalid {kind} attributes {attrs}: {e}") from None
+
+
+def _type(d: Any, where: str) -> TensorType:
+    shape = _req(d, "shape", list, where)
+    dtype = _req(d, "dtype", str, where)
+    try:
+        return TensorType(tuple(shape), dtype)
+    except GraphcError as e:
+        raise SerializationError(f"{where}: {e}") from None
+
+
+def graph_from_dict(doc: Any) -> Graph:
+    """Rebuild a graph from :func:`graph_to_dict` output and verify it."""
+    if not isinstance(doc, dict) or doc.get("format") != "graphc":
+        raise SerializationError("not a graphc graph document (expected a JSON object with \"format\": \"graphc\")")
+    if doc.get("version") != FORMAT_VERSION:
+        raise SerializationError(f"unsupported graphc format version {doc.get('version')!r}; this graphc reads version {FORMAT_VERSION}")
+    g = Graph(_req(doc, "name", str, "graph"))
+    try:
+        for i, d in enumerate(_req(doc, "inputs", list, "graph")):
+            t = _type(d, f"inputs[{i}]")
+            g.add_input(_req(d, "name", str, f"inputs[{i}]"), t.shape, t.dtype)
+        for i, d in enumerate(_req(doc, "initializers", list, "graph")):
+            where = f"initializers[{i}]"
+            t = _type(d, where)
+            if "data" not in d:
+                raise SerializationError(f"{where}: no 'data' (the graph was saved without weights)")
+            try:
+                raw = base64.b64decode(_req(d, "data", str, where), validate=True)
+                arr = np.frombuffer(raw, dtype=np.dtype(t.dtype).newbyteorder("<")).astype(t.dtype).reshape(t.shape)
+            except (ValueError, TypeError) as e:
+                raise SerializationError(f"{where}: data does not decode to {t}: {e}") from None
+            g.add_initializer(_req(d, "name", str, where), arr)
+        for i, d in enumerate(_req(doc, "nodes", list, "graph")):
+            where = f"nodes[{i}]"
+            name = _req(d, "name", str, where)
+            op = _op_from_dict(_req(d, "op", dict, where), f"{where} ({name!r})")
+            inputs = _req(d, "inputs", list, where)
+            if not all(isinstance(x, str) for x in inputs):
+                raise SerializationError(f"{where}: 'inputs' must be a list of value names")
+            g.add_node(op, inputs, name=name, out_type=_type(_req(d, "type", dict, where), where))
+        outputs = _req(doc, "outputs", list, "graph")
+        if not all(isinstance(x, str) for x in outputs):
+            raise SerializationError("graph: 'outputs' must be a list of value names")
+        g.outputs = list(outputs)
+    except SerializationError:
+        raise
+    except GraphcError as e:
+        raise type(e)(f"while loading graph {g.name!r}: {e}") from None
+    g.verify()
+    return g
+
+
+def save_graph(graph: Graph, path: str | Path, include_weights: bool = True) -> None:
+    """Write ``graph`` as JSON to ``path``."""
+    Path(path).write_text(json.dumps(graph_to_dict(graph, include_weights), indent=1))
+
+
+def load_graph(path: str | Path) -> Graph:
+    """Read a graph written by :func:`save_graph`; errors name the file and the field."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SerializationError(f"cannot read graph file {str(path)!r}: {e.strerror}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SerializationError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    return graph_from_dict(doc)
