@@ -157,10 +157,10 @@ def _merge_and_project(g: Graph, attn: Value, cfg: AttentionConfig, seq: Dim, ba
     """[B,Hq,S,D] -> [B,S,Hq*D] -> output projection -> [B,S,d_model]."""
     t = g.transpose(attn, [0, 2, 1, 3], name="attn_BSHD")
     m = g.reshape(t, [batch, seq, cfg.n_heads * cfg.hd], name="attn_BSN")
+    if not cfg.bias:
+        return g.einsum("bsn,mn->bsm", m, "o_proj.weight", name="out_BSM")
     y = g.einsum("bsn,mn->bsm", m, "o_proj.weight", name="proj_BSM")
-    if cfg.bias:
-        y = g.add(y, "o_proj.bias", name="proj_biased_BSM")
-    return y
+    return g.add(y, "o_proj.bias", name="out_BSM")
 
 
 def _add_weights(g: Graph, cfg: AttentionConfig, weights: Mapping[str, np.ndarray] | None, seed: int, dtype: str) -> None:
@@ -232,7 +232,7 @@ def kv_cache_graph(
     """One step of a layer with a KV cache (prefill when ``past`` is 0, decode when ``seq`` is 1).
 
     Inputs ``x [B,S,d_model]``, ``past_key``/``past_value [B,Hkv,P,D]``; outputs
-    ``proj_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
+    ``out_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
     Query i (token P+i) sees keys ``j <= i + P`` when ``cfg.causal``.
     """
     g = Graph(name or f"kv_cache_{cfg.kind.lower()}")

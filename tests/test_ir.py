@@ -1,0 +1,266 @@
+"""Dims, einsum specs, graph construction, verification, text form and JSON."""
+
+import json
+
+import numpy as np
+import pytest
+
+import graphc
+from graphc import Graph
+from graphc.dims import bind_shape, dim_add, dim_mul, dim_sub, eval_dim, normalize_dim
+from graphc.errors import (
+    CycleError,
+    DimError,
+    DTypeMismatchError,
+    DuplicateNameError,
+    EinsumSpecError,
+    GraphError,
+    OpError,
+    SerializationError,
+    ShapeMismatchError,
+    UndefinedValueError,
+    UnknownNameError,
+)
+from graphc.graph import Node
+from graphc.ops import Einsum, Reshape, TensorType, Transpose
+from graphc.serialize import graph_from_dict, graph_to_dict, load_graph, save_graph
+from lowering import random_inputs, run_numpy
+
+# ------------------------------------------------------------------ dims
+
+
+def test_dim_algebra_is_canonical():
+    assert dim_add("seq", "past_seq") == "past_seq+seq" == dim_add("past_seq", "seq")
+    assert dim_mul("seq", 4) == "4*seq"
+    assert dim_mul(dim_add("a", 1), 2) == "2*a+2"
+    assert dim_sub("sk", "sq") == "sk-sq"
+    assert dim_sub("seq", "seq") == 0
+    assert normalize_dim("2 * seq") == "2*seq"
+    assert eval_dim("past_seq+seq", {"past_seq": 4, "seq": 2}) == 6
+
+
+def test_dim_errors():
+    with pytest.raises(DimError, match="bad factor"):
+        normalize_dim("seq/2")
+    with pytest.raises(DimError, match="'seq' .* is not bound"):
+        eval_dim("seq", {})
+    env = {}
+    bind_shape(["batch", "seq"], (2, 3), env, "x")
+    with pytest.raises(DimError, match="'seq' is 4 here but was bound to 3"):
+        bind_shape(["batch", "seq"], (2, 4), env, "y")
+    with pytest.raises(DimError, match="axis 0 must be 'past\\+seq' = 5, got 6"):
+        bind_shape(["past+seq"], (6,), {"past": 2, "seq": 3}, "z")
+
+
+# ---------------------------------------------------------------- einsum
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("ab,bc", "exactly one '->'"),
+        ("ab->b->a", "exactly one '->'"),
+        ("a1,bc->ac", "operand 0 .* has '1'"),
+        ("...a,ab->b", "operand 0 .* has '.'"),
+        ("ab,bc->aa", "output label 'a' appears more than once"),
+        ("ab,bc->az", "output label 'z' does not appear in any input"),
+        ("aa->a", "label 'a' repeats in operand 0"),
+    ],
+)
+def test_invalid_einsum_specs(spec, message):
+    with pytest.raises(EinsumSpecError, match=message):
+        graphc.parse_einsum(spec)
+
+
+def test_einsum_size_mismatch_names_operand_label_and_sizes():
+    g = Graph()
+    a = g.input("a", [2, 3])
+    b = g.input("b", [4, 5])
+    with pytest.raises(EinsumSpecError, match=r"node 'c'.*label 'j' has size 3 in operand 0 but 4 in operand 1"):
+        g.einsum("ij,jk->ik", a, b, name="c")
+    with pytest.raises(EinsumSpecError, match=r"operand 1 \('k'\) has 1 labels but rank 2"):
+        g.einsum("ij,k->ik", a, b)
+    with pytest.raises(OpError, match="has 2 operand"):
+        g.einsum("ij,jk->ik", a)
+
+
+# ------------------------------------------------------------ construction
+
+
+def test_builder_errors_are_typed():
+    g = Graph()
+    x = g.input("x", ["batch", 4])
+    with pytest.raises(DuplicateNameError, match="'x' is already defined"):
+        g.input("x", [1])
+    with pytest.raises(ShapeMismatchError, match=r"cannot reshape \[batch,4\] .* to \[batch,3\]"):
+        g.reshape(x, ["batch", 3])
+    with pytest.raises(ShapeMismatchError, match="do not broadcast"):
+        g.add(x, g.input("y", [3]))
+    with pytest.raises(DTypeMismatchError, match="operand 0: float32, operand 1: float64"):
+        g.add(x, g.input("z", [4], "float64"))
+    with pytest.raises(DTypeMismatchError, match="condition\\) must be bool"):
+        g.where(x, x, x)
+    with pytest.raises(OpError, match="axis 5 is out of range"):
+        g.softmax(x, axis=5)
+    with pytest.raises(OpError, match="not a permutation"):
+        g.transpose(x, [0, 0])
+    with pytest.raises(UndefinedValueError, match="'nope' is not defined"):
+        g.relu("nope")
+    with pytest.raises(UnknownNameError, match="valid unary functions: exp, neg"):
+        g.unary("gelu", x)
+    with pytest.raises(UnknownNameError, match="unknown dtype 'float8'"):
+        g.input("w", [1], "float8")
+
+
+def test_hand_written_ffn_and_bilinear_graphs_run():
+    rng = np.random.default_rng(0)
+    w1, w2, m = rng.standard_normal((8, 16)), rng.standard_normal((16, 8)), rng.standard_normal((8, 8))
+    g = Graph("ffn")
+    x = g.input("x", ["batch", "seq", 8], "float64")
+    h = g.relu(g.einsum("bsd,df->bsf", x, g.constant("w1", w1)))
+    y = g.einsum("bsf,fd->bsd", h, g.constant("w2", w2), name="y")
+    form = g.einsum("bsi,ij,bsj->bs", x, g.constant("m", m), y, name="form")
+    g.output(y, form)
+    xs = rng.standard_normal((2, 3, 8))
+    out = run_numpy(g, {"x": xs})
+    want_y = np.maximum(xs @ w1, 0) @ w2
+    np.testing.assert_allclose(out["y"], want_y, rtol=1e-12)
+    np.testing.assert_allclose(out["form"], np.einsum("bsi,ij,bsj->bs", xs, m, want_y), rtol=1e-10)
+
+
+# ------------------------------------------------------------ verification
+
+
+def _small_graph() -> Graph:
+    g = Graph("small")
+    a = g.input("a", ["n", 4])
+    b = g.constant("b", np.ones((4, 2), np.float32))
+    c = g.einsum("nk,km->nm", a, b, name="c")
+    g.output(g.softmax(c, name="d"))
+    return g
+
+
+def test_verify_detects_cycle():
+    g = _small_graph()
+    g.nodes["c"] = Node("c", g.nodes["c"].op, ("d", "b"))
+    with pytest.raises(CycleError, match="cycle: c -> d -> c|cycle: d -> c -> d"):
+        g.verify()
+
+
+def test_verify_detects_undefined_value():
+    g = _small_graph()
+    g.set_inputs("d", ["ghost"])
+    with pytest.raises(UndefinedValueError, match="node 'd' \\(Softmax\\): operand 0 'ghost' is used but never defined"):
+        g.verify()
+
+
+def test_verify_detects_shape_and_dtype_mismatch():
+    g = _small_graph()
+    g.types["d"] = TensorType(("n", 3), "float32")
+    with pytest.raises(ShapeMismatchError, match=r"node 'd' .* declared shape \[n,3\] but the op gives \[n,2\]"):
+        g.verify()
+    g = _small_graph()
+    g.types["d"] = TensorType(("n", 2), "float64")
+    with pytest.raises(DTypeMismatchError, match="declared dtype float64 but the op gives float32"):
+        g.verify()
+
+
+def test_verify_detects_bad_einsum_operands_and_missing_outputs():
+    g = _small_graph()
+    g.nodes["c"] = Node("c", Einsum("nk,mk->nm"), ("a", "b"))
+    with pytest.raises(EinsumSpecError, match="label 'k' has size 4 in operand 0 but 2 in operand 1"):
+        g.verify()
+    g = _small_graph()
+    g.outputs = []
+    with pytest.raises(GraphError, match="has no outputs"):
+        g.verify()
+
+
+def test_text_form_is_stable_golden():
+    g = _small_graph()
+    assert str(g) == "\n".join(
+        [
+            "graph small(",
+            "    a: float32[n,4]",
+            ") {",
+            "  const b: float32[4,2]",
+            '  c: float32[n,2] = Einsum[spec="nk,km->nm"](a, b)',
+            "  d: float32[n,2] = Softmax[axis=-1](c)",
+            "  return d",
+            "}",
+        ]
+    )
+    assert str(g) == str(g.copy())
+
+
+def test_sdpa_text_form_golden():
+    g = graphc.sdpa_graph(graphc.AttentionConfig(16, 4, 2), causal=True)
+    assert str(g).splitlines()[5:13] == [
+        "  k_rep_BHTD: float32[batch,4,seq,4] = Repeat[axis=1, repeats=2](k_BHkvTD)",
+        "  v_rep_BHTD: float32[batch,4,seq,4] = Repeat[axis=1, repeats=2](v_BHkvTD)",
+        '  scores_BHST: float32[batch,4,seq,seq] = Einsum[spec="bhqd,bhkd->bhqk"](q_BHSD, k_rep_BHTD)',
+        "  scaled_BHST: float32[batch,4,seq,seq] = Scale[factor=0.5](scores_BHST)",
+        "  causal_BHST: float32[batch,4,seq,seq] = CausalMask[offset=0](scaled_BHST)",
+        "  probs_BHST: float32[batch,4,seq,seq] = Softmax[axis=-1](causal_BHST)",
+        '  attn_BHSD: float32[batch,4,seq,4] = Einsum[spec="bhqk,bhkd->bhqd"](probs_BHST, v_rep_BHTD)',
+        "  return attn_BHSD",
+    ]
+
+
+# ------------------------------------------------------------------ JSON
+
+
+def test_json_round_trip_preserves_text_and_numbers(tmp_path):
+    cfg = graphc.AttentionConfig(32, 4, 2, bias=True)
+    g = graphc.kv_cache_graph(cfg, seed=3)
+    path = tmp_path / "g.json"
+    save_graph(g, path)
+    h = load_graph(path)
+    assert str(h) == str(g)
+    feeds = random_inputs(g, seed=1, batch=1, seq=2, past_seq=3)
+    for name, arr in run_numpy(g, feeds).items():
+        np.testing.assert_array_equal(run_numpy(h, feeds)[name], arr)
+
+
+def test_json_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SerializationError, match="not valid JSON"):
+        load_graph(bad)
+    with pytest.raises(SerializationError, match="cannot read graph file"):
+        load_graph(tmp_path / "missing.json")
+    doc = graph_to_dict(_small_graph())
+    with pytest.raises(SerializationError, match="not a graphc graph document"):
+        graph_from_dict({"nodes": []})
+    broken = json.loads(json.dumps(doc))
+    broken["nodes"][0]["op"]["kind"] = "Eval"
+    with pytest.raises(SerializationError, match="unknown op kind 'Eval'; valid kinds: Einsum, Reshape"):
+        graph_from_dict(broken)
+    broken = json.loads(json.dumps(doc))
+    broken["nodes"][0]["op"]["attrs"] = {"spec": "ab"}
+    with pytest.raises(SerializationError, match="exactly one '->'"):
+        graph_from_dict(broken)
+    broken = json.loads(json.dumps(doc))
+    broken["nodes"][1]["inputs"] = ["zzz"]
+    with pytest.raises(UndefinedValueError, match="'zzz' is used but never defined"):
+        graph_from_dict(broken)
+    broken = json.loads(json.dumps(doc))
+    del broken["outputs"]
+    with pytest.raises(SerializationError, match="missing field 'outputs'"):
+        graph_from_dict(broken)
+    broken = json.loads(json.dumps(doc))
+    broken["initializers"][0]["data"] = "AAAA"
+    with pytest.raises(SerializationError, match=r"initializers\[0\]: data does not decode"):
+        graph_from_dict(broken)
+
+
+def test_reshape_with_symbolic_products_verifies():
+    g = Graph()
+    x = g.input("x", ["b", "h", "s", 4])
+    y = g.reshape(x, ["b", "h*s", 4])
+    z = g.reshape(y, ["b", "h", "s", 4])
+    g.output(g.transpose(z, [0, 2, 1, 3]))
+    g.verify()
+    assert g.types[y.name].shape == ("b", "h*s", 4)
+    assert Reshape(("b", "s*h")).shape == ("b", "h*s")
+    assert Transpose((1, 0)).perm == (1, 0)
