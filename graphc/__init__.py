@@ -24,6 +24,7 @@ from .dims import Dim
 from .einsum_spec import parse_einsum
 from .graph import Graph, Node, Value
 from .ops import TensorType
+from .optimizer import OptimizationReport, graph_cost, optimize
 from .serialize import load_graph, save_graph
 
 __version__ = "0.1.0"
@@ -38,6 +39,9 @@ __all__ = [
     "parse_einsum",
     "save_graph",
     "load_graph",
+    "optimize",
+    "OptimizationReport",
+    "graph_cost",
     "AttentionConfig",
     "PRESETS",
     "preset",

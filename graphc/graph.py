@@ -240,6 +240,24 @@ class Graph(GraphBuilder):
         old = self.nodes[node]
         self.nodes[node] = Node(node, old.op, tuple(_name_of(v) for v in inputs))
 
+    def redefine(self, name: str, op: Op, inputs: Sequence[ValueLike]) -> None:
+        """Replace the op and operands of node ``name``, keeping its name, type and readers.
+
+        The new definition must infer exactly the old type, so readers stay valid.
+        """
+        names = tuple(_name_of(v) for v in inputs)
+        t = self._infer(name, op, names)
+        if t != self.types[name]:
+            raise GraphError(f"cannot redefine {name!r} as {op}: it would be {t}, not {self.types[name]}")
+        self.nodes[name] = Node(name, op, names)
+
+    def insert_before(self, anchor: str, op: Op, inputs: Sequence[ValueLike], base_name: str) -> Value:
+        """Add a node (named ``base_name`` or a fresh variant) ordered just before node ``anchor``."""
+        v = self.add_node(op, inputs, self.fresh_name(base_name))
+        if anchor in self._order_key:
+            self.place_before(v.name, anchor)
+        return v
+
     def remove_node(self, name: str) -> None:
         """Delete node ``name`` and its value; it must have no readers left."""
         if self.use_count(name):

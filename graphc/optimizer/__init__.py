@@ -1,0 +1,37 @@
+"""The graphc optimizer: rewrite passes, a pass manager, contraction planning and a cost model."""
+
+from .cleanup import common_subexpression_elimination, constant_folding, dead_code_elimination, simplify_layout
+from .cost import GraphCost, format_comparison, graph_cost
+from .grouping import fold_groups, fuse_repeat_kv
+from .infra import DEFAULT_DIM_HINT, Miss, Pass, PassContext, PassManager, RewritePass, Rule, Trace
+from .pipeline import PIPELINES, OptimizationReport, OptimizationResult, optimize, pipeline
+from .planning import OPTIMIZERS, plan_contractions
+from .scaling import hoist_elementwise
+
+__all__ = [
+    "optimize",
+    "OptimizationResult",
+    "OptimizationReport",
+    "PIPELINES",
+    "pipeline",
+    "Pass",
+    "RewritePass",
+    "Rule",
+    "Miss",
+    "PassContext",
+    "PassManager",
+    "Trace",
+    "GraphCost",
+    "graph_cost",
+    "format_comparison",
+    "DEFAULT_DIM_HINT",
+    "OPTIMIZERS",
+    "fuse_repeat_kv",
+    "fold_groups",
+    "simplify_layout",
+    "hoist_elementwise",
+    "plan_contractions",
+    "constant_folding",
+    "common_subexpression_elimination",
+    "dead_code_elimination",
+]

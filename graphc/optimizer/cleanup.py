@@ -1,0 +1,236 @@
+"""Classic clean-up passes: dead code, common subexpressions, layout no-ops, constant folding.
+
+Rules never rename a graph output: a rewrite that would replace an output value
+by another value declines with a :class:`~graphc.optimizer.infra.Miss`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphc.graph import Graph, Node
+from graphc.ops import Einsum, Repeat, Reshape, Transpose
+
+from .infra import Miss, Pass, PassContext, RewritePass, Rule
+
+__all__ = [
+    "remove_if_dead",
+    "only_reader",
+    "dead_code_elimination",
+    "common_subexpression_elimination",
+    "constant_folding",
+    "simplify_layout",
+    "LAYOUT_RULES",
+    "CONSTANT_FOLD_LIMIT",
+]
+
+CONSTANT_FOLD_LIMIT = 1 << 26
+"""Largest result (in elements) that constant folding computes ahead of time."""
+
+
+def remove_if_dead(graph: Graph, name: str) -> None:
+    """Remove node ``name`` if nothing reads it, then its operands' producers likewise."""
+    stack = [name]
+    while stack:
+        n = stack.pop()
+        if n in graph.nodes and graph.use_count(n) == 0 and n not in graph.outputs:
+            inputs = graph.nodes[n].inputs
+            graph.remove_node(n)
+            stack.extend(inputs)
+
+
+def only_reader(graph: Graph, value: str, reader: str) -> bool:
+    """True when ``reader`` is the sole reader of ``value`` (once) and ``value`` is no graph output."""
+    return value not in graph.outputs and graph.use_count(value) == 1 and value in graph.nodes[reader].inputs
+
+
+def _bypass(graph: Graph, node: Node, rule: str) -> Miss | Node:
+    """Check that ``node`` (an identity) can be removed by sending its readers to its input."""
+    if node.name in graph.outputs:
+        return Miss(f"{rule}: {node.name!r} is a graph output, so it is kept under its name")
+    return node
+
+
+def _do_bypass(graph: Graph, node: Node, ctx: PassContext) -> str:
+    graph.replace_uses(node.name, node.inputs[0])
+    remove_if_dead(graph, node.name)
+    return f"removed; readers now use {node.inputs[0]!r}"
+
+
+# ---------------------------------------------------------------- layout rules
+
+
+def _match_noop_reshape(graph: Graph, node: Node, ctx: PassContext) -> object:
+    if graph.types[node.inputs[0]].shape != graph.types[node.name].shape:
+        return None
+    return _bypass(graph, node, "identity reshape")
+
+
+def _match_reshape_chain(graph: Graph, node: Node, ctx: PassContext) -> object:
+    inner = graph.producer(node.inputs[0])
+    return node if inner is not None and isinstance(inner.op, Reshape) else None
+
+
+def _rewrite_reshape_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
+    inner = graph.nodes[node.inputs[0]]
+    graph.redefine(node.name, node.op, [inner.inputs[0]])
+    remove_if_dead(graph, inner.name)
+    return f"reshape of reshape {inner.name!r} now reads {inner.inputs[0]!r} directly"
+
+
+def _match_identity_transpose(graph: Graph, node: Node, ctx: PassContext) -> object:
+    perm = node.op.perm  # type: ignore[attr-defined]
+    return _bypass(graph, node, "identity transpose") if perm == tuple(range(len(perm))) else None
+
+
+def _match_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> object:
+    inner = graph.producer(node.inputs[0])
+    return node if inner is not None and isinstance(inner.op, Transpose) else None
+
+
+def _rewrite_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
+    inner = graph.nodes[node.inputs[0]]
+    p1, p2 = inner.op.perm, node.op.perm  # type: ignore[attr-defined]
+    graph.redefine(node.name, Transpose(tuple(p1[j] for j in p2)), [inner.inputs[0]])
+    remove_if_dead(graph, inner.name)
+    return f"composed with transpose {inner.name!r}"
+
+
+def _match_unit_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
+    return _bypass(graph, node, "repeat by 1") if node.op.repeats == 1 else None  # type: ignore[attr-defined]
+
+
+def _match_transpose_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:
+    for pos, name in enumerate(node.inputs):
+        prod = graph.producer(name)
+        if prod is not None and isinstance(prod.op, Transpose) and node.inputs.count(name) == 1:
+            return node, pos
+    return None
+
+
+def _rewrite_transpose_into_einsum(graph: Graph, m: tuple[Node, int], ctx: PassContext) -> str:
+    node, pos = m
+    t = graph.nodes[node.inputs[pos]]
+    spec = node.op.parsed  # type: ignore[attr-defined]
+    term = spec.inputs[pos]
+    new_term = [""] * len(term)
+    for i, p in enumerate(t.op.perm):  # type: ignore[attr-defined]
+        new_term[p] = term[i]
+    terms = list(spec.inputs)
+    terms[pos] = "".join(new_term)
+    inputs = list(node.inputs)
+    inputs[pos] = t.inputs[0]
+    new_spec = ",".join(terms) + "->" + spec.output
+    graph.redefine(node.name, Einsum(new_spec), inputs)
+    remove_if_dead(graph, t.name)
+    return f"absorbed transpose {t.name!r}: {spec} -> {new_spec}"
+
+
+def _match_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -> object:
+    prod = graph.producer(node.inputs[0])
+    if prod is None or not isinstance(prod.op, Einsum):
+        return None
+    if not only_reader(graph, prod.name, node.name):
+        return Miss(f"einsum {prod.name!r} has other readers, so its layout stays")
+    return node
+
+
+def _rewrite_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -> str:
+    e = graph.nodes[node.inputs[0]]
+    spec = e.op.parsed  # type: ignore[attr-defined]
+    out = "".join(spec.output[p] for p in node.op.perm)  # type: ignore[attr-defined]
+    new_spec = ",".join(spec.inputs) + "->" + out
+    graph.redefine(node.name, Einsum(new_spec), e.inputs)
+    remove_if_dead(graph, e.name)
+    return f"transpose absorbed into einsum {e.name!r}: {new_spec}"
+
+
+LAYOUT_RULES = (
+    Rule("remove_identity_reshape", (Reshape,), _match_noop_reshape, _do_bypass),
+    Rule("fold_reshape_chain", (Reshape,), _match_reshape_chain, _rewrite_reshape_chain),
+    Rule("remove_identity_transpose", (Transpose,), _match_identity_transpose, _do_bypass),
+    Rule("fold_transpose_chain", (Transpose,), _match_transpose_chain, _rewrite_transpose_chain),
+    Rule("remove_unit_repeat", (Repeat,), _match_unit_repeat, _do_bypass),
+    Rule("fold_transpose_into_einsum", (Einsum,), _match_transpose_into_einsum, _rewrite_transpose_into_einsum),
+    Rule("fold_einsum_into_transpose", (Transpose,), _match_einsum_into_transpose, _rewrite_einsum_into_transpose),
+)
+
+simplify_layout = RewritePass(
+    "simplify_layout",
+    "remove identity reshapes/transposes/repeats, fold chains, absorb transposes into einsum specs",
+    LAYOUT_RULES,
+)
+
+
+# --------------------------------------------------------------- whole-graph passes
+
+
+def _dce(graph: Graph, ctx: PassContext) -> bool:
+    live: set[str] = set()
+    stack = list(graph.outputs)
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        if n in graph.nodes:
+            stack.extend(graph.nodes[n].inputs)
+    dead = [n for n in graph.nodes if n not in live]
+    unused = [n for n in graph.initializers if n not in live]
+    for n in reversed([x.name for x in graph.topological_order() if x.name in dead]):
+        graph.remove_node(n)
+    for n in unused:
+        graph.remove_initializer(n)
+    if dead or unused:
+        ctx.fired("dce", ", ".join(dead + unused), f"removed {len(dead)} dead node(s), {len(unused)} unused initializer(s)")
+    return bool(dead or unused)
+
+
+dead_code_elimination = Pass("dce", "remove nodes and initializers that no output depends on", _dce)
+
+
+def _cse(graph: Graph, ctx: PassContext) -> bool:
+    seen: dict[tuple[object, tuple[str, ...]], str] = {}
+    changed = False
+    for node in graph.topological_order():
+        node = graph.nodes[node.name]
+        key = (node.op, node.inputs)
+        if key in seen and node.name not in graph.outputs:
+            graph.replace_uses(node.name, seen[key])
+            graph.remove_node(node.name)
+            ctx.fired("cse", node.name, f"same as {seen[key]!r}")
+            changed = True
+        else:
+            seen.setdefault(key, node.name)
+    return changed
+
+
+common_subexpression_elimination = Pass("cse", "merge nodes that apply the same op to the same operands", _cse)
+
+
+def _constant_fold(graph: Graph, ctx: PassContext) -> bool:
+    from lowering.numpy_interpreter import KERNELS, Context  # local: lowering builds on graphc
+
+    changed = False
+    for node in graph.topological_order():
+        if not node.inputs or not all(graph.is_constant(i) for i in node.inputs):
+            continue
+        if isinstance(node.op, Repeat) or node.name in graph.outputs:
+            continue
+        if ctx.numel(graph.types[node.name].shape) > CONSTANT_FOLD_LIMIT:
+            ctx.missed("constant_fold", node.name, f"result has more than {CONSTANT_FOLD_LIMIT} elements")
+            continue
+        value = KERNELS[type(node.op)](node.op, [graph.initializers[i] for i in node.inputs], Context({}, None))
+        value = np.ascontiguousarray(value, dtype=graph.types[node.name].dtype)
+        inputs = node.inputs
+        graph.remove_node(node.name)
+        graph.add_initializer(node.name, value)
+        for i in inputs:
+            if graph.use_count(i) == 0 and i in graph.initializers:
+                graph.remove_initializer(i)
+        ctx.fired("constant_fold", node.name, f"computed {node.op} of {', '.join(inputs)} ahead of time")
+        changed = True
+    return changed
+
+
+constant_folding = Pass("constant_fold", "evaluate nodes whose operands are all initializers", _constant_fold)

@@ -1,0 +1,91 @@
+"""Move the attention scale off the S x S scores: onto Q (or K), and into the projection weights.
+
+``Scale(einsum(a, b))`` equals ``einsum(Scale(a), b)``; the rule scales an
+initializer operand when there is one (constant folding then bakes the scale
+into the weight), else the smallest operand, and only when that is smaller
+than the einsum's result.  Together with the layout hoisting rule this carries
+the scale from the scores to ``q_proj.weight`` (and ``q_proj.bias``).
+"""
+
+from __future__ import annotations
+
+from graphc.graph import Graph, Node
+from graphc.ops import Binary, Einsum, Scale
+
+from .cleanup import only_reader, remove_if_dead
+from .grouping import HOIST_RULE
+from .infra import Miss, PassContext, RewritePass, Rule
+
+__all__ = ["hoist_elementwise", "SCALE_RULES"]
+
+
+def _match_scale_of_scale(graph: Graph, node: Node, ctx: PassContext) -> object:
+    inner = graph.producer(node.inputs[0])
+    if inner is None or not isinstance(inner.op, Scale):
+        return None
+    return node if only_reader(graph, inner.name, node.name) else Miss(f"inner scale {inner.name!r} has other readers")
+
+
+def _rewrite_scale_of_scale(graph: Graph, node: Node, ctx: PassContext) -> str:
+    inner = graph.nodes[node.inputs[0]]
+    factor = node.op.factor * inner.op.factor  # type: ignore[attr-defined]
+    graph.redefine(node.name, Scale(factor), [inner.inputs[0]])
+    remove_if_dead(graph, inner.name)
+    return f"merged with {inner.name!r}: factor {factor!r}"
+
+
+def _match_scale_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:
+    e = graph.producer(node.inputs[0])
+    if e is None or not isinstance(e.op, Einsum):
+        return None
+    if not only_reader(graph, e.name, node.name):
+        return Miss(f"einsum {e.name!r} has other readers")
+    consts = [i for i, v in enumerate(e.inputs) if graph.is_constant(v)]
+    if consts:
+        return node, e, consts[0]
+    sizes = [ctx.numel(graph.types[v].shape) for v in e.inputs]
+    pos = sizes.index(min(sizes))
+    if sizes[pos] >= ctx.numel(graph.types[e.name].shape):
+        return Miss(f"no operand of {e.name!r} is smaller than its result, so scaling the result is cheapest")
+    return node, e, pos
+
+
+def _rewrite_scale_into_einsum(graph: Graph, m: tuple[Node, Node, int], ctx: PassContext) -> str:
+    node, e, pos = m
+    operand = e.inputs[pos]
+    scaled = graph.insert_before(e.name, node.op, [operand], f"{operand}_scaled")
+    inputs = list(e.inputs)
+    inputs[pos] = scaled.name
+    graph.redefine(node.name, e.op, inputs)
+    remove_if_dead(graph, e.name)
+    return f"scale moved onto operand {operand!r} of {e.name!r}"
+
+
+def _match_scale_over_bias(graph: Graph, node: Node, ctx: PassContext) -> object:
+    add = graph.producer(node.inputs[0])
+    if add is None or not isinstance(add.op, Binary) or add.op.fn != "add":
+        return None
+    if not any(graph.is_constant(v) for v in add.inputs):
+        return None
+    return (node, add) if only_reader(graph, add.name, node.name) else Miss(f"{add.name!r} has other readers")
+
+
+def _rewrite_scale_over_bias(graph: Graph, m: tuple[Node, Node], ctx: PassContext) -> str:
+    node, add = m
+    parts = [graph.insert_before(add.name, node.op, [v], f"{v}_scaled").name for v in add.inputs]
+    graph.redefine(node.name, add.op, parts)
+    remove_if_dead(graph, add.name)
+    return f"scale distributed over both terms of {add.name!r}"
+
+
+SCALE_RULES = (
+    Rule("merge_scales", (Scale,), _match_scale_of_scale, _rewrite_scale_of_scale),
+    Rule("scale_into_einsum_operand", (Scale,), _match_scale_into_einsum, _rewrite_scale_into_einsum),
+    Rule("scale_over_bias", (Scale,), _match_scale_over_bias, _rewrite_scale_over_bias),
+)
+
+hoist_elementwise = RewritePass(
+    "hoist_elementwise",
+    "move elementwise ops above layout changes, and the attention scale onto the smallest operand or a weight",
+    [HOIST_RULE, *SCALE_RULES],
+)
