@@ -266,6 +266,16 @@ class Graph(GraphBuilder):
         del self.types[name]
         del self._order_key[name]
 
+    def replace_with_constant(self, name: str, array: np.ndarray) -> None:
+        """Turn node ``name`` into an initializer holding ``array`` (same name and type; readers unchanged)."""
+        arr = np.array(array, copy=True)
+        if (tuple(arr.shape), str(arr.dtype)) != (self.types[name].shape, self.types[name].dtype):
+            raise GraphError(f"cannot replace {name!r} ({self.types[name]}) by a constant of {arr.dtype}{list(arr.shape)}")
+        arr.setflags(write=False)
+        del self.nodes[name]
+        del self._order_key[name]
+        self.initializers[name] = arr
+
     def remove_initializer(self, name: str) -> None:
         """Delete an unused initializer."""
         if self.use_count(name):

@@ -223,8 +223,7 @@ def _constant_fold(graph: Graph, ctx: PassContext) -> bool:
         value = KERNELS[type(node.op)](node.op, [graph.initializers[i] for i in node.inputs], Context({}, None))
         value = np.ascontiguousarray(value, dtype=graph.types[node.name].dtype)
         inputs = node.inputs
-        graph.remove_node(node.name)
-        graph.add_initializer(node.name, value)
+        graph.replace_with_constant(node.name, value)
         for i in inputs:
             if graph.use_count(i) == 0 and i in graph.initializers:
                 graph.remove_initializer(i)
