@@ -8,6 +8,9 @@ its op, with the original exception as ``__cause__``.
 
 ``compute_dtype="float64"`` runs every float value in float64 (inputs and
 weights are upcast), which is what the comparisons use as the reference.
+
+A ``CausalMask`` read only by a last-axis ``Softmax`` runs fused with it
+(:func:`~lowering.kernels.masked_softmax`: row blocks on ``threads`` threads).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from graphc.ops import (
 
 from .contraction import contract
 from .inputs import check_inputs
+from .kernels import masked_softmax
 
 __all__ = ["NumpyInterpreter", "KERNELS", "causal_mask", "safe_softmax", "run_numpy"]
 
@@ -49,6 +53,7 @@ class Context:
 
     env: dict[str, int]  # symbolic dim bindings
     compute_dtype: str | None
+    threads: int | None = None
 
 
 def causal_mask(x: np.ndarray, offset: int) -> np.ndarray:
@@ -65,6 +70,12 @@ def safe_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     e = np.exp(x - m)
     s = np.sum(e, axis=axis, keepdims=True)
     return e / np.where(s == 0, np.ones((), x.dtype), s)
+
+
+def _softmax(op: Softmax, x: np.ndarray, ctx: Context, offset: int | None = None) -> np.ndarray:
+    if op.axis % x.ndim == x.ndim - 1 and x.ndim >= 2:
+        return masked_softmax(x, offset, ctx.threads)
+    return safe_softmax(x, op.axis)
 
 
 def _float_dtype(dtype: str, ctx: Context) -> np.dtype:
@@ -95,7 +106,7 @@ KERNELS: dict[type[Op], Kernel] = {
     Reshape: lambda op, a, ctx: a[0].reshape(eval_shape(op.shape, ctx.env)),  # type: ignore[attr-defined]
     Transpose: lambda op, a, ctx: a[0].transpose(op.perm),  # type: ignore[attr-defined]
     Repeat: lambda op, a, ctx: np.repeat(a[0], op.repeats, axis=op.axis),  # type: ignore[attr-defined]
-    Softmax: lambda op, a, ctx: safe_softmax(a[0], op.axis),  # type: ignore[attr-defined]
+    Softmax: lambda op, a, ctx: _softmax(op, a[0], ctx),  # type: ignore[arg-type]
     Concat: lambda op, a, ctx: np.concatenate(a, axis=op.axis),  # type: ignore[attr-defined]
     Cast: lambda op, a, ctx: a[0].astype(_float_dtype(op.dtype, ctx)),  # type: ignore[attr-defined]
     Unary: lambda op, a, ctx: _UNARY[op.fn](a[0]),  # type: ignore[attr-defined]
@@ -109,12 +120,21 @@ KERNELS: dict[type[Op], Kernel] = {
 class NumpyInterpreter:
     """Runs a graph with NumPy. Build once, call :meth:`run` many times."""
 
-    def __init__(self, graph: Graph, compute_dtype: str | None = None) -> None:
+    def __init__(self, graph: Graph, compute_dtype: str | None = None, threads: int | None = None) -> None:
         if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
             raise GraphcError(f"compute_dtype must be one of {FLOAT_DTYPES} or None, got {compute_dtype!r}")
         self.graph = graph
         self.compute_dtype = compute_dtype
+        self.threads = threads
         self.order = graph.topological_order()
+        # CausalMask -> last-axis Softmax pairs run as one kernel: mask name -> softmax name
+        self._fused_mask: dict[str, str] = {}
+        for node in self.order:
+            if isinstance(node.op, CausalMask) and node.name not in graph.outputs:
+                readers = graph.consumers(node.name)
+                if len(readers) == 1 and isinstance(readers[0].op, Softmax) and readers[0].op.axis in (-1, graph.types[node.name].rank - 1):
+                    self._fused_mask[node.name] = readers[0].name
+        self._mask_of = {s: m for m, s in self._fused_mask.items()}
         keep = set(graph.outputs)
         self._free_after: list[list[str]] = [[] for _ in self.order]
         last: dict[str, int] = {}
@@ -133,13 +153,19 @@ class NumpyInterpreter:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on ``feeds`` (checked first) and return its outputs by name."""
-        ctx = Context(check_inputs(self.graph, feeds), self.compute_dtype)
+        ctx = Context(check_inputs(self.graph, feeds), self.compute_dtype, self.threads)
         env: dict[str, np.ndarray] = dict(self._weights)
         env.update({k: self._cast(np.asarray(v)) for k, v in feeds.items()})
         for idx, node in enumerate(self.order):
-            kernel = KERNELS[type(node.op)]
             try:
-                env[node.name] = kernel(node.op, [env[i] for i in node.inputs], ctx)
+                if node.name in self._fused_mask:  # computed by its softmax; pass the scores through
+                    env[node.name] = env[node.inputs[0]]
+                elif node.name in self._mask_of:
+                    mask = self.graph.nodes[self._mask_of[node.name]]
+                    offset = eval_dim(mask.op.offset, ctx.env)  # type: ignore[attr-defined]
+                    env[node.name] = _softmax(node.op, env[node.inputs[0]], ctx, offset)  # type: ignore[arg-type]
+                else:
+                    env[node.name] = KERNELS[type(node.op)](node.op, [env[i] for i in node.inputs], ctx)
             except Exception as e:  # noqa: BLE001 - re-raised with the node attached
                 shapes = ", ".join(f"{i}{list(env[i].shape)}" for i in node.inputs if i in env)
                 raise ExecutionError(f"node {node.name!r} ({node.op}) failed on operands {shapes}: {type(e).__name__}: {e}", node.name) from e
@@ -148,6 +174,8 @@ class NumpyInterpreter:
         return {o: np.asarray(env[o]) for o in self.graph.outputs}
 
 
-def run_numpy(graph: Graph, feeds: Mapping[str, np.ndarray], compute_dtype: str | None = None) -> dict[str, np.ndarray]:
-    """One-shot convenience: ``NumpyInterpreter(graph, compute_dtype).run(feeds)``."""
-    return NumpyInterpreter(graph, compute_dtype).run(feeds)
+def run_numpy(
+    graph: Graph, feeds: Mapping[str, np.ndarray], compute_dtype: str | None = None, threads: int | None = None
+) -> dict[str, np.ndarray]:
+    """One-shot convenience: ``NumpyInterpreter(graph, compute_dtype, threads).run(feeds)``."""
+    return NumpyInterpreter(graph, compute_dtype, threads).run(feeds)

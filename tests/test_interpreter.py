@@ -105,3 +105,34 @@ def test_float64_compute_upcasts_everything():
     out = NumpyInterpreter(g, compute_dtype="float64").run(feeds)
     assert out["e"].dtype == np.float64
     np.testing.assert_allclose(out["e"], np.exp(np.float64(np.float32(0.1)) + np.float64(np.float32(0.2))), rtol=1e-15)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("offset", [None, 0, 3, -2])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 1, 40, 40), (4, 1, 300)])
+def test_fused_masked_softmax_equals_mask_then_softmax(shape, offset, threads):
+    from lowering.kernels import masked_softmax
+    from lowering.numpy_interpreter import causal_mask, safe_softmax
+
+    x = np.random.default_rng(0).standard_normal(shape)
+    x = x[..., ::-1]  # a non-contiguous view
+    want = safe_softmax(x if offset is None else causal_mask(x, offset), -1)
+    got = masked_softmax(x, offset, threads)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+    if offset is not None and offset < 0:
+        assert (got[..., : -offset, :] == 0).all()  # rows that see no key are zeros
+
+
+def test_interpreter_fuses_mask_into_softmax_only_when_private():
+    g = Graph("m")
+    x = g.input("x", [2, 4, 4], "float64")
+    m = g.causal_mask(x, 1, name="m")
+    g.output(g.softmax(m, name="p"))
+    assert NumpyInterpreter(g)._fused_mask == {"m": "p"}
+    g.output(m)  # the masked scores are an output too: no fusion, both computed
+    interp = NumpyInterpreter(g)
+    assert interp._fused_mask == {}
+    xs = np.random.default_rng(1).standard_normal((2, 4, 4))
+    out = interp.run({"x": xs})
+    assert np.isneginf(out["m"][:, 0, 2:]).all()
+    np.testing.assert_allclose(out["p"].sum(-1), 1.0)
