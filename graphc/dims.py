@@ -28,6 +28,7 @@ __all__ = [
     "eval_dim",
     "eval_shape",
     "dim_symbols",
+    "dim_terms",
     "is_symbol",
     "is_static",
     "dim_is_nonnegative",
@@ -146,6 +147,11 @@ def dim_prod(dims: Iterable[Dim]) -> Dim:
     for d in dims:
         out = dim_mul(out, d)
     return out
+
+
+def dim_terms(d: Dim) -> list[tuple[tuple[str, ...], int]]:
+    """The polynomial terms of ``d`` as ``[(symbols, coefficient), ...]`` in a stable order."""
+    return sorted(_parse(d).items())
 
 
 def dim_symbols(d: Dim) -> frozenset[str]:

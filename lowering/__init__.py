@@ -1,7 +1,31 @@
-"""Backends that run graphc graphs: the NumPy interpreter (reference semantics) and more."""
+"""Backends that run graphc graphs, and ONNX export.
 
+``run(graph, inputs, backend=...)`` runs on ``numpy`` (the interpreter, reference
+semantics), ``onnx-reference``, ``ort-cpu``, ``ort-cuda`` or ``torch``;
+``export(graph, path)`` writes an ONNX model.
+"""
+
+from .backends import BACKENDS, Runner, backend_names, get_backend, prepare, run, unavailable_reason
 from .contraction import contract, contract_pair, plan_matmul
 from .inputs import check_inputs, random_inputs
 from .numpy_interpreter import NumpyInterpreter, run_numpy
+from .onnx_export import DEFAULT_OPSET, export
 
-__all__ = ["NumpyInterpreter", "run_numpy", "check_inputs", "random_inputs", "contract", "contract_pair", "plan_matmul"]
+__all__ = [
+    "run",
+    "prepare",
+    "Runner",
+    "BACKENDS",
+    "backend_names",
+    "get_backend",
+    "unavailable_reason",
+    "export",
+    "DEFAULT_OPSET",
+    "NumpyInterpreter",
+    "run_numpy",
+    "check_inputs",
+    "random_inputs",
+    "contract",
+    "contract_pair",
+    "plan_matmul",
+]

@@ -1,0 +1,203 @@
+"""Named backends behind one registry, and the ``run`` API.
+
+``numpy``: the interpreter (reference semantics).  ``onnx-reference``: ONNX's
+``ReferenceEvaluator`` on the exported model.  ``ort-cpu`` / ``ort-cuda``:
+onnxruntime ``InferenceSession`` with the CPU or CUDA execution provider.
+``ort-cuda`` checks that the provider is available and, once the session is
+built, that it is really in use: a silent fall-back to the CPU is an error.
+``torch``: the same DAG interpreted with torch ops (optional dependency).
+
+``prepare(graph, backend, **options)`` builds a reusable runner (for timing);
+``run(graph, inputs, backend, **options)`` checks the inputs, then runs once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphc.errors import BackendError, BackendUnavailableError, ExecutionError, GraphcError, UnknownNameError
+from graphc.graph import Graph
+
+from .inputs import check_inputs
+from .numpy_interpreter import NumpyInterpreter
+
+__all__ = ["Runner", "BackendSpec", "BACKENDS", "backend_names", "get_backend", "prepare", "run", "unavailable_reason"]
+
+
+@dataclass
+class Runner:
+    """A graph prepared for one backend: call :meth:`run` as often as needed."""
+
+    backend: str
+    provider: str
+    graph: Graph
+    _fn: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check ``inputs`` against the graph, run, and return the outputs by name."""
+        check_inputs(self.graph, inputs)
+        try:
+            return self._fn(inputs)
+        except GraphcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a backend library's own error, wrapped
+            raise ExecutionError(f"backend {self.backend!r} failed on graph {self.graph.name!r}: {type(e).__name__}: {e}") from e
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend: how to tell whether it can run here, and how to prepare a graph."""
+
+    name: str
+    description: str
+    unavailable: Callable[[], str | None]
+    prepare: Callable[..., Runner]
+
+
+def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None = None) -> Runner:
+    interp = NumpyInterpreter(graph, compute_dtype=compute_dtype, threads=threads)
+    return Runner("numpy", f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else ""), graph, interp.run)
+
+
+def _export(graph: Graph, opset: int | None, attention: str) -> Any:
+    from .onnx_export import DEFAULT_OPSET, export
+
+    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention)
+
+
+def _reference(graph: Graph, opset: int | None = None, attention: str = "decomposed") -> Runner:
+    from onnx.reference import ReferenceEvaluator
+
+    model = _export(graph, opset, attention)
+    evaluator = ReferenceEvaluator(model)
+
+    def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outs = evaluator.run(None, dict(inputs))
+        return dict(zip(graph.outputs, (np.asarray(o) for o in outs)))
+
+    import onnx
+
+    return Runner("onnx-reference", f"onnx {onnx.__version__} ReferenceEvaluator", graph, fn)
+
+
+def _ort_missing() -> str | None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed (pip install onnxruntime)"
+    return None
+
+
+def _cuda_missing() -> str | None:
+    reason = _ort_missing()
+    if reason:
+        return reason
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return (
+            f"CUDAExecutionProvider is not available (providers: {', '.join(ort.get_available_providers())}); "
+            'install onnxruntime-gpu in place of onnxruntime: pip uninstall -y onnxruntime && pip install "graphc[cuda]"'
+        )
+    return None
+
+
+def _ort(provider: str) -> Callable[..., Runner]:
+    name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
+
+    def prepare_ort(graph: Graph, opset: int | None = None, attention: str = "decomposed", threads: int | None = None) -> Runner:
+        import onnxruntime as ort
+
+        model = _export(graph, opset, attention)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+        except Exception as e:  # noqa: BLE001
+            raise BackendError(f"onnxruntime could not load graph {graph.name!r} for {name}: {e}") from e
+        if provider not in sess.get_providers():
+            raise BackendError(f"{name}: onnxruntime fell back to {sess.get_providers()} instead of {provider}; refusing to report CPU results as {name}")
+        out_names = [o.name for o in sess.get_outputs()]
+
+        def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return dict(zip(out_names, sess.run(out_names, dict(inputs))))
+
+        return Runner(name, f"onnxruntime {ort.__version__} {sess.get_providers()[0]}", graph, fn)
+
+    return prepare_ort
+
+
+def _torch_missing() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return 'torch is not installed (pip install "graphc[torch]")'
+    return None
+
+
+def _torch(graph: Graph, device: str | None = None, threads: int | None = None) -> Runner:
+    from .torch_backend import prepare_torch
+
+    return prepare_torch(graph, device=device, threads=threads)
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    b.name: b
+    for b in (
+        BackendSpec("numpy", "NumPy interpreter (reference semantics)", lambda: None, _numpy),
+        BackendSpec("onnx-reference", "ONNX ReferenceEvaluator on the exported model", lambda: None, _reference),
+        BackendSpec("ort-cpu", "onnxruntime, CPUExecutionProvider", _ort_missing, _ort("CPUExecutionProvider")),
+        BackendSpec("ort-cuda", "onnxruntime, CUDAExecutionProvider", _cuda_missing, _ort("CUDAExecutionProvider")),
+        BackendSpec("torch", "torch ops interpreting the graph (CPU, or CUDA when present)", _torch_missing, _torch),
+    )
+}
+
+
+def backend_names() -> list[str]:
+    """Names of the registered backends."""
+    return list(BACKENDS)
+
+
+def get_backend(name: str) -> BackendSpec:
+    """The backend registered as ``name``; an unknown name lists the valid ones."""
+    if name not in BACKENDS:
+        raise UnknownNameError("backend", name, backend_names())
+    return BACKENDS[name]
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run on this machine, or ``None`` when it can."""
+    return get_backend(name).unavailable()
+
+
+def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
+    """Prepare ``graph`` for ``backend`` (export, session creation ...); raises if it cannot run here."""
+    spec = get_backend(backend)
+    reason = spec.unavailable()
+    if reason:
+        raise BackendUnavailableError(backend, reason)
+    accepted = [p for p in inspect.signature(spec.prepare).parameters if p != "graph"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise BackendError(f"backend {backend!r} does not take option(s) {unknown}; it takes {accepted}")
+    return spec.prepare(graph, **options)
+
+
+def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", **options: Any) -> dict[str, np.ndarray]:
+    """Run ``graph`` on ``backend``; ``inputs`` are checked against the graph before anything runs.
+
+    Options: ``numpy``: ``compute_dtype``, ``threads``; ONNX backends: ``opset``,
+    ``attention`` (``decomposed``, ``onnx-attention``, ``ort-gqa``, ``auto``);
+    onnxruntime: ``threads``; ``torch``: ``device``, ``threads``.
+    """
+    get_backend(backend)
+    check_inputs(graph, inputs)
+    return prepare(graph, backend, **options).run(inputs)
