@@ -21,7 +21,7 @@ from lowering import export, prepare, random_inputs
 def main(name: str = "mistral-7b", path: str = "attention.onnx") -> None:
     """Optimize, export, check and run the attention layer of preset ``name``."""
     cfg = graphc.preset(name)
-    graph, report = graphc.optimize(graphc.attention_layer_graph(cfg, seed=0), hints={"seq": 128})
+    graph, report = graphc.optimize(graphc.attention_layer_graph(cfg, seed=0), hints={"batch": 1, "seq": 128})
     model = export(graph, path)
     onnx.checker.check_model(model, full_check=True)
     ops = sorted({n.op_type for n in model.graph.node})
