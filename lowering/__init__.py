@@ -5,7 +5,19 @@ semantics), ``onnx-reference``, ``ort-cpu``, ``ort-cuda`` or ``torch``;
 ``export(graph, path)`` writes an ONNX model.
 """
 
-from .backends import BACKENDS, Runner, backend_names, get_backend, prepare, run, unavailable_reason
+from .backends import (
+    BACKENDS,
+    BackendSpec,
+    Runner,
+    backend_names,
+    get_backend,
+    prepare,
+    register_backend,
+    run,
+    unavailable_reason,
+    unregister_backend,
+)
+from .compare import BackendResult, ComparisonReport, compare
 from .contraction import contract, contract_pair, plan_matmul
 from .inputs import check_inputs, random_inputs
 from .numpy_interpreter import NumpyInterpreter, run_numpy
@@ -13,6 +25,12 @@ from .onnx_export import DEFAULT_OPSET, export
 
 __all__ = [
     "run",
+    "compare",
+    "ComparisonReport",
+    "BackendResult",
+    "BackendSpec",
+    "register_backend",
+    "unregister_backend",
     "prepare",
     "Runner",
     "BACKENDS",

@@ -26,7 +26,7 @@ from graphc.graph import Graph
 from .inputs import check_inputs
 from .numpy_interpreter import NumpyInterpreter
 
-__all__ = ["Runner", "BackendSpec", "BACKENDS", "backend_names", "get_backend", "prepare", "run", "unavailable_reason"]
+__all__ = ["Runner", "BackendSpec", "BACKENDS", "register_backend", "unregister_backend", "backend_names", "get_backend", "prepare", "run", "unavailable_reason"]
 
 
 @dataclass
@@ -159,6 +159,17 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("torch", "torch ops interpreting the graph (CPU, or CUDA when present)", _torch_missing, _torch),
     )
 }
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Add (or replace) a backend in the registry, e.g. a vendor runtime or a test double."""
+    BACKENDS[spec.name] = spec
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend added with :func:`register_backend`."""
+    get_backend(name)
+    del BACKENDS[name]
 
 
 def backend_names() -> list[str]:

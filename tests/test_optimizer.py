@@ -104,17 +104,18 @@ def test_optimize_is_idempotent_and_leaves_its_input_alone(preset):
 
 def test_grouped_core_golden_text():
     h = optimize(graphc.sdpa_graph(AttentionConfig(16, 4, 2), causal=True)).graph
-    body = [line.split(" = ", 1)[1] for line in str(h).splitlines() if " = " in line]
-    assert body == [
-        "Reshape[shape=[batch,2,2*seq,4]](q_BHSD)",
-        "Scale[factor=0.5](k_BHkvTD)",
-        'Einsum[spec="bacd,bakd->back"](q_BHkvGSD_fold, k_BHkvTD_scaled)',
-        "Reshape[shape=[batch,4,seq,seq]](scores_BHkvGST_fold_scale)",
-        "CausalMask[offset=0](scaled_BHST)",
-        "Softmax[axis=-1](causal_BHST)",
-        "Reshape[shape=[batch,2,2*seq,seq]](probs_BHST)",
-        'Einsum[spec="back,bakd->bacd"](probs_BHkvGST_fold, v_BHkvTD)',
-        "Reshape[shape=[batch,4,seq,4]](attn_BHkvGSD_fold)",
+    assert str(h).splitlines()[5:16] == [
+        "  q_BHkvMD: float32[batch,2,2*seq,4] = Reshape[shape=[batch,2,2*seq,4]](q_BHSD)",
+        "  k_BHkvTD_scaled: float32[batch,2,seq,4] = Scale[factor=0.5](k_BHkvTD)",
+        '  scores_BHkvMT: float32[batch,2,2*seq,seq] = Einsum[spec="bacd,bakd->back"](q_BHkvMD, k_BHkvTD_scaled)',
+        "  scaled_BHST: float32[batch,4,seq,seq] = Reshape[shape=[batch,4,seq,seq]](scores_BHkvMT)",
+        "  causal_BHST: float32[batch,4,seq,seq] = CausalMask[offset=0](scaled_BHST)",
+        "  probs_BHST: float32[batch,4,seq,seq] = Softmax[axis=-1](causal_BHST)",
+        "  probs_BHkvMT: float32[batch,2,2*seq,seq] = Reshape[shape=[batch,2,2*seq,seq]](probs_BHST)",
+        '  attn_BHkvMD: float32[batch,2,2*seq,4] = Einsum[spec="back,bakd->bacd"](probs_BHkvMT, v_BHkvTD)',
+        "  attn_BHSD: float32[batch,4,seq,4] = Reshape[shape=[batch,4,seq,4]](attn_BHkvMD)",
+        "  return attn_BHSD",
+        "}",
     ]
 
 

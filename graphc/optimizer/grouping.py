@@ -32,7 +32,7 @@ from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Scale, Softmax, Tran
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
 
-__all__ = ["fuse_repeat_kv", "fold_groups", "HOIST_RULE", "grouped_name"]
+__all__ = ["fuse_repeat_kv", "fold_groups", "HOIST_RULE", "grouped_name", "folded_name"]
 
 _LAYOUT = re.compile(r"^(.*)_BH([A-Z]+)$")
 
@@ -41,6 +41,11 @@ def grouped_name(name: str) -> str:
     """``q_BHSD`` -> ``q_BHkvGSD`` (layout-carrying names); other names get ``_grouped``."""
     m = _LAYOUT.match(name)
     return f"{m.group(1)}_BHkvG{m.group(2)}" if m else f"{name}_grouped"
+
+
+def folded_name(name: str) -> str:
+    """``q_BHkvGSD`` -> ``q_BHkvMD`` (M: group x query rows); other names get ``_fold``."""
+    return name.replace("_BHkvGS", "_BHkvM", 1) if "_BHkvGS" in name else f"{name}_fold"
 
 
 # --------------------------------------------------------------- repeat fusion
@@ -139,13 +144,13 @@ def _rewrite_fold(graph: Graph, m: tuple[Node, int, int], ctx: PassContext) -> s
     a, b = term[i], term[i + 1]
     x = node.inputs[pos]
     shape = graph.types[x].shape
-    merged = graph.insert_before(node.name, Reshape(shape[:i] + (dim_mul(shape[i], shape[i + 1]),) + shape[i + 2 :]), [x], f"{x}_fold")
+    merged = graph.insert_before(node.name, Reshape(shape[:i] + (dim_mul(shape[i], shape[i + 1]),) + shape[i + 2 :]), [x], folded_name(x))
     terms = list(spec.inputs)
     terms[pos] = term.replace(b, "")
     new_spec = ",".join(terms) + "->" + spec.output.replace(b, "")
     operands = list(node.inputs)
     operands[pos] = merged.name
-    e = graph.insert_before(node.name, Einsum(new_spec), operands, f"{node.name}_fold")
+    e = graph.insert_before(node.name, Einsum(new_spec), operands, folded_name(node.name))
     graph.redefine(node.name, Reshape(graph.types[node.name].shape), [e])
     return f"folded labels {a}{b} into one GEMM axis: {spec} -> {new_spec}"
 

@@ -56,8 +56,13 @@ def _rewrite_scale_into_einsum(graph: Graph, m: tuple[Node, Node, int], ctx: Pas
     scaled = graph.insert_before(e.name, node.op, [operand], f"{operand}_scaled")
     inputs = list(e.inputs)
     inputs[pos] = scaled.name
-    graph.redefine(node.name, e.op, inputs)
-    remove_if_dead(graph, e.name)
+    if node.name in graph.outputs:  # the output keeps its name: the scale node becomes the einsum
+        graph.redefine(node.name, e.op, inputs)
+        remove_if_dead(graph, e.name)
+    else:  # the einsum keeps its (layout-carrying) name and takes over the scale's readers
+        graph.redefine(e.name, e.op, inputs)
+        graph.replace_uses(node.name, e.name)
+        graph.remove_node(node.name)
     return f"scale moved onto operand {operand!r} of {e.name!r}"
 
 

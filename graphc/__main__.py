@@ -1,0 +1,5 @@
+"""``python -m graphc``: the graphc command line."""
+
+from .cli import main_entry
+
+main_entry()

@@ -1,0 +1,302 @@
+"""The ``graphc`` command line: compare, export, show, optimize, info.
+
+Every subcommand takes a graph from a preset (``--preset mistral-7b``), from
+custom head counts (``--heads 32 --kv-heads 8 --head-dim 128``) or from a JSON
+file (``--graph g.json``).  User errors print one line and exit 2
+(``--debug`` shows the traceback); ``compare`` exits 1 when backends disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from .attention import PRESETS, AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
+from .errors import GraphcError
+from .graph import Graph
+
+__all__ = ["main", "main_entry", "build_parser"]
+
+
+class UsageError(GraphcError):
+    """A command-line mistake (bad flag combination, unreadable number)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit itself
+        raise UsageError(message)
+
+
+def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
+    src = p.add_argument_group("graph")
+    src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
+    src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
+    src.add_argument("--heads", type=int, help="custom config: query heads")
+    src.add_argument("--kv-heads", type=int, help="custom config: KV heads (default: --heads)")
+    src.add_argument("--head-dim", type=int, help="custom config: head dim (default: d_model / heads)")
+    src.add_argument("--d-model", type=int, help="custom config: model width (default: heads * head_dim)")
+    src.add_argument("--bias", action="store_true", help="custom config: projection biases")
+    src.add_argument("--core", action="store_true", help="the attention core only (q, k, v inputs), not the full layer")
+    src.add_argument("--decode", action="store_true", help="one decode step over a KV cache (see --past)")
+    src.add_argument("--past", type=int, default=4096, help="KV-cache length for --decode (default 4096)")
+    src.add_argument("--no-causal", action="store_true", help="build a non-causal graph")
+    src.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
+    if sizes:
+        src.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+        src.add_argument("--seq", type=int, default=None, help="new tokens (default 512; 1 with --decode)")
+
+
+def _config(args: argparse.Namespace) -> AttentionConfig:
+    if args.preset and args.heads:
+        raise UsageError("give either --preset or --heads, not both")
+    if args.preset:
+        cfg = preset(args.preset)
+    elif args.heads:
+        head_dim = args.head_dim or (args.d_model // args.heads if args.d_model else None)
+        if head_dim is None:
+            raise UsageError("a custom config needs --head-dim or --d-model")
+        d_model = args.d_model or args.heads * head_dim
+        cfg = AttentionConfig(d_model, args.heads, args.kv_heads or args.heads, head_dim=head_dim, bias=args.bias)
+    else:
+        raise UsageError("no graph given: use --preset NAME, --heads N [--kv-heads M --head-dim D], or --graph FILE")
+    return cfg.with_(causal=not args.no_causal) if args.no_causal else cfg
+
+
+def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
+    """The graph the arguments describe, and the sizes of its symbolic dims."""
+    seq = getattr(args, "seq", None)
+    batch = getattr(args, "batch", 1)
+    if seq is None:
+        seq = 1 if args.decode else 512
+    for flag, v in (("--batch", batch), ("--seq", seq), ("--past", args.past)):
+        if v < (0 if flag == "--past" else 1):
+            raise UsageError(f"{flag} must be {'>= 0' if flag == '--past' else '>= 1'}, got {v}")
+    if args.graph:
+        from .serialize import load_graph
+
+        g = load_graph(args.graph)
+        from .dims import dim_symbols
+
+        symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
+        defaults = {"batch": batch, "seq": seq, "past_seq": args.past, "q_len": seq, "kv_len": seq}
+        return g, {s: defaults.get(s, seq) for s in symbols}
+    cfg = _config(args)
+    if args.decode:
+        g = kv_cache_graph(cfg, seed=args.seed) if not args.core else sdpa_graph(cfg, q_len="seq", kv_len="past_seq+seq")
+        return g, {"batch": batch, "seq": seq, "past_seq": args.past}
+    g = sdpa_graph(cfg) if args.core else attention_layer_graph(cfg, seed=args.seed)
+    return g, {"batch": batch, "seq": seq}
+
+
+def _write(path: str | None, data: str | bytes) -> None:
+    if path is None or path == "-":
+        sys.stdout.write(data if isinstance(data, str) else data.decode())
+        return
+    try:
+        with open(path, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Run every backend and compare against the float64 NumPy reference."""
+    from lowering.compare import compare
+
+    g, sizes = _graph(args)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    options: dict[str, dict[str, Any]] = {}
+    for b in backends:
+        if b in ("onnx-reference", "ort-cpu", "ort-cuda"):
+            options[b] = {"attention": args.attention}
+        if b in ("ort-cpu", "ort-cuda", "numpy", "torch") and args.threads:
+            options.setdefault(b, {})["threads"] = args.threads
+    progress = None
+    if sys.stdout.isatty() and not args.json:
+        progress = lambda msg: print(f"\r\033[K{msg} ...", end="", file=sys.stderr, flush=True)  # noqa: E731
+    report = compare(
+        g,
+        backends=backends,
+        optimize=not args.no_optimize,
+        repeats=args.repeats,
+        atol=args.atol,
+        rtol=args.rtol,
+        seed=args.seed,
+        sizes=sizes,
+        options=options,
+        progress=progress,
+    )
+    if progress:
+        print("\r\033[K", end="", file=sys.stderr)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+    return 0 if report.ok else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a graph to ONNX."""
+    from lowering.onnx_export import export
+
+    from .optimizer import optimize
+
+    g, _ = _graph(args)
+    fused = args.attention != "decomposed"
+    if not args.no_optimize and args.attention in ("onnx-attention", "ort-gqa"):
+        print("note: fused attention is exported from the unoptimized graph (the fused op groups heads itself)", file=sys.stderr)
+    elif not args.no_optimize:
+        g = optimize(g).graph
+    model = export(g, args.output, opset=args.opset, attention=args.attention)
+    ops = sorted({n.op_type for n in model.graph.node})
+    print(f"wrote {args.output}: {len(model.graph.node)} nodes ({', '.join(ops)}), opset {args.opset}, IR {model.ir_version}"
+          + (", attention " + args.attention if fused else ""))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print a graph as text, DOT or SVG."""
+    from .optimizer import optimize
+    from .visualize import to_dot, to_svg
+
+    g, _ = _graph(args)
+    title = g.name
+    if args.optimized:
+        g = optimize(g).graph
+        title += " (optimized)"
+    if args.format == "text":
+        _write(args.output, str(g) + "\n")
+    elif args.format == "dot":
+        _write(args.output, to_dot(g, title))
+    else:
+        _write(args.output, to_svg(g, title))
+    if args.output and args.output != "-":
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _hints(items: Sequence[str]) -> dict[str, int]:
+    hints = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise UsageError(f"--hint takes NAME=INT (e.g. seq=2048), got {item!r}")
+        hints[name.strip()] = int(value)
+    return hints
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    """Optimize a graph and print the before/after report (and the trace with --explain)."""
+    from .optimizer import optimize
+    from .serialize import save_graph
+
+    g, sizes = _graph(args)
+    hints = {**sizes, **_hints(args.hint)}
+    out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True)
+    print(report.explain() if args.explain else report)
+    if args.print:
+        print()
+        print(out)
+    if args.output:
+        save_graph(out, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print a config's parameters, KV-cache memory, savings and FLOPs."""
+    cfg = _config(args)
+    layers = args.layers or (PRESETS[args.preset].n_layers if args.preset else 1)
+    if args.preset:
+        print(f"{args.preset}: {PRESETS[args.preset].description}, {layers} layers")
+    print(cfg.summary(batch=args.batch, seq_len=args.seq or 4096, dtype=args.dtype, n_layers=layers))
+    total = cfg.kv_cache_bytes(args.batch, args.seq or 4096, args.dtype, layers)
+    mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, args.seq or 4096, args.dtype, layers)
+    print(f"  KV cache, all {layers} layers: {total / 2**30:.3f} GiB (MHA with the same heads: {mha_total / 2**30:.3f} GiB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``graphc`` command."""
+    from lowering.compare import DEFAULT_BACKENDS
+    from lowering.fusion import ATTENTION_MODES
+    from lowering.onnx_export import DEFAULT_OPSET
+
+    from .optimizer import OPTIMIZERS, PIPELINES
+
+    p = _Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    c = sub.add_parser("compare", help="run a graph on every backend; exit 1 if any disagrees")
+    _add_graph_args(c)
+    c.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated (default {','.join(DEFAULT_BACKENDS)})")
+    c.add_argument("--no-optimize", action="store_true", help="run the unoptimized graph on every backend")
+    c.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up (default 5)")
+    c.add_argument("--atol", type=float, default=1e-4)
+    c.add_argument("--rtol", type=float, default=1e-3)
+    c.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES, help="how ONNX backends get the attention core")
+    c.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=cmd_compare)
+
+    e = sub.add_parser("export", help="export a graph to ONNX")
+    _add_graph_args(e, sizes=False)
+    e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    e.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    e.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES)
+    e.add_argument("--no-optimize", action="store_true")
+    e.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("show", help="print a graph as text, Graphviz DOT or SVG")
+    _add_graph_args(s, sizes=False)
+    s.add_argument("--optimized", action="store_true", help="show the graph after optimization")
+    s.add_argument("--format", default="text", choices=("text", "dot", "svg"))
+    s.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    s.set_defaults(func=cmd_show)
+
+    o = sub.add_parser("optimize", help="optimize a graph and report what changed")
+    _add_graph_args(o)
+    o.add_argument("--explain", action="store_true", help="list every rewrite, and rules that did not fire and why")
+    o.add_argument("--level", type=int, default=2, choices=sorted(PIPELINES))
+    o.add_argument("--optimizer", default="auto", choices=OPTIMIZERS, help="opt_einsum path optimizer")
+    o.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim for cost decisions")
+    o.add_argument("--print", action="store_true", help="print the optimized graph")
+    o.add_argument("-o", "--output", default=None, help="save the optimized graph as JSON")
+    o.set_defaults(func=cmd_optimize)
+
+    i = sub.add_parser("info", help="config, parameter count, KV-cache memory, FLOPs")
+    _add_graph_args(i)
+    i.add_argument("--dtype", default="float16", help="KV-cache dtype (default float16)")
+    i.add_argument("--layers", type=int, default=None, help="layers (default: the preset's)")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv``; returns the exit code (0 ok, 1 backends disagree, 2 user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.command:
+            raise UsageError("a command is needed: compare, export, show, optimize or info (see graphc --help)")
+        return int(args.func(args))
+    except (GraphcError, OSError) as e:
+        if debug:
+            traceback.print_exc()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"graphc: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("graphc: interrupted", file=sys.stderr)
+        return 130
+
+
+def main_entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

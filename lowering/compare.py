@@ -1,0 +1,229 @@
+"""Run one graph on several backends and compare numbers and speed.
+
+The reference is the NumPy interpreter in float64 on the *unoptimized* graph,
+so a comparison also checks the optimizer.  Each backend runs the optimized
+graph (unless ``optimize=False``), once to warm up, then ``repeats`` timed
+times.  A backend that cannot run here is reported as skipped with the reason;
+one that fails is reported as an error; one whose outputs differ beyond
+``atol + rtol * |reference|`` fails the comparison.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from graphc.errors import BackendUnavailableError, GraphcError
+from graphc.graph import Graph
+
+from .backends import get_backend, prepare
+from .inputs import check_inputs, random_inputs
+from .numpy_interpreter import NumpyInterpreter
+
+__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS"]
+
+DEFAULT_BACKENDS = ("numpy", "onnx-reference", "ort-cpu", "ort-cuda", "torch")
+
+
+@dataclass
+class BackendResult:
+    """One backend's outcome: ``status`` is ``ok``, ``mismatch``, ``skipped`` or ``error``."""
+
+    backend: str
+    status: str
+    provider: str | None = None
+    reason: str | None = None
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    worst_output: str | None = None
+    median_ms: float | None = None
+    p90_ms: float | None = None
+    peak_mib: float | None = None
+
+    @property
+    def passed(self) -> bool | None:
+        """True/False for backends that ran, None for skipped ones."""
+        return None if self.status == "skipped" else self.status == "ok"
+
+
+@dataclass
+class ComparisonReport:
+    """Per-backend results against the float64 NumPy reference."""
+
+    graph: str
+    reference: str
+    optimized: bool
+    atol: float
+    rtol: float
+    repeats: int
+    input_shapes: dict[str, list[int]]
+    results: list[BackendResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every backend that ran agreed with the reference."""
+        return all(r.status in ("ok", "skipped") for r in self.results) and any(r.status == "ok" for r in self.results)
+
+    @property
+    def failed(self) -> list[str]:
+        """Backends that disagreed or raised."""
+        return [r.backend for r in self.results if r.status in ("mismatch", "error")]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+    def __str__(self) -> str:
+        head = ("backend", "status", "max abs err", "max rel err", "median ms", "p90 ms", "peak MiB", "provider / reason")
+        rows = [head]
+        for r in self.results:
+            rows.append(
+                (
+                    r.backend,
+                    {"ok": "PASS", "mismatch": "FAIL", "error": "ERROR", "skipped": "skipped"}[r.status],
+                    _num(r.max_abs_err, "{:.2e}"),
+                    _num(r.max_rel_err, "{:.2e}"),
+                    _num(r.median_ms, "{:.2f}"),
+                    _num(r.p90_ms, "{:.2f}"),
+                    _num(r.peak_mib, "{:.1f}"),
+                    r.reason if r.status != "ok" and r.reason else (r.provider or ""),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+        lines = []
+        for k, row in enumerate(rows):
+            cells = [c.ljust(w) if i in (0, 1) else c.rjust(w) for i, (c, w) in enumerate(zip(row[:-1], widths))]
+            lines.append("  ".join(cells + [row[-1]]).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(head[-1]))
+        shapes = ", ".join(f"{k}{v}" for k, v in self.input_shapes.items())
+        verdict = "all backends agree" if self.ok else f"DISAGREE: {', '.join(self.failed) or 'no backend ran'}"
+        title = f"graph {self.graph} ({'optimized' if self.optimized else 'unoptimized'}), inputs {shapes}"
+        footer = f"reference: {self.reference}; tolerance |err| <= {self.atol:g} + {self.rtol:g}*|ref|; {verdict}"
+        return "\n".join([title, *lines, footer])
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _errors(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], atol: float, rtol: float) -> tuple[float, float, str, bool]:
+    worst_abs, worst_rel, worst, ok = 0.0, 0.0, "", True
+    for name, ref in want.items():
+        if name not in got:
+            return float("inf"), float("inf"), name, False
+        a = np.asarray(got[name], np.float64)
+        if a.shape != ref.shape:
+            return float("inf"), float("inf"), name, False
+        diff = np.abs(a - ref)
+        if np.isnan(a).any() != np.isnan(ref).any():
+            return float("nan"), float("nan"), name, False
+        err = float(np.nanmax(diff)) if diff.size else 0.0
+        rel = err / max(float(np.nanmax(np.abs(ref))) if ref.size else 0.0, 1e-30)
+        ok &= bool(np.all((diff <= atol + rtol * np.abs(ref)) | np.isnan(ref)))
+        if err >= worst_abs:
+            worst_abs, worst = err, name
+        worst_rel = max(worst_rel, rel)
+    return worst_abs, worst_rel, worst, ok
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def compare(
+    graph: Graph,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    backends: Sequence[str] = DEFAULT_BACKENDS,
+    optimize: bool = True,
+    repeats: int = 5,
+    atol: float = 1e-4,
+    rtol: float = 1e-3,
+    seed: int = 0,
+    sizes: Mapping[str, int] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    hints: Mapping[str, int] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ComparisonReport:
+    """Compare ``backends`` on ``graph`` against the float64 NumPy reference.
+
+    ``inputs`` default to seeded random arrays with symbolic dims sized by
+    ``sizes``; ``options`` maps a backend name to its options (for example
+    ``{"ort-cpu": {"threads": 2}}``); ``hints`` size dims for the optimizer.
+    """
+    if repeats < 1:
+        raise GraphcError(f"repeats must be >= 1, got {repeats}")
+    for b in backends:
+        get_backend(b)  # unknown names fail before anything runs
+    if inputs is None:
+        inputs = random_inputs(graph, seed=seed, **dict(sizes or {}))
+    bindings = check_inputs(graph, inputs)
+    run_graph = graph
+    if optimize:
+        from graphc.optimizer import optimize as _optimize
+
+        run_graph = _optimize(graph, hints=hints or bindings).graph
+    say = progress or (lambda _: None)
+    say("reference: numpy float64")
+    want = NumpyInterpreter(graph, compute_dtype="float64").run(inputs)
+    report = ComparisonReport(
+        graph=graph.name,
+        reference="numpy float64 on the unoptimized graph",
+        optimized=optimize,
+        atol=atol,
+        rtol=rtol,
+        repeats=repeats,
+        input_shapes={k: list(v.shape) for k, v in inputs.items()},
+    )
+    for i, name in enumerate(backends, 1):
+        say(f"[{i}/{len(backends)}] {name}")
+        opts = dict((options or {}).get(name, {}))
+        try:
+            runner = prepare(run_graph, name, **opts)
+        except BackendUnavailableError as e:
+            report.results.append(BackendResult(name, "skipped", reason=e.reason))
+            continue
+        except GraphcError as e:
+            report.results.append(BackendResult(name, "error", reason=f"{type(e).__name__}: {e}"))
+            continue
+        try:
+            got = runner.run(inputs)  # warm-up, and the numbers compared
+            times = _timed(lambda: runner.run(inputs), repeats)
+        except GraphcError as e:
+            report.results.append(BackendResult(name, "error", provider=runner.provider, reason=f"{type(e).__name__}: {e}"))
+            continue
+        err, rel, worst, ok = _errors(got, want, atol, rtol)
+        peak = None
+        if name == "numpy":
+            tracemalloc.start()
+            runner.run(inputs)
+            peak = tracemalloc.get_traced_memory()[1] / 2**20
+            tracemalloc.stop()
+        report.results.append(
+            BackendResult(
+                name,
+                "ok" if ok else "mismatch",
+                provider=runner.provider,
+                reason=None if ok else f"outputs differ beyond tolerance (worst: {worst})",
+                max_abs_err=err,
+                max_rel_err=rel,
+                worst_output=worst,
+                median_ms=statistics.median(times),
+                p90_ms=float(np.percentile(times, 90)),
+                peak_mib=peak,
+            )
+        )
+    return report
