@@ -45,8 +45,7 @@ def to_dot(graph: Graph, title: str | None = None) -> str:
     for name in sorted(graph.initializers):
         lines.append(f"  {_q(name)} [shape=note, fillcolor=\"#f7f7f7\", label={_q(name + chr(10) + str(graph.types[name]))}];")
     for node in graph.topological_order():
-        attrs = ", ".join(f"{k}={v}" for k, v in node.op.attributes().items())
-        label = f"{node.op.kind}\n{attrs}\n{node.name}" if attrs else f"{node.op.kind}\n{node.name}"
+        label = f"{node.op}\n{node.name}"
         shape = "doubleoctagon" if node.name in graph.outputs else "box"
         lines.append(f"  {_q(node.name)} [shape={shape}, fillcolor={_q(OP_COLOURS.get(node.op.kind, '#ffffff'))}, label={_q(label)}];")
         for i in node.inputs:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from graphc.dims import Dim, dim_add, dim_symbols, eval_dim, normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Graph, Node
+from graphc.optimizer.cleanup import mask_hides_nothing
 from graphc.ops import CausalMask, Concat, Einsum, Repeat, Scale, Softmax
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ def match_attention_core(g: Graph, softmax: Node) -> AttentionMatch | str:
     offset: Dim | None = None
     scale = 1.0
     if node is not None and isinstance(node.op, CausalMask):
-        offset, absorbed, x = node.op.offset, absorbed + [node.name], node.inputs[0]
+        offset = None if mask_hides_nothing(g, node) else node.op.offset  # e.g. one query over the whole cache
+        absorbed, x = absorbed + [node.name], node.inputs[0]
         node = g.producer(x)
     if node is not None and isinstance(node.op, Scale):
         scale, absorbed, x = node.op.factor, absorbed + [node.name], node.inputs[0]

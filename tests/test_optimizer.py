@@ -330,3 +330,14 @@ def test_report_shows_repeat_bytes_gone():
     d = report.to_dict()
     assert d["before"]["repeats"] == 2 and d["after"]["repeats"] == 0 and d["trace"]["fired"]
     assert "fuse_repeat_kv/fuse_repeat_kv on k_rep_BHTD" in report.explain()
+
+
+def test_a_causal_mask_that_hides_nothing_is_removed():
+    cfg = AttentionConfig(16, 4, 2)
+    g = graphc.sdpa_graph(cfg, q_len=1, kv_len=9, dtype="float64")  # one query over the whole cache: offset 8
+    h, report = optimize(g, verify=True)
+    assert "CausalMask" not in h.op_counts()
+    assert any(f.rule == "remove_vacuous_causal_mask" for f in report.trace.fired)
+    _assert_same(g, h, {"batch": 2}, F64)
+    kept = optimize(graphc.sdpa_graph(cfg, q_len=2, kv_len=9)).graph  # offset 7 hides key 8 from query 0
+    assert "CausalMask" in kept.op_counts()

@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from graphc.graph import Graph, Node
-from graphc.ops import Einsum, Repeat, Reshape, Transpose
+from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Transpose
 
 from .infra import Miss, Pass, PassContext, RewritePass, Rule
 
 __all__ = [
     "remove_if_dead",
+    "mask_hides_nothing",
     "only_reader",
     "dead_code_elimination",
     "common_subexpression_elimination",
@@ -100,6 +101,17 @@ def _match_unit_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
     return _bypass(graph, node, "repeat by 1") if node.op.repeats == 1 else None  # type: ignore[attr-defined]
 
 
+def mask_hides_nothing(graph: Graph, node: Node) -> bool:
+    """True when a CausalMask provably hides no key: a static key length Sk and an offset >= Sk - 1."""
+    sk = graph.types[node.inputs[0]].shape[-1]
+    offset = node.op.offset  # type: ignore[attr-defined]
+    return isinstance(sk, int) and isinstance(offset, int) and offset >= sk - 1
+
+
+def _match_vacuous_mask(graph: Graph, node: Node, ctx: PassContext) -> object:
+    return _bypass(graph, node, "vacuous causal mask") if mask_hides_nothing(graph, node) else None
+
+
 def _match_transpose_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:
     for pos, name in enumerate(node.inputs):
         prod = graph.producer(name)
@@ -151,13 +163,14 @@ LAYOUT_RULES = (
     Rule("remove_identity_transpose", (Transpose,), _match_identity_transpose, _do_bypass),
     Rule("fold_transpose_chain", (Transpose,), _match_transpose_chain, _rewrite_transpose_chain),
     Rule("remove_unit_repeat", (Repeat,), _match_unit_repeat, _do_bypass),
+    Rule("remove_vacuous_causal_mask", (CausalMask,), _match_vacuous_mask, _do_bypass),
     Rule("fold_transpose_into_einsum", (Einsum,), _match_transpose_into_einsum, _rewrite_transpose_into_einsum),
     Rule("fold_einsum_into_transpose", (Transpose,), _match_einsum_into_transpose, _rewrite_einsum_into_transpose),
 )
 
 simplify_layout = RewritePass(
     "simplify_layout",
-    "remove identity reshapes/transposes/repeats, fold chains, absorb transposes into einsum specs",
+    "remove identity reshapes/transposes/repeats and masks that hide nothing, fold chains, absorb transposes into einsum specs",
     LAYOUT_RULES,
 )
 
