@@ -186,7 +186,10 @@ def find_attention_cores(g: Graph, mode: str, opset: int, hints: dict[str, int])
                 continue
             chosen = "onnx-attention"
         if chosen == "ort-gqa" and not m.causal:
-            raise ExportError(f"attention core at {m.anchor!r}: GroupQueryAttention is causal only, this core is not causal")
+            raise ExportError(
+                f"attention core at {m.anchor!r}: GroupQueryAttention is causal only, and this core has no causal mask "
+                "(a mask that hides no key counts as none); for decode, export the KV-cache graph, whose cache it takes as past"
+            )
         if chosen == "ort-gqa" and not m.past_k and normalize_dim(m.q_shape[2]) != normalize_dim(m.kv_len):
             raise ExportError(f"attention core at {m.anchor!r}: GroupQueryAttention without a past cache needs as many keys as queries")
         if chosen == "onnx-attention" and opset < 23:
