@@ -14,43 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import numpy as np
 
 import graphc
 from graphc.errors import GraphcError
-from lowering import prepare, random_inputs, unavailable_reason
+from lowering import prepare, random_inputs
+
+from _common import median_ms, torch_sdpa
 
 CASES = {"causal prefill 1024": dict(batch=1, q_len=1024, kv_len=1024), "decode 1 over 4096": dict(batch=1, q_len=1, kv_len=4096)}
-
-
-def _median_ms(fn, feeds_list, repeats: int) -> float:
-    fn(feeds_list[0])
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(feeds_list[i % len(feeds_list)])
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-def _torch_sdpa(feeds_list, threads: int, causal: bool):
-    import torch
-
-    torch.set_num_threads(threads)
-    tl = [{k: torch.from_numpy(v) for k, v in f.items()} for f in feeds_list]
-
-    def run(i_or_feeds):
-        f = i_or_feeds
-        with torch.no_grad():
-            return torch.nn.functional.scaled_dot_product_attention(
-                f["q_BHSD"], f["k_BHkvTD"], f["v_BHkvTD"], is_causal=causal, enable_gqa=True
-            ).numpy()
-
-    index = {id(f): t for f, t in zip(feeds_list, tl)}
-    return lambda f: run(index[id(f)])
 
 
 def main() -> None:
@@ -76,8 +49,9 @@ def main() -> None:
             ("ort-cpu, Attention op", lambda: prepare(g, "ort-cpu", attention="onnx-attention", threads=args.threads).run),
             ("ort-cpu, GroupQueryAttention op", lambda: prepare(g, "ort-cpu", attention="ort-gqa", threads=args.threads).run),
         ]
-        if unavailable_reason("torch") is None:
-            specs.append(("torch SDPA enable_gqa", lambda: _torch_sdpa(feeds_list, args.threads, dims["q_len"] == dims["kv_len"])))
+        sdpa = torch_sdpa(feeds_list, args.threads, causal=dims["q_len"] == dims["kv_len"])
+        if sdpa is not None:
+            specs.append(("torch SDPA enable_gqa", lambda: sdpa))
         results, skipped = [], []
         for name, make in specs:
             try:
@@ -88,7 +62,7 @@ def main() -> None:
             out = fn(feeds_list[0])
             got = out["attn_BHSD"] if isinstance(out, dict) else out
             err = float(np.abs(got - want).max())
-            results.append((name, _median_ms(fn, feeds_list, args.repeats), err))
+            results.append((name, median_ms(fn, feeds_list, args.repeats), err))
         peer = dict((n, t) for n, t, _ in results)["ort-cpu, Attention op"]
         print(f"\n{case} (ratios: time / onnxruntime Attention op in this run)")
         print(f"{'backend':<38} {'median ms':>10} {'vs Attention':>13} {'max abs err':>12}")

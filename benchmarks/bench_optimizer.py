@@ -18,8 +18,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 import tracemalloc
 
 import numpy as np
@@ -27,20 +25,12 @@ import numpy as np
 import graphc
 from lowering import NumpyInterpreter, random_inputs
 
+from _common import median_ms, torch_sdpa
+
 CASES = {
     "prefill": dict(batch=1, q_len=1024, kv_len=1024),
     "decode": dict(batch=1, q_len=1, kv_len=4096),
 }
-
-
-def _time(fn, feeds_list, repeats: int) -> float:
-    fn(feeds_list[0])
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(feeds_list[i % len(feeds_list)])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _peak(fn, feeds) -> int:
@@ -50,24 +40,6 @@ def _peak(fn, feeds) -> int:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return peak
-
-
-def _torch_sdpa(cfg, feeds_list, repeats):
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(os.cpu_count() or 1)
-    tl = [{k: torch.from_numpy(v) for k, v in f.items()} for f in feeds_list]
-    sq, sk = feeds_list[0]["q_BHSD"].shape[2], feeds_list[0]["k_BHkvTD"].shape[2]
-
-    def run(f):
-        with torch.no_grad():
-            return torch.nn.functional.scaled_dot_product_attention(
-                f["q_BHSD"], f["k_BHkvTD"], f["v_BHkvTD"], is_causal=sq == sk, enable_gqa=True
-            )
-
-    return _time(run, tl, repeats)
 
 
 def bench(preset: str, case: str, repeats: int) -> dict:
@@ -84,14 +56,14 @@ def bench(preset: str, case: str, repeats: int) -> dict:
         "case": case,
         "heads": f"{cfg.n_heads}/{cfg.n_kv_heads}",
         "max_abs_diff": float(np.abs(a - b).max()),
-        "unopt_ms": 1e3 * _time(naive, feeds_list, repeats),
-        "opt_ms": 1e3 * _time(opt, feeds_list, repeats),
+        "unopt_ms": median_ms(naive, feeds_list, repeats),
+        "opt_ms": median_ms(opt, feeds_list, repeats),
         "unopt_peak_mib": _peak(naive, feeds_list[0]) / 2**20,
         "opt_peak_mib": _peak(opt, feeds_list[0]) / 2**20,
         "model_repeat_mib": report.before.repeat_bytes / 2**20,
     }
-    t = _torch_sdpa(cfg, feeds_list, repeats)
-    row["torch_sdpa_ms"] = None if t is None else 1e3 * t
+    sdpa = torch_sdpa(feeds_list, os.cpu_count() or 1, causal=CASES[case]["q_len"] == CASES[case]["kv_len"])
+    row["torch_sdpa_ms"] = None if sdpa is None else median_ms(sdpa, feeds_list, repeats)
     return row
 
 

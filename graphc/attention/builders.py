@@ -153,6 +153,15 @@ def _project(g: Graph, x: Value, prefix: str, cfg: AttentionConfig, seq: Dim, ba
     return g.transpose(y, [0, 2, 1, 3], name=g.fresh_name(f"{tag}_B{h}SD"))
 
 
+def _project_qkv(g: Graph, cfg: AttentionConfig, x: Value, memory: Value, q_len: Dim, kv_len: Dim, batch: Dim) -> tuple[Value, Value, Value]:
+    """Queries from ``x``, keys and values from ``memory`` (``x`` itself for self-attention)."""
+    return (
+        _project(g, x, "q_proj", cfg, q_len, batch),
+        _project(g, memory, "k_proj", cfg, kv_len, batch),
+        _project(g, memory, "v_proj", cfg, kv_len, batch),
+    )
+
+
 def _merge_and_project(g: Graph, attn: Value, cfg: AttentionConfig, seq: Dim, batch: Dim) -> Value:
     """[B,Hq,S,D] -> [B,S,Hq*D] -> output projection -> [B,S,d_model]."""
     t = g.transpose(attn, [0, 2, 1, 3], name="attn_BSHD")
@@ -188,9 +197,7 @@ def attention_layer_graph(
     g = Graph(name or f"attention_{cfg.kind.lower()}")
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
-    q = _project(g, x, "q_proj", cfg, seq, batch)
-    k = _project(g, x, "k_proj", cfg, seq, batch)
-    v = _project(g, x, "v_proj", cfg, seq, batch)
+    q, k, v = _project_qkv(g, cfg, x, x, seq, seq, batch)
     attn = attention_core(g, cfg, q, k, v, cfg.causal, 0)
     g.output(_merge_and_project(g, attn, cfg, seq, batch))
     return g
@@ -211,9 +218,7 @@ def cross_attention_graph(
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, q_len, cfg.d_model], dtype)
     mem = g.input("memory_BTM", [batch, kv_len, cfg.d_model], dtype)
-    q = _project(g, x, "q_proj", cfg, q_len, batch)
-    k = _project(g, mem, "k_proj", cfg, kv_len, batch)
-    v = _project(g, mem, "v_proj", cfg, kv_len, batch)
+    q, k, v = _project_qkv(g, cfg, x, mem, q_len, kv_len, batch)
     attn = attention_core(g, cfg, q, k, v, causal=False)
     g.output(_merge_and_project(g, attn, cfg, q_len, batch))
     return g
@@ -240,9 +245,7 @@ def kv_cache_graph(
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
-    q = _project(g, x, "q_proj", cfg, seq, batch)
-    k_new = _project(g, x, "k_proj", cfg, seq, batch)
-    v_new = _project(g, x, "v_proj", cfg, seq, batch)
+    q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past)
