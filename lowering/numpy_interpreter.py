@@ -9,8 +9,11 @@ its op, with the original exception as ``__cause__``.
 ``compute_dtype="float64"`` runs every float value in float64 (inputs and
 weights are upcast), which is what the comparisons use as the reference.
 
-A ``CausalMask`` read only by a last-axis ``Softmax`` runs fused with it
-(:func:`~lowering.kernels.masked_softmax`: row blocks on ``threads`` threads).
+Two kernel fusions: an attention chain (QK^T einsum, scale, mask, softmax, PV
+einsum, with views between) runs as one row-blocked kernel that never
+materialises the scores (:mod:`lowering.attention_kernel`); any other
+``CausalMask`` read only by a last-axis ``Softmax`` runs fused with it
+(:func:`~lowering.kernels.masked_softmax`).  Both use ``threads`` threads.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from graphc.dims import eval_dim, eval_shape
 from graphc.errors import ExecutionError, GraphcError
-from graphc.graph import Graph
+from graphc.graph import Graph, Node
 from graphc.ops import (
     FLOAT_DTYPES,
     Binary,
@@ -40,6 +43,7 @@ from graphc.ops import (
     Where,
 )
 
+from .attention_kernel import BlockedAttention, blocked_attention, find_blocked_attention
 from .contraction import contract
 from .inputs import check_inputs
 from .kernels import masked_softmax
@@ -120,16 +124,19 @@ KERNELS: dict[type[Op], Kernel] = {
 class NumpyInterpreter:
     """Runs a graph with NumPy. Build once, call :meth:`run` many times."""
 
-    def __init__(self, graph: Graph, compute_dtype: str | None = None, threads: int | None = None) -> None:
+    def __init__(self, graph: Graph, compute_dtype: str | None = None, threads: int | None = None, fuse: bool = True) -> None:
         if compute_dtype is not None and compute_dtype not in FLOAT_DTYPES:
             raise GraphcError(f"compute_dtype must be one of {FLOAT_DTYPES} or None, got {compute_dtype!r}")
         self.graph = graph
         self.compute_dtype = compute_dtype
         self.threads = threads
         self.order = graph.topological_order()
+        self._attention = {a.anchor: a for a in find_blocked_attention(graph)} if fuse else {}
+        self._skipped = {n for a in self._attention.values() for n in a.skipped}
+        self.order = [n for n in self.order if n.name not in self._skipped]
         # CausalMask -> last-axis Softmax pairs run as one kernel: mask name -> softmax name
         self._fused_mask: dict[str, str] = {}
-        for node in self.order:
+        for node in self.order if fuse else []:
             if isinstance(node.op, CausalMask) and node.name not in graph.outputs:
                 readers = graph.consumers(node.name)
                 if len(readers) == 1 and isinstance(readers[0].op, Softmax) and readers[0].op.axis in (-1, graph.types[node.name].rank - 1):
@@ -139,12 +146,21 @@ class NumpyInterpreter:
         self._free_after: list[list[str]] = [[] for _ in self.order]
         last: dict[str, int] = {}
         for idx, node in enumerate(self.order):
-            for name in node.inputs:
+            for name in self._reads(node):
                 last[name] = idx
         for name, idx in last.items():
             if name not in keep:
                 self._free_after[idx].append(name)
         self._weights = {k: self._cast(v) for k, v in graph.initializers.items()}
+
+    def _reads(self, node: Node) -> tuple[str, ...]:
+        a = self._attention.get(node.name)
+        return (a.q, a.k, a.v) if a else node.inputs  # a fused chain reads Q, K, V at its anchor
+
+    def _run_attention(self, a: BlockedAttention, env: dict[str, np.ndarray], ctx: Context) -> np.ndarray:
+        offset = None if a.offset is None else eval_dim(a.offset, ctx.env)
+        q, k, v = env[a.q].transpose(a.q_perm), env[a.k].transpose(a.k_perm), env[a.v].transpose(a.v_perm)
+        return blocked_attention(q, k, v, eval_dim(a.query_len, ctx.env), offset, a.scale, ctx.threads)
 
     def _cast(self, arr: np.ndarray) -> np.ndarray:
         if self.compute_dtype and str(arr.dtype) in FLOAT_DTYPES:
@@ -158,7 +174,9 @@ class NumpyInterpreter:
         env.update({k: self._cast(np.asarray(v)) for k, v in feeds.items()})
         for idx, node in enumerate(self.order):
             try:
-                if node.name in self._fused_mask:  # computed by its softmax; pass the scores through
+                if node.name in self._attention:
+                    env[node.name] = self._run_attention(self._attention[node.name], env, ctx)
+                elif node.name in self._fused_mask:  # computed by its softmax; pass the scores through
                     env[node.name] = env[node.inputs[0]]
                 elif node.name in self._mask_of:
                     mask = self.graph.nodes[self._mask_of[node.name]]
