@@ -197,8 +197,6 @@ def _may_mask_whole_rows(g: Graph, value: str) -> bool:
         op = node.op
         if isinstance(op, Where) or (isinstance(op, CausalMask) and not op.offset_is_nonnegative):
             return True
-        if isinstance(op, Binary) and not all(g.is_constant(i) or g.producer(i) is not None for i in node.inputs):
-            return True
         if isinstance(op, (Scale, Unary, Binary, Reshape, Transpose, CausalMask, Cast)):
             stack.extend(node.inputs)
     return False
