@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from graphc.dims import Dim
 from graphc.graph import Graph, Node
 from graphc.ops import CausalMask, Einsum, Reshape, Scale, Softmax
 
-from .kernels import _pool, default_threads
+from .kernels import run_blocks, softmax_rows_
 
 __all__ = ["BlockedAttention", "find_blocked_attention", "blocked_attention", "GEMM_ROWS"]
 
@@ -174,21 +173,8 @@ def blocked_attention(
             hidden = np.arange(c)[None, :] > (np.arange(i0, i1)[:, None] + offset)
             if hidden.any():
                 np.copyto(s.reshape(*batch, groups, r, c), neg_inf, where=hidden)
-        mx = s.max(axis=-1, keepdims=True)
-        np.copyto(mx, 0, where=~np.isfinite(mx))
-        s -= mx
-        np.exp(s, out=s)
-        total = s.sum(axis=-1, keepdims=True)
-        total[total == 0] = 1
-        s /= total
+        softmax_rows_(s)
         ob[...] = np.matmul(s, v[..., :c, :]).reshape(*batch, groups, r, e_dim)
 
-    starts = range(0, sq, rows)
-    n = threads or default_threads()
-    if n == 1 or len(starts) == 1:
-        for i0 in starts:
-            block(i0)
-    else:
-        with threadpool_limits(1, user_api="blas"):
-            list(_pool(n).map(block, starts))
+    run_blocks(block, range(0, sq, rows), threads, pin_blas=True)
     return out.reshape(*batch, rows_total, e_dim)

@@ -12,11 +12,13 @@ computed, which skips about half the work of a causal prefill.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-__all__ = ["masked_softmax", "default_threads"]
+__all__ = ["masked_softmax", "softmax_rows_", "run_blocks", "default_threads"]
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _TASK_BYTES = 1 << 20  # about 1 MiB of scores per task: cache-sized, many tasks to balance triangles
@@ -31,6 +33,34 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     if threads not in _POOLS:
         _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="graphc-softmax")
     return _POOLS[threads]
+
+
+def softmax_rows_(s: np.ndarray) -> None:
+    """In-place softmax over the last axis of ``s``; rows that are all ``-inf`` become zeros."""
+    m = s.max(axis=-1, keepdims=True)
+    np.copyto(m, 0, where=~np.isfinite(m))  # fully masked rows: exp(-inf) = 0, not NaN
+    s -= m
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1
+    s /= total
+
+
+def run_blocks(block: Callable[[int], None], starts: Sequence[int], threads: int | None, pin_blas: bool = False) -> None:
+    """Call ``block(start)`` for every start, on a pool of ``threads`` threads when there is more than one block.
+
+    ``pin_blas`` limits BLAS to one thread per block while the pool runs, so that
+    BLAS's own threads do not oversubscribe the cores.
+    """
+    n = threads or default_threads()
+    if n == 1 or len(starts) == 1:
+        for i0 in starts:
+            block(i0)
+    elif pin_blas:
+        with threadpool_limits(1, user_api="blas"):
+            list(_pool(n).map(block, starts))
+    else:
+        list(_pool(n).map(block, starts))
 
 
 def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None = None) -> np.ndarray:
@@ -59,19 +89,7 @@ def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None
             hidden = np.arange(c)[None, :] > (np.arange(i0, i1)[:, None] + offset)
             if hidden.any():
                 np.copyto(v, neg_inf, where=hidden)
-        m = v.max(axis=-1, keepdims=True)
-        np.copyto(m, 0, where=~np.isfinite(m))  # fully masked rows: exp(-inf) = 0, not NaN
-        v -= m
-        np.exp(v, out=v)
-        s = v.sum(axis=-1, keepdims=True)
-        s[s == 0] = 1
-        v /= s
+        softmax_rows_(v)
 
-    starts = range(0, sq, rows)
-    n = threads or default_threads()
-    if n == 1 or len(starts) == 1:
-        for i0 in starts:
-            block(i0)
-    else:
-        list(_pool(n).map(block, starts))
+    run_blocks(block, range(0, sq, rows), threads)
     return out.reshape(x.shape)
