@@ -25,8 +25,9 @@ import numpy as np
 from graphc.dims import Dim
 from graphc.graph import Graph, Node
 from graphc.ops import CausalMask, Einsum, Reshape, Scale, Softmax
+from graphc.optimizer.cleanup import only_reader
 
-from .kernels import run_blocks, softmax_rows_
+from .kernels import hidden_keys, run_blocks, softmax_rows_
 
 __all__ = ["BlockedAttention", "find_blocked_attention", "blocked_attention", "GEMM_ROWS"]
 
@@ -49,10 +50,6 @@ class BlockedAttention:
     scale: float | None
     offset: Dim | None
     query_len: Dim  # Sq: the query axis of the softmax's view; GEMM row m is query m % Sq
-
-
-def _private(g: Graph, value: str, reader: str) -> bool:
-    return value not in g.outputs and [r.name for r in g.consumers(value)] == [reader]
 
 
 def _perm(term: str, order: str) -> tuple[int, ...] | None:
@@ -120,7 +117,7 @@ def _match(g: Graph, softmax: Node) -> BlockedAttention | None:
     if e in p_term or v_perm is None:
         return None
     ordered = [qk, *chain[::-1], *post]
-    if not all(_private(g, a.name, b.name) for a, b in zip(ordered, ordered[1:])) or not _private(g, p_in, pv.name):
+    if not all(only_reader(g, a.name, b.name) for a, b in zip(ordered, ordered[1:])) or not only_reader(g, p_in, pv.name):
         return None
     q, k = qk.inputs if q_first else qk.inputs[::-1]
     query_len = g.types[softmax.name].shape[-2]
@@ -170,7 +167,7 @@ def blocked_attention(
         if scale is not None:
             s *= scale
         if offset is not None:
-            hidden = np.arange(c)[None, :] > (np.arange(i0, i1)[:, None] + offset)
+            hidden = hidden_keys(i0, i1, c, offset)
             if hidden.any():
                 np.copyto(s.reshape(*batch, groups, r, c), neg_inf, where=hidden)
         softmax_rows_(s)

@@ -30,10 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from graphc.dims import Dim, dim_add, dim_symbols, eval_dim, normalize_dim
+from graphc.dims import Dim, dim_add, normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Graph, Node
-from graphc.optimizer.cleanup import mask_hides_nothing
+from graphc.optimizer.cleanup import mask_hides_nothing, only_reader
+from graphc.optimizer.infra import PassContext
 from graphc.ops import CausalMask, Concat, Einsum, Repeat, Scale, Softmax
 
 if TYPE_CHECKING:
@@ -43,7 +44,6 @@ __all__ = ["ATTENTION_MODES", "AttentionMatch", "find_attention_cores", "emit_fu
 
 ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "auto")
 AUTO_MIN_QUERY_ROWS = 64
-_HINT = 512
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,6 @@ def _canonical_pv(spec: str) -> bool:
     return len(o) == 4 and len(p) == 4 and p[:3] == o[:3] and v == o[:2] + p[3] + o[3] and p[3] not in o
 
 
-def _private(g: Graph, value: str, reader: str) -> bool:
-    return value not in g.outputs and all(r.name == reader for r in g.consumers(value))
-
-
 def match_attention_core(g: Graph, softmax: Node) -> AttentionMatch | str:
     """Match the core around ``softmax``; a string says why it does not match."""
     if not isinstance(softmax.op, Softmax) or softmax.op.axis not in (-1, 3) or g.types[softmax.name].rank != 4:
@@ -109,13 +105,13 @@ def match_attention_core(g: Graph, softmax: Node) -> AttentionMatch | str:
     chain = [qk.name, *absorbed[::-1]]  # qk -> scale -> mask -> softmax, each read only by the next
     absorbed.append(qk.name)
     for a, b in zip(chain, chain[1:]):
-        if not _private(g, a, b):
+        if not only_reader(g, a, b):
             return f"{a!r} is read outside the attention core"
     q, k_src, v_src = qk.inputs[0], qk.inputs[1], pv.inputs[1]
 
     def unrepeat(v: str, reader: str) -> tuple[str, int]:
         n = g.producer(v)
-        if n is not None and isinstance(n.op, Repeat) and n.op.axis % 4 == 1 and _private(g, v, reader):
+        if n is not None and isinstance(n.op, Repeat) and n.op.axis % 4 == 1 and only_reader(g, v, reader):
             absorbed.append(n.name)
             return n.inputs[0], n.op.repeats
         return v, 1
@@ -162,10 +158,6 @@ def match_attention_core(g: Graph, softmax: Node) -> AttentionMatch | str:
     )
 
 
-def _size(d: Dim, hints: dict[str, int]) -> int:
-    return eval_dim(d, {s: hints.get(s, _HINT) for s in dim_symbols(d)})
-
-
 def find_attention_cores(g: Graph, mode: str, opset: int, hints: dict[str, int]) -> list[AttentionMatch]:
     """Every attention core to emit fused under ``mode`` (none for ``decomposed``)."""
     if mode == "decomposed":
@@ -181,7 +173,7 @@ def find_attention_cores(g: Graph, mode: str, opset: int, hints: dict[str, int])
             continue
         chosen = mode
         if mode == "auto":
-            rows = _size(m.q_shape[2], hints) * (m.n_heads // m.n_kv_heads)
+            rows = PassContext(hints=hints).size(m.q_shape[2]) * (m.n_heads // m.n_kv_heads)
             if rows < AUTO_MIN_QUERY_ROWS:
                 continue
             chosen = "onnx-attention"

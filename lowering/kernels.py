@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-__all__ = ["masked_softmax", "softmax_rows_", "run_blocks", "default_threads"]
+__all__ = ["masked_softmax", "hidden_keys", "softmax_rows_", "run_blocks", "default_threads"]
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _TASK_BYTES = 1 << 20  # about 1 MiB of scores per task: cache-sized, many tasks to balance triangles
@@ -33,6 +33,11 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     if threads not in _POOLS:
         _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="graphc-softmax")
     return _POOLS[threads]
+
+
+def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int) -> np.ndarray:
+    """Bool ``[rows, keys]``: True where key ``j`` is hidden from query ``i`` (``j > i + offset``), for queries row_start..row_stop-1."""
+    return np.arange(keys)[None, :] > (np.arange(row_start, row_stop)[:, None] + offset)
 
 
 def softmax_rows_(s: np.ndarray) -> None:
@@ -86,7 +91,7 @@ def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None
         v = ob[..., :c]
         np.copyto(v, x3[:, i0:i1, :c])
         if offset is not None:
-            hidden = np.arange(c)[None, :] > (np.arange(i0, i1)[:, None] + offset)
+            hidden = hidden_keys(i0, i1, c, offset)
             if hidden.any():
                 np.copyto(v, neg_inf, where=hidden)
         softmax_rows_(v)

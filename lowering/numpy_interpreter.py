@@ -46,7 +46,7 @@ from graphc.ops import (
 from .attention_kernel import BlockedAttention, blocked_attention, find_blocked_attention
 from .contraction import contract
 from .inputs import check_inputs
-from .kernels import masked_softmax
+from .kernels import hidden_keys, masked_softmax
 
 __all__ = ["NumpyInterpreter", "KERNELS", "causal_mask", "safe_softmax", "run_numpy"]
 
@@ -63,8 +63,7 @@ class Context:
 def causal_mask(x: np.ndarray, offset: int) -> np.ndarray:
     """Return ``x`` with ``x[..., i, j] = -inf`` where ``j > i + offset``."""
     sq, sk = x.shape[-2:]
-    masked = np.arange(sk)[None, :] > (np.arange(sq)[:, None] + offset)
-    return np.where(masked, np.array(-np.inf, x.dtype), x)
+    return np.where(hidden_keys(0, sq, sk, offset), np.array(-np.inf, x.dtype), x)
 
 
 def safe_softmax(x: np.ndarray, axis: int) -> np.ndarray:

@@ -25,8 +25,10 @@ from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.optimizer.infra import DEFAULT_DIM_HINT
 
 from .contraction import contraction_order, plan_matmul
+from .kernels import hidden_keys
 from .fusion import ATTENTION_MODES, AttentionMatch, emit_fused, find_attention_cores
 
 __all__ = ["export", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES"]
@@ -43,7 +45,6 @@ ONNX_DTYPES = {
 }
 _UNARY = {"exp": "Exp", "neg": "Neg", "tanh": "Tanh", "sqrt": "Sqrt", "reciprocal": "Reciprocal", "relu": "Relu", "sigmoid": "Sigmoid"}
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max"}
-_PLAN_HINT = 512  # size of symbolic dims when ordering multi-operand einsums without hints
 
 
 class OnnxBuilder:
@@ -162,7 +163,7 @@ def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
         _lower_pair(b, str(spec), list(node.inputs), shapes, node.name)
         return
     sizes = label_sizes(spec, shapes)
-    hint = {s: _PLAN_HINT for d in sizes.values() for s in dim_symbols(d)}
+    hint = {s: DEFAULT_DIM_HINT for d in sizes.values() for s in dim_symbols(d)}
     int_shapes = [tuple(eval_dim(d, hint) for d in s) for s in shapes]
     operands = [(n, s) for n, s in zip(node.inputs, shapes)]
     steps = contraction_order(spec, int_shapes)
@@ -249,7 +250,7 @@ def causal_hidden(b: OnnxBuilder, x: str, shape: tuple[Dim, ...], offset: Dim) -
     sq, sk = normalize_dim(shape[-2]), normalize_dim(shape[-1])
     offset = normalize_dim(offset)
     if all(isinstance(d, int) for d in (sq, sk, offset)) and sq * sk <= 1 << 24:  # type: ignore[operator]
-        return b.const(np.arange(sk)[None, :] > np.arange(sq)[:, None] + offset, "causal_hidden")  # type: ignore[operator]
+        return b.const(hidden_keys(0, sq, sk, offset), "causal_hidden")  # type: ignore[arg-type]
     zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
     scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
     rows = b.op("Range", [zero, scalar(sq), one], base="rows")
