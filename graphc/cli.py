@@ -16,8 +16,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .attention import PRESETS, AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
+from .dims import dim_symbols
 from .errors import GraphcError
 from .graph import Graph
+from .optimizer import OPTIMIZERS, PIPELINES, optimize
+from .serialize import load_graph, save_graph
+from .visualize import to_dot, to_svg
 
 __all__ = ["main", "main_entry", "build_parser"]
 
@@ -72,15 +76,11 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     batch = getattr(args, "batch", 1)
     if seq is None:
         seq = 1 if args.decode else 512
-    for flag, v in (("--batch", batch), ("--seq", seq), ("--past", args.past)):
-        if v < (0 if flag == "--past" else 1):
-            raise UsageError(f"{flag} must be {'>= 0' if flag == '--past' else '>= 1'}, got {v}")
+    for flag, v, least in (("--batch", batch, 1), ("--seq", seq, 1), ("--past", args.past, 0)):
+        if v < least:
+            raise UsageError(f"{flag} must be >= {least}, got {v}")
     if args.graph:
-        from .serialize import load_graph
-
         g = load_graph(args.graph)
-        from .dims import dim_symbols
-
         symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
         defaults = {"batch": batch, "seq": seq, "past_seq": args.past, "q_len": seq, "kv_len": seq}
         return g, {s: defaults.get(s, seq) for s in symbols}
@@ -143,8 +143,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export a graph to ONNX."""
     from lowering.onnx_export import export
 
-    from .optimizer import optimize
-
     g, _ = _graph(args)
     fused = args.attention != "decomposed"
     if not args.no_optimize and args.attention in ("onnx-attention", "ort-gqa"):
@@ -160,9 +158,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """Print a graph as text, DOT or SVG."""
-    from .optimizer import optimize
-    from .visualize import to_dot, to_svg
-
     g, _ = _graph(args)
     title = g.name
     if args.optimized:
@@ -191,9 +186,6 @@ def _hints(items: Sequence[str]) -> dict[str, int]:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     """Optimize a graph and print the before/after report (and the trace with --explain)."""
-    from .optimizer import optimize
-    from .serialize import save_graph
-
     g, sizes = _graph(args)
     hints = {**sizes, **_hints(args.hint)}
     out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True)
@@ -225,8 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     from lowering.compare import DEFAULT_BACKENDS
     from lowering.fusion import ATTENTION_MODES
     from lowering.onnx_export import DEFAULT_OPSET
-
-    from .optimizer import OPTIMIZERS, PIPELINES
 
     p = _Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
