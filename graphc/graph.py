@@ -12,7 +12,7 @@ The builder methods (``g.input``, ``g.einsum`` ...) come from
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -349,7 +349,3 @@ class Graph(GraphBuilder):
         for node in self.nodes.values():
             counts[node.op.kind] = counts.get(node.op.kind, 0) + 1
         return dict(sorted(counts.items()))
-
-    def values(self, names: Iterable[str]) -> list[Value]:
-        """Handles for ``names``."""
-        return [self.value(n) for n in names]

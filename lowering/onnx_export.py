@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphc.dims import Dim, dim_prod, dim_symbols, dim_terms, eval_dim, is_symbol, normalize_dim
+from graphc.dims import Dim, dim_prod, dim_symbols, dim_terms, eval_dim, is_static, is_symbol, normalize_dim
 from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
@@ -114,7 +114,7 @@ class OnnxBuilder:
 
     def shape(self, shape: tuple[Dim, ...] | list[Dim]) -> str:
         """A 1-D int64 shape tensor for a graphc shape (a constant when all dims are ints)."""
-        if all(isinstance(normalize_dim(d), int) for d in shape):
+        if is_static(shape):
             return self.const(np.array([normalize_dim(d) for d in shape], np.int64), "shape")
         return self.op("Concat", [self.dim(d) for d in shape], base="shape", axis=0)
 
