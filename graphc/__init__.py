@@ -6,6 +6,7 @@ and run them on NumPy, the ONNX reference evaluator or onnxruntime.
 """
 
 from . import errors
+from .attention_op import Attention, decompose_attention
 from .attention import (
     PRESETS,
     AttentionConfig,
@@ -35,6 +36,8 @@ __all__ = [
     "Node",
     "Value",
     "TensorType",
+    "Attention",
+    "decompose_attention",
     "Dim",
     "parse_einsum",
     "save_graph",

@@ -37,6 +37,9 @@ class GraphBuilder:
     def add_node(self, op: Op, inputs: Sequence[ValueLike], name: str | None = None) -> Value:  # pragma: no cover - Graph defines it
         raise NotImplementedError
 
+    def add_multi_node(self, op: Op, inputs: Sequence[ValueLike], names: Sequence[str] | None = None) -> tuple[Value, ...]:  # pragma: no cover
+        raise NotImplementedError
+
     def input(self, name: str, shape: Sequence[Dim], dtype: str = "float32") -> Value:
         """Declare a graph input; dims are ints or symbols (``"batch"``, ``"seq"``) bound at run time."""
         return self.add_input(name, shape, dtype)
@@ -136,6 +139,32 @@ class GraphBuilder:
     def scale(self, x: ValueLike, factor: float, name: str | None = None) -> Value:
         """Multiply ``x`` by the constant ``factor``."""
         return self.add_node(Scale(factor), [x], name)
+
+    def attention(
+        self,
+        q: ValueLike,
+        k: ValueLike,
+        v: ValueLike,
+        scale: float,
+        causal_offset: Dim | None = None,
+        mask: ValueLike | None = None,
+        mask_kind: str = "bool",
+        past_key: ValueLike | None = None,
+        past_value: ValueLike | None = None,
+        names: Sequence[str] | None = None,
+    ) -> Value | tuple[Value, Value, Value]:
+        """One :class:`~graphc.attention_op.Attention` node; with ``past_key``/``past_value`` returns ``(out, present_key, present_value)``.
+
+        Builders emit attention decomposed; this is for graphs that want the op itself
+        (imports, tests, hand-written graphs).
+        """
+        from .attention_op import Attention  # the op module builds on Graph
+
+        kv_cache = past_key is not None or past_value is not None
+        op = Attention(scale, causal_offset, mask_kind if mask is not None else "none", kv_cache)
+        inputs = [q, k, v] + ([mask] if mask is not None else []) + ([past_key, past_value] if kv_cache else [])
+        outs = self.add_multi_node(op, inputs, names)  # type: ignore[arg-type]
+        return outs if kv_cache else outs[0]  # type: ignore[return-value]
 
     def causal_mask(self, x: ValueLike, offset: Dim = 0, name: str | None = None) -> Value:
         """Mask scores ``x[..., i, j]`` with ``-inf`` where ``j > i + offset`` (offset = KV-cache past length)."""

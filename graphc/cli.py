@@ -145,11 +145,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     g, _ = _graph(args)
     fused = args.attention != "decomposed"
-    if not args.no_optimize and args.attention in ("onnx-attention", "ort-gqa"):
-        print("note: fused attention is exported from the unoptimized graph (the fused op groups heads itself)", file=sys.stderr)
-    elif not args.no_optimize:
-        g = optimize(g).graph
-    model = export(g, args.output, opset=args.opset, attention=args.attention)
+    hints = _hints(args.hint)
+    if not args.no_optimize:
+        g = optimize(g, hints=hints).graph
+    model = export(g, args.output, opset=args.opset, attention=args.attention, hints=hints)
     ops = sorted({n.op_type for n in model.graph.node})
     print(f"wrote {args.output}: {len(model.graph.node)} nodes ({', '.join(ops)}), opset {args.opset}, IR {model.ir_version}"
           + (", attention " + args.attention if fused else ""))
@@ -215,7 +214,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``graphc`` command."""
     from lowering.compare import DEFAULT_BACKENDS
-    from lowering.fusion import ATTENTION_MODES
+    from lowering.targets import ATTENTION_MODES
     from lowering.onnx_export import DEFAULT_OPSET
 
     p = _Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
@@ -229,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up (default 5)")
     c.add_argument("--atol", type=float, default=1e-4)
     c.add_argument("--rtol", type=float, default=1e-3)
-    c.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES, help="how ONNX backends get the attention core")
+    c.add_argument("--attention", default="auto", choices=ATTENTION_MODES, help="how ONNX backends get attention (default auto: per attention, with the run's sizes)")
     c.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=cmd_compare)
@@ -238,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_args(e, sizes=False)
     e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     e.add_argument("--opset", type=int, default=DEFAULT_OPSET)
-    e.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES)
+    e.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES, help="auto: fused op per attention where it is faster for --hint sizes")
+    e.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim (e.g. seq=1024) for --attention auto")
     e.add_argument("--no-optimize", action="store_true")
     e.set_defaults(func=cmd_export)
 

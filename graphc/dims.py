@@ -12,6 +12,7 @@ concatenation adds, a head split or merge multiplies.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import DimError
@@ -25,6 +26,7 @@ __all__ = [
     "dim_sub",
     "dim_mul",
     "dim_prod",
+    "dim_div",
     "eval_dim",
     "eval_shape",
     "dim_symbols",
@@ -33,6 +35,7 @@ __all__ = [
     "is_static",
     "dim_is_nonnegative",
     "bind_shape",
+    "bind_shapes",
     "format_shape",
 ]
 
@@ -49,6 +52,19 @@ _Poly = dict[tuple[str, ...], int]
 def _parse(d: Dim) -> _Poly:
     if isinstance(d, bool):
         raise DimError(f"dimension must be an int or a symbol expression, got bool {d!r}")
+    if isinstance(d, int):
+        return {(): d} if d else {}
+    if not isinstance(d, str):
+        raise DimError(f"dimension must be an int or a symbol expression, got {type(d).__name__} {d!r}")
+    return dict(_parse_text(d))
+
+
+@lru_cache(maxsize=65536)
+def _parse_text(d: str) -> tuple[tuple[tuple[str, ...], int], ...]:
+    return tuple(_parse_uncached(d).items())
+
+
+def _parse_uncached(d: Dim) -> _Poly:
     if isinstance(d, int):
         return {(): d} if d else {}
     if not isinstance(d, str):
@@ -103,6 +119,15 @@ def _format(poly: _Poly) -> Dim:
 
 def normalize_dim(d: Dim) -> Dim:
     """Return the canonical form of ``d``: an ``int``, or a canonical expression string."""
+    if isinstance(d, int) and not isinstance(d, bool):
+        return d
+    if isinstance(d, str):
+        return _normalize_text(d)
+    return _format(_parse(d))
+
+
+@lru_cache(maxsize=65536)
+def _normalize_text(d: str) -> Dim:
     return _format(_parse(d))
 
 
@@ -139,6 +164,20 @@ def dim_mul(a: Dim, b: Dim) -> Dim:
             key = tuple(sorted(ka + kb))
             out[key] = out.get(key, 0) + va * vb
     return _format({k: v for k, v in out.items() if v})
+
+
+def dim_div(a: Dim, b: Dim) -> int | None:
+    """The integer ``k`` with ``a == k * b`` (``4*seq / seq`` is 4), or ``None`` when there is none."""
+    pa, pb = _parse(a), _parse(b)
+    if not pb:
+        return None
+    if not pa:
+        return 0
+    mono, coef = next(iter(sorted(pb.items())))
+    if pa.get(mono, 0) % coef:
+        return None
+    k = pa.get(mono, 0) // coef
+    return k if k > 0 and normalize_dim(dim_mul(k, b)) == normalize_dim(a) else None
 
 
 def dim_prod(dims: Iterable[Dim]) -> Dim:
@@ -196,20 +235,65 @@ def bind_shape(shape: Sequence[Dim], actual: Sequence[int], env: dict[str, int],
     """Bind the bare symbols of ``shape`` to ``actual`` in ``env`` and check every other dimension.
 
     Bare symbols are bound first (a symbol bound earlier must agree); then every
-    dimension, expressions included, must evaluate to the actual size.  ``what``
-    names the value in error messages.
+    dimension whose symbols are all bound must evaluate to the actual size.
+    ``what`` names the value in error messages.  Use :func:`bind_shapes` to also
+    solve symbols that occur only inside expressions (``past_seq`` in ``past_seq+seq``).
     """
-    if len(shape) != len(actual):
-        raise DimError(f"{what}: expected rank {len(shape)} (shape {format_shape(shape)}), got rank {len(actual)} (shape {tuple(actual)})")
-    for d, n in zip(shape, actual):
-        if is_symbol(d):
-            s = str(d).strip()
-            if s in env and env[s] != n:
-                raise DimError(f"{what}: symbolic dimension {s!r} is {n} here but was bound to {env[s]} earlier")
-            env[s] = int(n)
-    for axis, (d, n) in enumerate(zip(shape, actual)):
-        if all(s in env for s in dim_symbols(d)) and eval_dim(d, env) != n:
-            raise DimError(f"{what}: axis {axis} must be {d!r} = {eval_dim(d, env)}, got {n} (shape {tuple(actual)})")
+    bind_shapes([(shape, actual, what)], env)
+
+
+def bind_shapes(items: Sequence[tuple[Sequence[Dim], Sequence[int], str]], env: dict[str, int], require_all: bool = False) -> None:
+    """Bind the symbols of several ``(shape, actual, what)`` triples in ``env``.
+
+    Bare symbols bind directly; a symbol that occurs only inside an expression is
+    solved when it is the one unbound symbol of a term linear in it
+    (``past_seq+seq = 12`` with ``seq = 4`` gives ``past_seq = 8``).  Every dim
+    is then checked.  With ``require_all`` a symbol that cannot be solved raises
+    :class:`DimError` naming it and the dims it occurs in.
+    """
+    pending: list[tuple[Dim, int, str, int]] = []
+    for shape, actual, what in items:
+        if len(shape) != len(actual):
+            raise DimError(f"{what}: expected rank {len(shape)} (shape {format_shape(shape)}), got rank {len(actual)} (shape {tuple(actual)})")
+        for axis, (d, n) in enumerate(zip(shape, actual)):
+            if is_symbol(d):
+                s = str(d).strip()
+                if s in env and env[s] != n:
+                    raise DimError(f"{what}: symbolic dimension {s!r} is {n} here but was bound to {env[s]} earlier")
+                env[s] = int(n)
+            pending.append((d, int(n), what, axis))
+    progress = True
+    while progress:
+        progress = False
+        for d, n, what, axis in pending:
+            unknown = [s for s in dim_symbols(d) if s not in env]
+            if len(unknown) != 1:
+                continue
+            (s,) = unknown
+            coef, rest = 0, 0
+            for syms, c in _parse(d).items():
+                if s in syms:
+                    if syms != (s,):
+                        break  # not linear in s (s*s or s*t): left to another dim
+                    coef += c
+                else:
+                    term = c
+                    for t in syms:
+                        term *= env[t]
+                    rest += term
+            else:
+                if coef and (n - rest) % coef == 0 and (n - rest) // coef >= 0:
+                    env[s] = (n - rest) // coef
+                    progress = True
+                    continue
+                raise DimError(f"{what}: axis {axis} is {n}, which no size of {s!r} makes equal to {d!r} (bound: {dict(sorted(env.items()))})")
+    for d, n, what, axis in pending:
+        if all(s in env for s in dim_symbols(d)):
+            if eval_dim(d, env) != n:
+                raise DimError(f"{what}: axis {axis} must be {d!r} = {eval_dim(d, env)}, got {n}")
+        elif require_all:
+            missing = sorted(s for s in dim_symbols(d) if s not in env)
+            raise DimError(f"{what}: cannot size symbol(s) {missing} of dim {d!r} (axis {axis}) from the input shapes; bound: {dict(sorted(env.items())) or 'none'}")
 
 
 def format_shape(shape: Sequence[Dim]) -> str:

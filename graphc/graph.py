@@ -1,19 +1,27 @@
-"""The graph IR: typed values, nodes with frozen op payloads, a DAG on networkx.
+"""The graph IR: values that know their producer and users, nodes kept in topological order.
 
 A :class:`Graph` holds named values (graph inputs, initializers and node
-outputs), each with a :class:`~graphc.ops.TensorType`; every node produces one
-value, named as the node.  ``str(graph)`` is a stable text form with one node per
-line in the deterministic topological order, and :meth:`Graph.verify` checks the
-whole graph, raising a typed error that names the node, operand, label and sizes.
-The builder methods (``g.input``, ``g.einsum`` ...) come from
-:class:`~graphc.builder.GraphBuilder`.
+outputs), each a :class:`Value` with a :class:`~graphc.ops.TensorType`, the
+:class:`Node` that produces it (``None`` for inputs and initializers) and its
+users (the nodes reading it, with how many operand slots each).  A node applies
+a frozen op payload to input values and produces one or more output values;
+the node is named after its first output.
+
+Nodes sit in a doubly linked list that is always a valid topological order
+(as in torch.fx): insertion before an anchor, removal, rewiring and
+``replace_uses`` cost O(1) or O(users), never a rebuild.  Each node carries an
+order key, so "is a before b" is O(1) and readers come back in order.
+``str(graph)`` is a stable text form with one node per line in that order;
+:meth:`Graph.verify` checks the whole graph, raising a typed error that names
+the node, operand, label and sizes.  Builder methods (``g.input``,
+``g.einsum`` ...) come from :class:`~graphc.builder.GraphBuilder`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -33,15 +41,21 @@ from .ops import Op, TensorType, check_dtype
 
 __all__ = ["Value", "Node", "Graph", "ValueLike"]
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]*\Z")
+_NAME = re.compile(r"[A-Za-z_/][A-Za-z0-9_.:/\-]*\Z")
+_GAP = 1 << 20  # spacing of order keys; an insertion between two adjacent keys renumbers
 
 
-@dataclass(frozen=True)
 class Value:
-    """A handle on a named value of a graph, returned by the builder methods."""
+    """A named value of a graph: its type, its producer (``None`` for inputs and
+    initializers) and its users (node -> number of operand slots reading it)."""
 
-    name: str
-    type: TensorType
+    __slots__ = ("name", "type", "producer", "users")
+
+    def __init__(self, name: str, type: TensorType, producer: Node | None = None) -> None:
+        self.name = name
+        self.type = type
+        self.producer = producer
+        self.users: dict[Node, int] = {}
 
     @property
     def shape(self) -> tuple[Dim, ...]:
@@ -56,24 +70,85 @@ class Value:
     def __str__(self) -> str:
         return f"{self.name}: {self.type}"
 
+    def __repr__(self) -> str:
+        return f"<Value {self.name}: {self.type}>"
+
 
 ValueLike = Value | str
 
 
-@dataclass(frozen=True)
 class Node:
-    """One operation: ``op`` applied to the values named ``inputs``, producing the value ``name``."""
+    """One operation: ``op`` applied to the values named ``inputs``, producing ``outputs``.
 
-    name: str
-    op: Op
-    inputs: tuple[str, ...]
+    Nodes are created and edited through their :class:`Graph` only (which keeps
+    users and the order up to date); ``name`` is the first output's name.
+    """
+
+    __slots__ = ("name", "op", "inputs", "outputs", "_prev", "_next", "_key")
+
+    def __init__(self, name: str, op: Op, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+        self.name = name
+        self.op = op
+        self.inputs = inputs
+        self.outputs = outputs
+        self._prev: Node | None = None
+        self._next: Node | None = None
+        self._key = 0
+
+    @property
+    def output(self) -> str:
+        """The single output's name (an error for multi-output nodes)."""
+        if len(self.outputs) != 1:
+            raise GraphError(f"node {self.name!r} ({self.op.kind}) has {len(self.outputs)} outputs; use node.outputs")
+        return self.outputs[0]
 
     def __str__(self) -> str:
-        return f"{self.name} = {self.op}({', '.join(self.inputs)})"
+        return f"{', '.join(self.outputs)} = {self.op}({', '.join(self.inputs)})"
+
+    def __repr__(self) -> str:
+        return f"<Node {self}>"
 
 
 def _name_of(v: ValueLike) -> str:
     return v.name if isinstance(v, Value) else v
+
+
+class _TypesView(Mapping[str, TensorType]):
+    """Read-only name -> type view of a graph's values."""
+
+    def __init__(self, values: dict[str, Value]) -> None:
+        self._values = values
+
+    def __getitem__(self, name: str) -> TensorType:
+        return self._values[name].type
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+
+class _NodesView(Mapping[str, Node]):
+    """Read-only name -> node view; iterates in topological order."""
+
+    def __init__(self, graph: Graph) -> None:
+        self._graph = graph
+
+    def __getitem__(self, name: str) -> Node:
+        return self._graph._nodes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (n.name for n in self._graph._walk())
+
+    def __len__(self) -> int:
+        return len(self._graph._nodes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._graph._nodes
 
 
 class Graph(GraphBuilder):
@@ -86,266 +161,549 @@ class Graph(GraphBuilder):
 
     def __init__(self, name: str = "graph") -> None:
         self.name = name
-        self.types: dict[str, TensorType] = {}
-        self.inputs: list[str] = []
-        self.outputs: list[str] = []
+        self._values: dict[str, Value] = {}
+        self._inputs: list[str] = []
+        self._outputs: list[str] = []
+        self._output_uses: dict[str, int] = {}
         self.initializers: dict[str, np.ndarray] = {}
-        self.nodes: dict[str, Node] = {}
-        self._order_key: dict[str, int] = {}
-        self._counter = 0
+        self._nodes: dict[str, Node] = {}
+        self._head = Node("", _Sentinel(), (), ())  # circular list: head._next is the first node
+        self._head._prev = self._head._next = self._head
+        self._fresh: dict[str, int] = {}
+        self._touched: set[str] | None = None
+
+    # ----------------------------------------------------------------- views
+    @property
+    def types(self) -> Mapping[str, TensorType]:
+        """Name -> type of every value (read-only)."""
+        return _TypesView(self._values)
+
+    @property
+    def nodes(self) -> Mapping[str, Node]:
+        """Name -> node (read-only); iterates in topological order."""
+        return _NodesView(self)
+
+    @property
+    def inputs(self) -> list[str]:
+        """Names of the graph inputs, in order."""
+        return list(self._inputs)
+
+    @property
+    def outputs(self) -> list[str]:
+        """Names of the graph outputs, in order."""
+        return list(self._outputs)
+
+    @outputs.setter
+    def outputs(self, names: Sequence[str]) -> None:
+        self._outputs = []
+        self._output_uses = {}
+        self.output(*names)
 
     # ----------------------------------------------------------------- naming
     def fresh_name(self, base: str) -> str:
         """Return ``base`` or ``base_N``, whichever is not used yet."""
-        if base not in self.types:
+        if base not in self._values:
             return base
-        i = 1
-        while f"{base}_{i}" in self.types:
+        i = self._fresh.get(base, 1)
+        while f"{base}_{i}" in self._values:
             i += 1
+        self._fresh[base] = i + 1
         return f"{base}_{i}"
 
     def _claim(self, name: str) -> None:
         if not isinstance(name, str) or not _NAME.match(name):
-            raise GraphError(f"invalid value name {name!r}: use letters, digits and _ . : / - (starting with a letter or _)")
-        if name in self.types:
+            raise GraphError(f"invalid value name {name!r}: use letters, digits and _ . : / - (starting with a letter, _ or /)")
+        if name in self._values:
             raise DuplicateNameError(f"value name {name!r} is already defined in graph {self.name!r}")
 
     # ------------------------------------------------------------ definitions
     def value(self, v: ValueLike) -> Value:
-        """Return the :class:`Value` handle of ``v`` (a name or a handle)."""
+        """Return the :class:`Value` of ``v`` (a name or a handle)."""
         name = _name_of(v)
-        if name not in self.types:
+        if name not in self._values:
             raise UndefinedValueError(f"value {name!r} is not defined in graph {self.name!r}")
-        return Value(name, self.types[name])
+        return self._values[name]
 
     def add_input(self, name: str, shape: Sequence[Dim], dtype: str = "float32") -> Value:
         """Declare a graph input of ``shape`` (ints or symbols such as ``"batch"``) and ``dtype``."""
         self._claim(name)
-        self.types[name] = TensorType(tuple(shape), check_dtype(dtype))
-        self.inputs.append(name)
-        return Value(name, self.types[name])
+        v = Value(name, TensorType(tuple(shape), check_dtype(dtype)))
+        self._values[name] = v
+        self._inputs.append(name)
+        return v
 
-    def add_initializer(self, name: str, array: np.ndarray) -> Value:
-        """Declare a constant (a weight) holding ``array``; the graph keeps a read-only copy."""
+    def add_initializer(self, name: str, array: np.ndarray, copy: bool = True) -> Value:
+        """Declare a constant (a weight) holding ``array``.
+
+        The graph keeps a read-only array: a copy, unless ``copy=False`` and the
+        array is already read-only (weights shared between graphs, memory maps).
+        """
         self._claim(name)
-        arr = np.array(array, copy=True)
+        arr = np.asarray(array)
+        if copy or arr.flags.writeable:
+            arr = np.array(arr, copy=True)
+            arr.setflags(write=False)
         check_dtype(str(arr.dtype))
-        arr.setflags(write=False)
         self.initializers[name] = arr
-        self.types[name] = TensorType(tuple(int(d) for d in arr.shape), str(arr.dtype))
-        return Value(name, self.types[name])
+        v = Value(name, TensorType(tuple(int(d) for d in arr.shape), str(arr.dtype)))
+        self._values[name] = v
+        return v
 
-    def add_node(self, op: Op, inputs: Sequence[ValueLike], name: str | None = None, out_type: TensorType | None = None) -> Value:
-        """Append a node applying ``op`` to ``inputs`` and return its output value.
+    def add_node(
+        self,
+        op: Op,
+        inputs: Sequence[ValueLike],
+        name: str | None = None,
+        out_type: TensorType | None = None,
+        before: str | None = None,
+    ) -> Value:
+        """Add a node applying a single-output ``op`` to ``inputs`` and return its output value.
 
         The output type is inferred (errors name the node); ``out_type`` skips
         inference and is used by the loader, whose result :meth:`verify` checks.
+        The node goes last, or just before node ``before``.
         """
-        names = tuple(_name_of(v) for v in inputs)
-        name = name if name is not None else self.fresh_name(op.kind.lower())
-        self._claim(name)
-        if out_type is None:
-            out_type = self._infer(name, op, names)
-        self.types[name] = out_type
-        self.nodes[name] = Node(name, op, names)
-        self._counter += 1
-        self._order_key[name] = self._counter
-        return Value(name, out_type)
+        names = [name if name is not None else self.fresh_name(op.kind.lower())]
+        types = None if out_type is None else [out_type]
+        return self.add_multi_node(op, inputs, names, types, before)[0]
 
-    def _infer(self, name: str, op: Op, names: Sequence[str]) -> TensorType:
+    def add_multi_node(
+        self,
+        op: Op,
+        inputs: Sequence[ValueLike],
+        names: Sequence[str] | None = None,
+        out_types: Sequence[TensorType] | None = None,
+        before: str | None = None,
+    ) -> tuple[Value, ...]:
+        """Add a node with one output per name in ``names`` (default: fresh names) and return them."""
+        in_names = tuple(_name_of(v) for v in inputs)
+        n_out = op.num_outputs
+        if names is None:
+            base = op.kind.lower()
+            names = [self.fresh_name(base)] + [self.fresh_name(f"{base}_out{i}") for i in range(1, n_out)]
+        names = list(names)
+        if len(names) != n_out:
+            raise GraphError(f"{op.kind} has {n_out} output(s) but {len(names)} name(s) were given: {names}")
+        for n in names:
+            self._claim(n)
+        if len(set(names)) != len(names):
+            raise DuplicateNameError(f"output names {names} repeat")
+        types = list(out_types) if out_types is not None else list(self._infer(names[0], op, in_names))
+        if len(types) != n_out:
+            raise GraphError(f"{op.kind} declares {n_out} output(s) but {len(types)} type(s) were given")
+        node = Node(names[0], op, in_names, tuple(names))
+        for n, t in zip(names, types):
+            self._values[n] = Value(n, t, node)
+        self._nodes[node.name] = node
+        for i in in_names:
+            if i in self._values:  # the loader may name values defined later; verify() reports them
+                self._add_use(i, node)
+        self._link_before(node, self._nodes[before] if before is not None else self._head)
+        self._touch(node.name)
+        return tuple(self._values[n] for n in names)
+
+    def _infer(self, name: str, op: Op, names: Sequence[str]) -> tuple[TensorType, ...]:
         for i, n in enumerate(names):
-            if n not in self.types:
+            if n not in self._values:
                 raise UndefinedValueError(f"node {name!r} ({op.kind}): operand {i} {n!r} is not defined")
         try:
             op.check_arity(len(names))
-            return op.infer([self.types[n] for n in names])
+            return op.infer_all([self._values[n].type for n in names])
         except GraphcError as e:
-            operands = ", ".join(f"{n}: {self.types[n]}" for n in names)
+            operands = ", ".join(f"{n}: {self._values[n].type}" for n in names)
             raise type(e)(f"node {name!r}: {e} [operands: {operands}]") from None
 
     def output(self, *values: ValueLike) -> None:
         """Mark ``values`` as graph outputs (in order)."""
         for v in values:
             name = _name_of(v)
-            if name not in self.types:
+            if name not in self._values:
                 raise UndefinedValueError(f"graph output {name!r} is not defined")
-            if name in self.outputs:
+            if name in self._output_uses:
                 raise DuplicateNameError(f"{name!r} is already a graph output")
-            self.outputs.append(name)
+            self._outputs.append(name)
+            self._output_uses[name] = 1
+
+    def call(self, sub: Graph, bindings: Mapping[str, ValueLike], prefix: str = "") -> dict[str, Value]:
+        """Inline ``sub`` into this graph with its inputs bound to values of this graph.
+
+        ``bindings`` maps every input name of ``sub`` to a value here (types must
+        match).  Initializers and nodes are copied under ``prefix`` + their name
+        (made unique with a suffix if taken); weight arrays are shared, not
+        copied.  Returns ``sub``'s outputs by their names in ``sub``.  An
+        N-layer stack is N calls of one layer graph.
+        """
+        missing = [n for n in sub._inputs if n not in bindings]
+        extra = sorted(set(bindings) - set(sub._inputs))
+        if missing or extra:
+            raise GraphError(f"call of {sub.name!r}: inputs {sub._inputs} must each be bound; missing {missing}, unknown {extra}")
+        rename: dict[str, str] = {}
+        for n in sub._inputs:
+            v = self.value(bindings[n])
+            if v.type != sub._values[n].type:
+                raise GraphError(f"call of {sub.name!r}: input {n!r} is {sub._values[n].type} but is bound to {v.name!r} ({v.type})")
+            rename[n] = v.name
+        for n, arr in sub.initializers.items():
+            rename[n] = self.add_initializer(self.fresh_name(prefix + n), arr, copy=False).name
+        for node in sub._walk():
+            outs = [self.fresh_name(prefix + o) for o in node.outputs]
+            for o, new in zip(node.outputs, outs):
+                rename[o] = new
+            self.add_multi_node(node.op, [rename[i] for i in node.inputs], outs, [sub._values[o].type for o in node.outputs])
+        return {o: self._values[rename[o]] for o in sub._outputs}
 
     # ---------------------------------------------------------------- queries
     def producer(self, value: ValueLike) -> Node | None:
         """The node that produces ``value``, or ``None`` for inputs and initializers."""
-        return self.nodes.get(_name_of(value))
+        v = self._values.get(_name_of(value))
+        return v.producer if v is not None else None
 
     def consumers(self, value: ValueLike) -> list[Node]:
         """The nodes that read ``value``, in topological order."""
-        name = _name_of(value)
-        return [n for n in self.topological_order() if name in n.inputs]
+        v = self._values.get(_name_of(value))
+        return sorted(v.users, key=lambda n: n._key) if v is not None else []
 
     def use_count(self, value: ValueLike) -> int:
         """Number of node operands plus graph outputs that read ``value``."""
         name = _name_of(value)
-        return sum(n.inputs.count(name) for n in self.nodes.values()) + self.outputs.count(name)
+        v = self._values.get(name)
+        return (sum(v.users.values()) if v is not None else 0) + self._output_uses.get(name, 0)
+
+    def is_output(self, value: ValueLike) -> bool:
+        """True when ``value`` is a graph output."""
+        return _name_of(value) in self._output_uses
 
     def is_constant(self, value: ValueLike) -> bool:
         """True when ``value`` is an initializer."""
         return _name_of(value) in self.initializers
 
+    def is_before(self, a: str, b: str) -> bool:
+        """True when node ``a`` comes before node ``b`` in the order."""
+        return self._nodes[a]._key < self._nodes[b]._key
+
     def to_networkx(self) -> nx.DiGraph:
         """The node DAG: one networkx node per graph node, an edge per data dependency."""
         dag = nx.DiGraph()
-        for node in self.nodes.values():
+        for node in self._walk():
             dag.add_node(node.name, op=node.op)
             for i in node.inputs:
-                if i in self.nodes:
-                    dag.add_edge(i, node.name)
+                p = self.producer(i)
+                if p is not None:
+                    dag.add_edge(p.name, node.name)
         return dag
 
+    def _walk(self) -> Iterator[Node]:
+        node = self._head._next
+        while node is not self._head:
+            nxt = node._next  # read first: the caller may unlink ``node``
+            yield node
+            node = nxt  # type: ignore[assignment]
+
     def topological_order(self) -> list[Node]:
-        """Nodes in a deterministic topological order (ties broken by insertion order)."""
-        dag = self.to_networkx()
-        try:
-            order = nx.lexicographical_topological_sort(dag, key=lambda n: self._order_key[n])
-            return [self.nodes[n] for n in order]
-        except nx.NetworkXUnfeasible:
-            cycle = nx.find_cycle(dag)
-            raise CycleError(f"graph {self.name!r} has a cycle: {' -> '.join(a for a, _ in cycle)} -> {cycle[0][0]}") from None
+        """Nodes in topological order (the maintained list; no sort)."""
+        return list(self._walk())
 
     # ------------------------------------------------------------- mutation
-    def copy(self) -> "Graph":
+    def track_changes(self) -> set[str]:
+        """Start recording the names of nodes that edits touch; returns the live set (see :meth:`stop_tracking`)."""
+        self._touched = set()
+        return self._touched
+
+    def stop_tracking(self) -> None:
+        """Stop recording touched nodes."""
+        self._touched = None
+
+    def _touch(self, *names: str) -> None:
+        if self._touched is not None:
+            self._touched.update(names)
+
+    def _add_use(self, value: str, node: Node) -> None:
+        users = self._values[value].users
+        users[node] = users.get(node, 0) + 1
+
+    def _drop_use(self, value: str, node: Node) -> None:
+        v = self._values.get(value)
+        if v is None:
+            return
+        n = v.users.get(node, 0) - 1
+        if n > 0:
+            v.users[node] = n
+        else:
+            v.users.pop(node, None)
+        if v.producer is not None:
+            self._touch(v.producer.name)
+
+    def _link_before(self, node: Node, anchor: Node) -> None:
+        prev = anchor._prev
+        assert prev is not None
+        node._prev, node._next = prev, anchor
+        prev._next = node
+        anchor._prev = node
+        lo = prev._key if prev is not self._head else 0
+        hi = anchor._key if anchor is not self._head else lo + 2 * _GAP
+        if hi - lo < 2:
+            self._renumber()
+        else:
+            node._key = (lo + hi) // 2
+
+    def _unlink(self, node: Node) -> None:
+        assert node._prev is not None and node._next is not None
+        node._prev._next = node._next
+        node._next._prev = node._prev
+        node._prev = node._next = None
+
+    def _renumber(self) -> None:
+        for i, node in enumerate(self._walk(), 1):
+            node._key = i * _GAP
+
+    def copy(self) -> Graph:
         """A copy sharing the immutable op payloads and read-only initializer arrays."""
         g = Graph(self.name)
-        g.types = dict(self.types)
-        g.inputs = list(self.inputs)
-        g.outputs = list(self.outputs)
         g.initializers = dict(self.initializers)
-        g.nodes = dict(self.nodes)
-        g._order_key = dict(self._order_key)
-        g._counter = self._counter
+        for name in self._inputs:
+            g._values[name] = Value(name, self._values[name].type)
+        g._inputs = list(self._inputs)
+        for name in self.initializers:
+            g._values[name] = Value(name, self._values[name].type)
+        for node in self._walk():
+            g.add_multi_node(node.op, node.inputs, node.outputs, [self._values[o].type for o in node.outputs])
+        g.outputs = self._outputs
+        g._fresh = dict(self._fresh)
         return g
 
     def replace_uses(self, old: ValueLike, new: ValueLike) -> None:
-        """Make every reader of ``old`` (nodes and graph outputs) read ``new`` instead."""
+        """Make every reader of ``old`` (nodes and graph outputs) read ``new`` instead: O(readers).
+
+        ``new`` must be defined before every reader of ``old``.
+        """
         old_n, new_n = _name_of(old), _name_of(new)
-        if self.types[old_n] != self.types[new_n]:
-            raise GraphError(f"cannot replace {old_n!r} ({self.types[old_n]}) by {new_n!r} ({self.types[new_n]}): types differ")
-        for name, node in list(self.nodes.items()):
-            if old_n in node.inputs:
-                self.nodes[name] = Node(name, node.op, tuple(new_n if i == old_n else i for i in node.inputs))
-        self.outputs = [new_n if o == old_n else o for o in self.outputs]
+        ov, nv = self.value(old_n), self.value(new_n)
+        if ov.type != nv.type:
+            raise GraphError(f"cannot replace {old_n!r} ({ov.type}) by {new_n!r} ({nv.type}): types differ")
+        for node, count in list(ov.users.items()):
+            node.inputs = tuple(new_n if i == old_n else i for i in node.inputs)
+            nv.users[node] = nv.users.get(node, 0) + count
+            self._touch(node.name)
+        ov.users.clear()
+        if old_n in self._output_uses:
+            self._outputs = [new_n if o == old_n else o for o in self._outputs]
+            self._output_uses = {o: 1 for o in self._outputs}
+        for v in (ov, nv):
+            if v.producer is not None:
+                self._touch(v.producer.name)
+
+    replace_all_uses_with = replace_uses
+
+    def rename_value(self, old: str, new: str) -> None:
+        """Give value ``old`` the unused name ``new`` everywhere (readers, outputs, its node): O(readers)."""
+        v = self.value(old)
+        self._claim(new)
+        del self._values[old]
+        v.name = new
+        self._values[new] = v
+        for node in v.users:
+            node.inputs = tuple(new if i == old else i for i in node.inputs)
+        if old in self._output_uses:
+            self._outputs = [new if o == old else o for o in self._outputs]
+            self._output_uses = {o: 1 for o in self._outputs}
+        if old in self.initializers:
+            self.initializers[new] = self.initializers.pop(old)
+        if old in self._inputs:
+            self._inputs = [new if i == old else i for i in self._inputs]
+        p = v.producer
+        if p is not None:
+            p.outputs = tuple(new if o == old else o for o in p.outputs)
+            if p.name == old:
+                del self._nodes[old]
+                p.name = new
+                self._nodes[new] = p
+            self._touch(p.name)
+
+    def substitute(self, node: str, replacements: Mapping[str, ValueLike]) -> None:
+        """Replace node ``node`` by values built before it: each output's readers move to its
+        replacement, which then takes the output's name (so graph outputs and names survive)."""
+        n = self._nodes[node]
+        if set(replacements) != set(n.outputs):
+            raise GraphError(f"substitute {node!r}: give a replacement for each output {list(n.outputs)}")
+        pairs = [(o, _name_of(replacements[o])) for o in n.outputs]
+        for o, r in pairs:
+            self.replace_uses(o, r)
+        self.remove_node(node)
+        for o, r in pairs:
+            if self.producer(r) is not None:  # an input or weight keeps its own name
+                self.rename_value(r, o)
 
     def set_inputs(self, node: str, inputs: Sequence[ValueLike]) -> None:
         """Rewire ``node`` to read ``inputs`` (its type is re-checked by :meth:`verify`)."""
-        old = self.nodes[node]
-        self.nodes[node] = Node(node, old.op, tuple(_name_of(v) for v in inputs))
+        n = self._nodes[node]
+        for i in n.inputs:
+            self._drop_use(i, n)
+        n.inputs = tuple(_name_of(v) for v in inputs)
+        for i in n.inputs:
+            if i in self._values:
+                self._add_use(i, n)
+        self._touch(node)
 
     def redefine(self, name: str, op: Op, inputs: Sequence[ValueLike]) -> None:
-        """Replace the op and operands of node ``name``, keeping its name, type and readers.
+        """Replace the op and operands of node ``name``, keeping its outputs, their types and readers.
 
-        The new definition must infer exactly the old type, so readers stay valid.
+        The new definition must infer exactly the old types, so readers stay valid.
         """
+        node = self._nodes[name]
         names = tuple(_name_of(v) for v in inputs)
-        t = self._infer(name, op, names)
-        if t != self.types[name]:
-            raise GraphError(f"cannot redefine {name!r} as {op}: it would be {t}, not {self.types[name]}")
-        self.nodes[name] = Node(name, op, names)
+        types = self._infer(name, op, names)
+        old = tuple(self._values[o].type for o in node.outputs)
+        if types != old:
+            shown = ", ".join(map(str, types))
+            raise GraphError(f"cannot redefine {name!r} as {op}: it would be {shown}, not {', '.join(map(str, old))}")
+        node.op = op
+        self.set_inputs(name, names)
 
     def insert_before(self, anchor: str, op: Op, inputs: Sequence[ValueLike], base_name: str) -> Value:
-        """Add a node (named ``base_name`` or a fresh variant) ordered just before node ``anchor``."""
-        v = self.add_node(op, inputs, self.fresh_name(base_name))
-        if anchor in self._order_key:
-            self.place_before(v.name, anchor)
-        return v
+        """Add a node (named ``base_name`` or a fresh variant) just before node ``anchor``."""
+        return self.add_node(op, inputs, self.fresh_name(base_name), before=anchor if anchor in self._nodes else None)
 
     def remove_node(self, name: str) -> None:
-        """Delete node ``name`` and its value; it must have no readers left."""
-        if self.use_count(name):
-            raise GraphError(f"cannot remove node {name!r}: it still has {self.use_count(name)} reader(s)")
-        del self.nodes[name]
-        del self.types[name]
-        del self._order_key[name]
+        """Delete node ``name`` and its output values; none may have readers left."""
+        node = self._nodes[name]
+        for o in node.outputs:
+            if self.use_count(o):
+                raise GraphError(f"cannot remove node {name!r}: its output {o!r} still has {self.use_count(o)} reader(s)")
+        for i in node.inputs:
+            self._drop_use(i, node)
+        self._unlink(node)
+        del self._nodes[name]
+        for o in node.outputs:
+            del self._values[o]
+        if self._touched is not None:
+            self._touched.discard(name)
 
     def replace_with_constant(self, name: str, array: np.ndarray) -> None:
-        """Turn node ``name`` into an initializer holding ``array`` (same name and type; readers unchanged)."""
-        arr = np.array(array, copy=True)
-        if (tuple(arr.shape), str(arr.dtype)) != (self.types[name].shape, self.types[name].dtype):
-            raise GraphError(f"cannot replace {name!r} ({self.types[name]}) by a constant of {arr.dtype}{list(arr.shape)}")
-        arr.setflags(write=False)
-        del self.nodes[name]
-        del self._order_key[name]
+        """Turn single-output node ``name`` into an initializer holding ``array`` (same name and type; readers unchanged)."""
+        node = self._nodes[name]
+        arr = np.asarray(array)
+        t = self._values[node.output].type
+        if (tuple(arr.shape), str(arr.dtype)) != (t.shape, t.dtype):
+            raise GraphError(f"cannot replace {name!r} ({t}) by a constant of {arr.dtype}{list(arr.shape)}")
+        if arr.flags.writeable:
+            arr = np.array(arr, copy=True)
+            arr.setflags(write=False)
+        for i in node.inputs:
+            self._drop_use(i, node)
+        self._unlink(node)
+        del self._nodes[name]
+        self._values[name].producer = None
         self.initializers[name] = arr
+        for reader in self._values[name].users:
+            self._touch(reader.name)
 
     def remove_initializer(self, name: str) -> None:
         """Delete an unused initializer."""
         if self.use_count(name):
             raise GraphError(f"cannot remove initializer {name!r}: it is still read")
         del self.initializers[name]
-        del self.types[name]
+        del self._values[name]
 
     def place_before(self, name: str, anchor: str) -> None:
-        """Give node ``name`` a topological tie-break key just before ``anchor`` (keeps printed order readable)."""
-        keys = [k for k in sorted(self._order_key, key=self._order_key.__getitem__) if k != name]
-        keys.insert(keys.index(anchor), name)
-        self._order_key = {k: i for i, k in enumerate(keys, 1)}
-        self._counter = len(keys)
+        """Move node ``name`` just before node ``anchor`` in the order."""
+        node = self._nodes[name]
+        self._unlink(node)
+        self._link_before(node, self._nodes[anchor])
+
+    def _check_acyclic(self) -> nx.DiGraph:
+        dag = self.to_networkx()
+        if not nx.is_directed_acyclic_graph(dag):
+            cycle = nx.find_cycle(dag)
+            raise CycleError(f"graph {self.name!r} has a cycle: {' -> '.join(a for a, _ in cycle)} -> {cycle[0][0]}")
+        return dag
+
+    def sort(self) -> None:
+        """Re-sort the nodes topologically, keeping the current order where it is valid (loaders call this)."""
+        dag = self._check_acyclic()
+        order = list(nx.lexicographical_topological_sort(dag, key=lambda n: self._nodes[n]._key))
+        for n in order:
+            node = self._nodes[n]
+            self._unlink(node)
+            self._link_before(node, self._head)
+        self._renumber()
 
     # ----------------------------------------------------------- validation
     def verify(self) -> None:
         """Check the whole graph; raise the typed error of the first problem found.
 
-        Checks: duplicate names, undefined values, cycles, op attributes and arity,
-        einsum specs, shapes and dtypes against inference, initializers against
-        their declared types, and that there is at least one output.
+        Checks: undefined values, cycles and the node order, op attributes and
+        arity, einsum specs, shapes and dtypes against inference, initializers
+        against their declared types, the users lists, and that there is at
+        least one output.
         """
-        seen: set[str] = set()
-        for name in [*self.inputs, *self.initializers, *self.nodes]:
-            if name in seen:
-                raise DuplicateNameError(f"value name {name!r} is defined more than once")
-            seen.add(name)
-        for node in self.nodes.values():
+        defined = set(self._inputs) | set(self.initializers)
+        for node in self._walk():
             for i, inp in enumerate(node.inputs):
-                if inp not in seen:
+                if inp not in self._values:
                     raise UndefinedValueError(f"node {node.name!r} ({node.op.kind}): operand {i} {inp!r} is used but never defined")
-        if not self.outputs:
+                if inp not in defined:
+                    self._check_acyclic()
+                    raise GraphError(f"node {node.name!r} reads {inp!r}, which is defined after it; graph.sort() restores a topological order")
+            defined.update(node.outputs)
+        if not self._outputs:
             raise GraphError(f"graph {self.name!r} has no outputs")
-        for out in self.outputs:
-            if out not in seen:
+        for out in self._outputs:
+            if out not in self._values:
                 raise UndefinedValueError(f"graph output {out!r} is never defined")
         for name, arr in self.initializers.items():
-            t = self.types[name]
+            t = self._values[name].type
             if tuple(arr.shape) != t.shape or str(arr.dtype) != t.dtype:
                 raise ShapeMismatchError(f"initializer {name!r} holds {arr.dtype}{list(arr.shape)} but is declared {t}")
-        for node in self.topological_order():  # raises CycleError
+        users: dict[str, dict[Node, int]] = {}
+        for node in self._walk():
+            for inp in node.inputs:
+                users.setdefault(inp, {}).setdefault(node, 0)
+                users[inp][node] += 1
             expected = self._infer(node.name, node.op, node.inputs)
-            declared = self.types[node.name]
-            if expected.dtype != declared.dtype:
-                raise DTypeMismatchError(f"node {node.name!r} ({node.op}): declared dtype {declared.dtype} but the op gives {expected.dtype}")
-            if expected.shape != declared.shape:
-                raise ShapeMismatchError(
-                    f"node {node.name!r} ({node.op}): declared shape {format_shape(declared.shape)} but the op gives {format_shape(expected.shape)}"
-                )
+            for o, t in zip(node.outputs, expected):
+                declared = self._values[o].type
+                which = f" (output {o!r})" if len(node.outputs) > 1 else ""
+                if t.dtype != declared.dtype:
+                    raise DTypeMismatchError(f"node {node.name!r} ({node.op}){which}: declared dtype {declared.dtype} but the op gives {t.dtype}")
+                if t.shape != declared.shape:
+                    raise ShapeMismatchError(
+                        f"node {node.name!r} ({node.op}){which}: declared shape {format_shape(declared.shape)} but the op gives {format_shape(t.shape)}"
+                    )
+        for name, v in self._values.items():
+            if v.users != users.get(name, {}):
+                raise GraphError(f"internal: the users of {name!r} are out of date")
 
     # ---------------------------------------------------------------- text
     def __str__(self) -> str:
         lines = [f"graph {self.name}("]
-        for name in self.inputs:
-            lines.append(f"    {name}: {self.types[name]}")
+        for name in self._inputs:
+            lines.append(f"    {name}: {self._values[name].type}")
         lines.append(") {")
         for name in sorted(self.initializers):
-            lines.append(f"  const {name}: {self.types[name]}")
-        for node in self.topological_order():
-            lines.append(f"  {node.name}: {self.types[node.name]} = {node.op}({', '.join(node.inputs)})")
-        lines.append(f"  return {', '.join(self.outputs)}")
+            lines.append(f"  const {name}: {self._values[name].type}")
+        for node in self._walk():
+            outs = ", ".join(f"{o}: {self._values[o].type}" for o in node.outputs)
+            lines.append(f"  {outs} = {node.op}({', '.join(node.inputs)})")
+        lines.append(f"  return {', '.join(self._outputs)}")
         lines.append("}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<Graph {self.name!r}: {len(self.inputs)} inputs, {len(self.initializers)} initializers, {len(self.nodes)} nodes, {len(self.outputs)} outputs>"
+        return (
+            f"<Graph {self.name!r}: {len(self._inputs)} inputs, {len(self.initializers)} initializers, "
+            f"{len(self._nodes)} nodes, {len(self._outputs)} outputs>"
+        )
 
     def op_counts(self) -> dict[str, int]:
         """How many nodes of each op kind the graph holds."""
         counts: dict[str, int] = {}
-        for node in self.nodes.values():
+        for node in self._nodes.values():
             counts[node.op.kind] = counts.get(node.op.kind, 0) + 1
         return dict(sorted(counts.items()))
+
+
+class _Sentinel(Op):
+    """The list head's placeholder op (never in a graph's node table)."""
+
+    def attributes(self) -> dict[str, Any]:
+        return {}

@@ -10,13 +10,16 @@ Each op is a frozen dataclass whose fields are its typed attributes (a scale is 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, format_shape, normalize_dim, normalize_shape
+import numpy as np
+
+from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
 from .einsum_spec import EinsumSpec, infer_einsum_shape, parse_einsum
 from .errors import DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
+from .numerics import causal_mask, safe_softmax
 
 __all__ = [
     "DTYPES",
@@ -38,6 +41,8 @@ __all__ = [
     "UNARY_FUNCTIONS",
     "BINARY_FUNCTIONS",
     "OP_TYPES",
+    "register_op",
+    "Dims",
     "check_dtype",
     "broadcast_shapes",
 ]
@@ -110,14 +115,37 @@ def broadcast_shapes(a: Shape, b: Shape, op: str = "broadcast") -> Shape:
     return tuple(out)
 
 
+Dims = Mapping[str, int]
+"""Bindings of symbolic dims at run time (``{"batch": 2, "seq": 16}``)."""
+
+
 class Op:
-    """Base of every op payload. Subclasses are frozen dataclasses."""
+    """Base of every op payload. Subclasses are frozen dataclasses.
+
+    An op says what it computes in three places: ``infer`` (output types),
+    ``evaluate`` (its reference semantics in plain NumPy, used by constant
+    folding and the reference interpreter; backends may run faster kernels) and,
+    for composite ops, a decomposition into simpler ops.
+    """
 
     arity: ClassVar[int | None] = None  # None: variadic (at least one)
+    num_outputs: ClassVar[int] = 1
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
-        """Return the output type for inputs of types ``ins``."""
+        """Return the output type for inputs of types ``ins`` (single-output ops)."""
         raise NotImplementedError
+
+    def infer_all(self, ins: Sequence[TensorType]) -> tuple[TensorType, ...]:
+        """Return the type of every output (one per :attr:`num_outputs`)."""
+        return (self.infer(ins),)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        """The reference result for arrays ``args`` with symbolic dims bound by ``dims`` (single-output ops)."""
+        raise NotImplementedError(f"{self.kind} has no reference semantics")
+
+    def evaluate_all(self, args: Sequence[np.ndarray], dims: Dims) -> tuple[np.ndarray, ...]:
+        """The reference result of every output."""
+        return (self.evaluate(args, dims),)
 
     def check_arity(self, n: int) -> None:
         """Raise :class:`OpError` if ``n`` inputs do not fit this op."""
@@ -179,6 +207,9 @@ class Einsum(Op):
         dtype = _same_dtype(f"Einsum {self.spec!r}", ins)
         return TensorType(infer_einsum_shape(self.parsed, [t.shape for t in ins]), dtype)
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return np.einsum(self.spec, *args, optimize=len(args) > 1)
+
 
 @dataclass(frozen=True)
 class Reshape(Op):
@@ -198,6 +229,9 @@ class Reshape(Op):
             )
         return TensorType(self.shape, x.dtype)
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return args[0].reshape(eval_shape(self.shape, dims))
+
 
 @dataclass(frozen=True)
 class Transpose(Op):
@@ -216,6 +250,9 @@ class Transpose(Op):
         if len(self.perm) != x.rank:
             raise ShapeMismatchError(f"Transpose: perm {list(self.perm)} has length {len(self.perm)} but the input has rank {x.rank}")
         return TensorType(tuple(x.shape[p] for p in self.perm), x.dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return args[0].transpose(self.perm)
 
 
 @dataclass(frozen=True)
@@ -241,6 +278,9 @@ class Repeat(Op):
         shape[a] = normalize_dim(dim_prod([shape[a], self.repeats]))
         return TensorType(tuple(shape), x.dtype)
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return np.repeat(args[0], self.repeats, axis=self.axis)
+
 
 @dataclass(frozen=True)
 class Softmax(Op):
@@ -254,6 +294,9 @@ class Softmax(Op):
         _float("Softmax", x)
         _axis(self.axis, x.rank, "Softmax")
         return x
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return safe_softmax(args[0], self.axis)
 
 
 @dataclass(frozen=True)
@@ -280,6 +323,9 @@ class Concat(Op):
         shape[a] = total
         return TensorType(tuple(shape), dtype)
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return np.concatenate(args, axis=self.axis)
+
 
 @dataclass(frozen=True)
 class Cast(Op):
@@ -293,6 +339,9 @@ class Cast(Op):
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         return TensorType(ins[0].shape, self.dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return args[0].astype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -311,6 +360,9 @@ class Unary(Op):
             _float(f"Unary {self.fn}", ins[0])
         return ins[0]
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return _UNARY[self.fn](args[0])
+
 
 @dataclass(frozen=True)
 class Binary(Op):
@@ -327,6 +379,9 @@ class Binary(Op):
         dtype = _same_dtype(f"Binary {self.fn}", ins)
         return TensorType(broadcast_shapes(ins[0].shape, ins[1].shape, f"Binary {self.fn}"), dtype)
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return _BINARY[self.fn](args[0], args[1])
+
 
 @dataclass(frozen=True)
 class Where(Op):
@@ -341,6 +396,9 @@ class Where(Op):
         dtype = _same_dtype("Where", [x, y])
         shape = broadcast_shapes(broadcast_shapes(cond.shape, x.shape, "Where"), y.shape, "Where")
         return TensorType(shape, dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return np.where(args[0], args[1], args[2])
 
 
 @dataclass(frozen=True)
@@ -358,6 +416,9 @@ class Scale(Op):
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         _float("Scale", ins[0])
         return ins[0]
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return args[0] * np.array(self.factor, args[0].dtype)
 
 
 @dataclass(frozen=True)
@@ -386,8 +447,37 @@ class CausalMask(Op):
             raise ShapeMismatchError(f"CausalMask: input must have rank >= 2 (queries, keys), got shape {format_shape(x.shape)}")
         return x
 
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return causal_mask(args[0], eval_dim(self.offset, dims))
+
+
+_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "exp": np.exp,
+    "neg": np.negative,
+    "tanh": np.tanh,
+    "sqrt": np.sqrt,
+    "reciprocal": np.reciprocal,
+    "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+}
+_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,
+    "max": np.maximum,
+}
 
 OP_TYPES: dict[str, type[Op]] = {
     cls.__name__: cls
     for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Where, Scale, CausalMask)
 }
+"""Every op kind by name (the loader's registry); :func:`register_op` adds one."""
+
+_O = TypeVar("_O", bound=type)
+
+
+def register_op(cls: _O) -> _O:
+    """Class decorator: add an op payload class to :data:`OP_TYPES` (for loading, printing, backends)."""
+    OP_TYPES[cls.__name__] = cls
+    return cls

@@ -16,10 +16,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
 import numpy as np
 
-from .errors import GraphcError, SerializationError
-from .graph import Graph
+from .errors import CycleError, GraphcError, SerializationError
+from .graph import Graph, Node
 from .ops import OP_TYPES, Op, TensorType
 
 __all__ = ["graph_to_dict", "graph_from_dict", "save_graph", "load_graph", "FORMAT_VERSION"]
@@ -46,17 +47,21 @@ def graph_to_dict(graph: Graph, include_weights: bool = True) -> dict[str, Any]:
         "name": graph.name,
         "inputs": [{"name": n, "shape": list(graph.types[n].shape), "dtype": graph.types[n].dtype} for n in graph.inputs],
         "initializers": inits,
-        "nodes": [
-            {
-                "name": node.name,
-                "op": _op_to_dict(node.op),
-                "inputs": list(node.inputs),
-                "type": {"shape": list(graph.types[node.name].shape), "dtype": graph.types[node.name].dtype},
-            }
-            for node in graph.topological_order()
-        ],
+        "nodes": [_node_to_dict(graph, node) for node in graph.topological_order()],
         "outputs": list(graph.outputs),
     }
+
+
+def _node_to_dict(graph: Graph, node: Node) -> dict[str, Any]:
+    def typ(name: str) -> dict[str, Any]:
+        return {"shape": list(graph.types[name].shape), "dtype": graph.types[name].dtype}
+
+    d: dict[str, Any] = {"name": node.name, "op": _op_to_dict(node.op), "inputs": list(node.inputs)}
+    if len(node.outputs) == 1:
+        d["type"] = typ(node.name)
+    else:
+        d["outputs"] = [{"name": o, "type": typ(o)} for o in node.outputs]
+    return d
 
 
 _JSON_NAMES = {str: "string", list: "array", dict: "object"}
@@ -122,6 +127,7 @@ def graph_from_dict(doc: Any) -> Graph:
             except (ValueError, TypeError) as e:
                 raise SerializationError(f"{where}: data does not decode to {t}: {e}") from None
             g.add_initializer(_req(d, "name", str, where), arr)
+        pending = []
         for i, d in enumerate(_req(doc, "nodes", list, "graph")):
             where = f"nodes[{i}]"
             name = _req(d, "name", str, where)
@@ -129,7 +135,15 @@ def graph_from_dict(doc: Any) -> Graph:
             inputs = _req(d, "inputs", list, where)
             if not all(isinstance(x, str) for x in inputs):
                 raise SerializationError(f"{where}: 'inputs' must be a list of value names")
-            g.add_node(op, inputs, name=name, out_type=_type(_req(d, "type", dict, where), where))
+            if "outputs" in d:
+                outs = _req(d, "outputs", list, where)
+                names = [_req(o, "name", str, f"{where}.outputs") for o in outs]
+                types = [_type(_req(o, "type", dict, f"{where}.outputs"), where) for o in outs]
+            else:
+                names, types = [name], [_type(_req(d, "type", dict, where), where)]
+            pending.append((where, op, inputs, names, types))
+        for where, op, inputs, names, types in _dependency_order(pending):
+            g.add_multi_node(op, inputs, names, types)
         outputs = _req(doc, "outputs", list, "graph")
         if not all(isinstance(x, str) for x in outputs):
             raise SerializationError("graph: 'outputs' must be a list of value names")
@@ -140,6 +154,20 @@ def graph_from_dict(doc: Any) -> Graph:
         raise type(e)(f"while loading graph {g.name!r}: {e}") from None
     g.verify()
     return g
+
+
+def _dependency_order(pending: list[tuple[str, Op, list[str], list[str], list[TensorType]]]) -> list[tuple[str, Op, list[str], list[str], list[TensorType]]]:
+    """The nodes of a document in an order where each reads only what came before (file order kept where valid)."""
+    producer = {n: k for k, p in enumerate(pending) for n in p[3]}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(pending)))
+    for k, p in enumerate(pending):
+        dag.add_edges_from((producer[i], k) for i in p[2] if i in producer)
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        names = [pending[a][3][0] for a, _ in cycle]
+        raise CycleError(f"graph has a cycle: {' -> '.join(names)} -> {names[0]}")
+    return [pending[k] for k in nx.lexicographical_topological_sort(dag)]
 
 
 def save_graph(graph: Graph, path: str | Path, include_weights: bool = True) -> None:

@@ -22,6 +22,7 @@ from .contraction import contract, contract_pair, plan_matmul
 from .inputs import check_inputs, random_inputs
 from .numpy_interpreter import NumpyInterpreter, run_numpy
 from .onnx_export import DEFAULT_OPSET, export
+from .targets import ATTENTION_MODES, NUMPY_TARGET, TORCH_TARGET, onnx_target
 
 __all__ = [
     "run",
@@ -38,6 +39,10 @@ __all__ = [
     "get_backend",
     "unavailable_reason",
     "export",
+    "ATTENTION_MODES",
+    "NUMPY_TARGET",
+    "TORCH_TARGET",
+    "onnx_target",
     "DEFAULT_OPSET",
     "NumpyInterpreter",
     "run_numpy",

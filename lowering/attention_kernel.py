@@ -1,14 +1,9 @@
-"""Row-blocked attention for the NumPy interpreter.
+"""Row-blocked attention: the NumPy backend's kernel for the ``Attention`` op.
 
-The interpreter finds the attention chain
-
-    S = Einsum(Q[.., M, D], K[.., T, D] -> [.., M, T])   then optional Scale, a
-    Reshape view to [.., Sq, T], an optional CausalMask, Softmax(-1), a Reshape
-    view back, and O = Einsum(P[.., M, T], V[.., T, E] -> [.., M, E])
-
-(both as the builders emit it and in the optimizer's grouped form, where
-``M = group * Sq`` folds the query heads of one KV head into GEMM rows) and
-runs it block by block over the queries: one GEMM over the visible keys only,
+The optimizer recognises attention once (``fuse_attention``); the interpreter
+runs each ``Attention`` node with :func:`attention_kernel`, which views the
+queries of one KV head as ``M = group * Sq`` GEMM rows and goes block by block
+over the queries: one GEMM over the visible keys only,
 the masked softmax while the block is in cache, then the PV GEMM.  The S x S
 scores are never materialised, and a causal prefill skips the masked half of
 both GEMMs.  Blocks run on a thread pool with BLAS pinned to one thread per
@@ -18,115 +13,42 @@ cores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphc.dims import Dim
-from graphc.graph import Graph, Node
-from graphc.ops import CausalMask, Einsum, Reshape, Scale, Softmax
-from graphc.optimizer.cleanup import only_reader
+from graphc import Attention
+from graphc.dims import eval_dim
+from graphc.numerics import hidden_keys
 
-from .kernels import hidden_keys, run_blocks, softmax_rows_
+from .kernels import run_blocks, softmax_rows_
 
-__all__ = ["BlockedAttention", "find_blocked_attention", "blocked_attention", "GEMM_ROWS"]
+__all__ = ["attention_kernel", "blocked_attention", "GEMM_ROWS"]
 
 GEMM_ROWS = 256
 """Target GEMM rows (group x query rows) per block: measured best on 2 cores for head_dim 128."""
 
 
-@dataclass(frozen=True)
-class BlockedAttention:
-    """One attention chain the interpreter runs as a single blocked kernel."""
+def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
+    """The interpreter's kernel for :class:`~graphc.Attention`: the KV cache appended, then :func:`blocked_attention`.
 
-    anchor: str  # the PV einsum; the kernel's result takes its name
-    skipped: frozenset[str]  # chain nodes that are never materialised
-    q: str
-    k: str
-    v: str
-    q_perm: tuple[int, ...]  # views that bring Q to [batch.., M, D], K to [batch.., T, D], V to [batch.., T, E]
-    k_perm: tuple[int, ...]
-    v_perm: tuple[int, ...]
-    scale: float | None
-    offset: Dim | None
-    query_len: Dim  # Sq: the query axis of the softmax's view; GEMM row m is query m % Sq
-
-
-def _perm(term: str, order: str) -> tuple[int, ...] | None:
-    """Axes of ``term`` listed in ``order`` (None unless ``term`` is a permutation of ``order``)."""
-    return tuple(term.index(c) for c in order) if sorted(term) == sorted(order) else None
-
-
-def _roles(spec: str) -> tuple[str, tuple[int, ...], tuple[int, ...], bool] | None:
-    """For ``A,B->O`` with O = batch+m+t, one operand on batch+m+d and the other on batch+t+d (any axis order):
-    (batch, q_perm, k_perm, q_first) where the perms bring Q to [batch, m, d] and K to [batch, t, d]."""
-    a, b, o = spec.replace("->", ",").split(",")
-    if len(o) < 2:
-        return None
-    batch, m, t = o[:-2], o[-2], o[-1]
-    for q_term, k_term, q_first in ((a, b, True), (b, a, False)):
-        contracted = [c for c in q_term if c not in o]
-        if len(contracted) != 1:
-            continue
-        d = contracted[0]
-        qp, kp = _perm(q_term, batch + m + d), _perm(k_term, batch + t + d)
-        if qp is not None and kp is not None:
-            return batch, qp, kp, q_first
-    return None
-
-
-def _match(g: Graph, softmax: Node) -> BlockedAttention | None:
-    if not isinstance(softmax.op, Softmax) or softmax.op.axis not in (-1, g.types[softmax.name].rank - 1):
-        return None
-    chain: list[Node] = [softmax]
-    scale: float | None = None
-    offset: Dim | None = None
-    node = g.producer(softmax.inputs[0])
-    while node is not None and isinstance(node.op, (CausalMask, Reshape, Scale)) and not any(isinstance(c.op, type(node.op)) for c in chain[1:]):
-        if isinstance(node.op, CausalMask):
-            offset = node.op.offset
-        elif isinstance(node.op, Scale):
-            scale = node.op.factor
-        elif g.types[node.name].shape[-1] != g.types[node.inputs[0]].shape[-1]:
-            return None  # a view must keep the key axis
-        chain.append(node)
-        node = g.producer(node.inputs[0])
-    if node is None or not isinstance(node.op, Einsum) or len(node.inputs) != 2:
-        return None
-    qk = node
-    roles = _roles(qk.op.spec)
-    if roles is None:
-        return None
-    batch, q_perm, k_perm, q_first = roles
-    readers = g.consumers(softmax.name)
-    post: list[Node] = []
-    if len(readers) == 1 and isinstance(readers[0].op, Reshape):
-        post.append(readers[0])
-        readers = g.consumers(readers[0].name)
-    if len(readers) != 1 or not isinstance(readers[0].op, Einsum) or len(readers[0].inputs) != 2:
-        return None
-    pv = readers[0]
-    p_in = post[-1].name if post else softmax.name
-    if pv.inputs[0] != p_in or g.types[p_in].shape != g.types[qk.name].shape:
-        return None
-    p_term, v_term, out = pv.op.spec.replace("->", ",").split(",")  # type: ignore[attr-defined]
-    if len(p_term) != len(batch) + 2 or len(out) != len(p_term) or out[:-2] != p_term[:-2] or out[-2] != p_term[-2]:
-        return None
-    e = out[-1]
-    v_perm = _perm(v_term, p_term[:-2] + p_term[-1] + e)
-    if e in p_term or v_perm is None:
-        return None
-    ordered = [qk, *chain[::-1], *post]
-    if not all(only_reader(g, a.name, b.name) for a, b in zip(ordered, ordered[1:])) or not only_reader(g, p_in, pv.name):
-        return None
-    q, k = qk.inputs if q_first else qk.inputs[::-1]
-    query_len = g.types[softmax.name].shape[-2]
-    return BlockedAttention(pv.name, frozenset(n.name for n in ordered), q, k, pv.inputs[1], q_perm, k_perm, v_perm, scale, offset, query_len)
-
-
-def find_blocked_attention(graph: Graph) -> list[BlockedAttention]:
-    """Every attention chain of ``graph`` that the blocked kernel can run."""
-    return [m for n in graph.topological_order() if isinstance(n.op, Softmax) and (m := _match(graph, n)) is not None]
+    A user mask is left to the op's reference semantics (the lowering for
+    NumPy decomposes masked attention before it gets here).
+    """
+    if op.has_mask:
+        return op.evaluate_all(args, dims)
+    q, k, v = args[:3]
+    if op.kv_cache:
+        k = np.concatenate([args[3], k], axis=2)
+        v = np.concatenate([args[4], v], axis=2)
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv if hkv else 1
+    offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
+    qf = q.reshape(b, hkv, group * sq, d)
+    out = blocked_attention(qf, k, v, sq, offset, op.scale if op.scale != 1.0 else None, threads)
+    out = out.reshape(b, hq, sq, v.shape[-1])
+    return (out, k, v) if op.kv_cache else (out,)
 
 
 def blocked_attention(

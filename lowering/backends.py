@@ -22,9 +22,11 @@ import numpy as np
 
 from graphc.errors import BackendError, BackendUnavailableError, ExecutionError, GraphcError, UnknownNameError
 from graphc.graph import Graph
+from graphc.optimizer import lower
 
 from .inputs import check_inputs
 from .numpy_interpreter import NumpyInterpreter
+from .targets import NUMPY_TARGET, REFERENCE_TARGET
 
 __all__ = ["Runner", "BackendSpec", "BACKENDS", "register_backend", "unregister_backend", "backend_names", "get_backend", "prepare", "run", "unavailable_reason"]
 
@@ -59,21 +61,34 @@ class BackendSpec:
     prepare: Callable[..., Runner]
 
 
-def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None = None) -> Runner:
-    interp = NumpyInterpreter(graph, compute_dtype=compute_dtype, threads=threads)
-    return Runner("numpy", f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else ""), graph, interp.run)
+Sizes = Mapping[str, int] | None
 
 
-def _export(graph: Graph, opset: int | None, attention: str) -> Any:
+def _numpy(
+    graph: Graph, compute_dtype: str | None = None, threads: int | None = None, reference: bool = False, sizes: Sizes = None
+) -> Runner:
+    lowered = lower(graph, REFERENCE_TARGET if reference else NUMPY_TARGET, sizes)
+    interp = NumpyInterpreter(lowered, compute_dtype=compute_dtype, threads=threads, reference=reference)
+    provider = f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else "")
+    if reference:
+        provider += ", reference mode: attention decomposed, no fused kernels"
+    return Runner("numpy", provider, graph, interp.run)
+
+
+def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes) -> Any:
     from .onnx_export import DEFAULT_OPSET, export
 
-    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention)
+    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}))
 
 
-def _reference(graph: Graph, opset: int | None = None, attention: str = "decomposed") -> Runner:
+def _reference(graph: Graph, opset: int | None = None, attention: str = "decomposed", sizes: Sizes = None) -> Runner:
     from onnx.reference import ReferenceEvaluator
 
-    model = _export(graph, opset, attention)
+    if attention == "ort-gqa":
+        raise BackendUnavailableError(
+            "onnx-reference", "ONNX's reference evaluator cannot run onnxruntime's contrib op com.microsoft.GroupQueryAttention (attention=ort-gqa)"
+        )
+    model = _export(graph, opset, attention, sizes)
     evaluator = ReferenceEvaluator(model)
 
     def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -110,10 +125,12 @@ def _cuda_missing() -> str | None:
 def _ort(provider: str) -> Callable[..., Runner]:
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
 
-    def prepare_ort(graph: Graph, opset: int | None = None, attention: str = "decomposed", threads: int | None = None) -> Runner:
+    def prepare_ort(
+        graph: Graph, opset: int | None = None, attention: str = "decomposed", threads: int | None = None, sizes: Sizes = None
+    ) -> Runner:
         import onnxruntime as ort
 
-        model = _export(graph, opset, attention)
+        model = _export(graph, opset, attention, sizes)
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if threads:
@@ -143,10 +160,10 @@ def _torch_missing() -> str | None:
     return None
 
 
-def _torch(graph: Graph, device: str | None = None, threads: int | None = None) -> Runner:
+def _torch(graph: Graph, device: str | None = None, threads: int | None = None, sizes: Sizes = None) -> Runner:
     from .torch_backend import prepare_torch
 
-    return prepare_torch(graph, device=device, threads=threads)
+    return prepare_torch(graph, device=device, threads=threads, sizes=sizes)
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -190,12 +207,19 @@ def unavailable_reason(name: str) -> str | None:
 
 
 def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
-    """Prepare ``graph`` for ``backend`` (export, session creation ...); raises if it cannot run here."""
+    """Prepare ``graph`` for ``backend``: lower it for the backend's target, export, build sessions.
+
+    ``sizes`` (symbolic dim -> size, when the shapes of the runs are known)
+    lets the lowering choose kernels per attention node (``attention="auto"``).
+    Raises :class:`BackendUnavailableError` if the backend cannot run here.
+    """
     spec = get_backend(backend)
     reason = spec.unavailable()
     if reason:
         raise BackendUnavailableError(backend, reason)
     accepted = [p for p in inspect.signature(spec.prepare).parameters if p != "graph"]
+    if "sizes" not in accepted:
+        options.pop("sizes", None)  # a backend that chooses no kernels by size
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise BackendError(f"backend {backend!r} does not take option(s) {unknown}; it takes {accepted}")
@@ -205,10 +229,10 @@ def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
 def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", **options: Any) -> dict[str, np.ndarray]:
     """Run ``graph`` on ``backend``; ``inputs`` are checked against the graph before anything runs.
 
-    Options: ``numpy``: ``compute_dtype``, ``threads``; ONNX backends: ``opset``,
+    Options: ``numpy``: ``compute_dtype``, ``threads``, ``reference``; ONNX backends: ``opset``,
     ``attention`` (``decomposed``, ``onnx-attention``, ``ort-gqa``, ``auto``);
     onnxruntime: ``threads``; ``torch``: ``device``, ``threads``.
     """
     get_backend(backend)
-    check_inputs(graph, inputs)
-    return prepare(graph, backend, **options).run(inputs)
+    sizes = check_inputs(graph, inputs)
+    return prepare(graph, backend, **{"sizes": sizes, **options}).run(inputs)

@@ -1,7 +1,9 @@
 """Run one graph on several backends and compare numbers and speed.
 
-The reference is the NumPy interpreter in float64 on the *unoptimized* graph,
-so a comparison also checks the optimizer.  Each backend runs the optimized
+The reference is the NumPy interpreter in float64, in reference mode
+(attention decomposed into einsums, no fused kernel: independent of the
+kernels it checks), on the *unoptimized* graph, so a comparison also checks
+the optimizer.  Each backend runs the optimized
 graph (unless ``optimize=False``), once to warm up, then ``repeats`` timed
 times.  A backend that cannot run here is reported as skipped with the reason;
 one that fails is reported as an error; one whose outputs differ beyond
@@ -24,7 +26,6 @@ from graphc.graph import Graph
 
 from .backends import get_backend, prepare
 from .inputs import check_inputs, random_inputs
-from .numpy_interpreter import NumpyInterpreter
 
 __all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS"]
 
@@ -177,11 +178,11 @@ def compare(
 
         run_graph = _optimize(graph, hints=hints or bindings).graph
     say = progress or (lambda _: None)
-    say("reference: numpy float64")
-    want = NumpyInterpreter(graph, compute_dtype="float64").run(inputs)
+    say("reference: numpy float64, attention decomposed")
+    want = prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(inputs)
     report = ComparisonReport(
         graph=graph.name,
-        reference="numpy float64 on the unoptimized graph",
+        reference="numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)",
         optimized=optimize,
         atol=atol,
         rtol=rtol,
@@ -190,7 +191,7 @@ def compare(
     )
     for i, name in enumerate(backends, 1):
         say(f"[{i}/{len(backends)}] {name}")
-        opts = dict((options or {}).get(name, {}))
+        opts = {"sizes": bindings, **dict((options or {}).get(name, {}))}
         try:
             runner = prepare(run_graph, name, **opts)
         except BackendUnavailableError as e:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from graphc.dims import bind_shape, dim_symbols, eval_shape, is_symbol
+from graphc.dims import bind_shapes, dim_symbols, eval_shape, is_symbol
 from graphc.errors import DimError, InputError
 from graphc.graph import Graph
 
@@ -29,6 +29,7 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
     if extra:
         raise InputError(f"unexpected input(s) {extra}; graph {graph.name!r} takes {graph.inputs}")
     env: dict[str, int] = {}
+    items = []
     for name in graph.inputs:
         arr = feeds[name]
         t = graph.types[name]
@@ -36,10 +37,11 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
             raise InputError(f"input {name!r} must be a numpy.ndarray, got {type(arr).__name__}")
         if str(arr.dtype) != t.dtype:
             raise InputError(f"input {name!r} has dtype {arr.dtype}, expected {t.dtype}")
-        try:
-            bind_shape(t.shape, arr.shape, env, f"input {name!r}")
-        except DimError as e:
-            raise InputError(str(e)) from None
+        items.append((t.shape, arr.shape, f"input {name!r}"))
+    try:
+        bind_shapes(items, env, require_all=True)
+    except DimError as e:
+        raise InputError(str(e)) from None
     return env
 
 

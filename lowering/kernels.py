@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-__all__ = ["masked_softmax", "hidden_keys", "softmax_rows_", "run_blocks", "default_threads"]
+from graphc.numerics import hidden_keys
+
+__all__ = ["masked_softmax", "softmax_rows_", "run_blocks", "default_threads"]
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _TASK_BYTES = 1 << 20  # about 1 MiB of scores per task: cache-sized, many tasks to balance triangles
@@ -33,11 +35,6 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     if threads not in _POOLS:
         _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="graphc-softmax")
     return _POOLS[threads]
-
-
-def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int) -> np.ndarray:
-    """Bool ``[rows, keys]``: True where key ``j`` is hidden from query ``i`` (``j > i + offset``), for queries row_start..row_stop-1."""
-    return np.arange(keys)[None, :] > (np.arange(row_start, row_stop)[:, None] + offset)
 
 
 def softmax_rows_(s: np.ndarray) -> None:

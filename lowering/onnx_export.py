@@ -1,12 +1,15 @@
 """Export a graphc graph to ONNX.
 
-Every pairwise einsum that maps onto a batched GEMM is emitted as
-Transpose/Reshape + ``MatMul`` (the plan of :mod:`lowering.contraction`), since
-onnxruntime's ``Einsum`` kernel is 1.4-3x slower on prefill shapes and 7-12x on
-decode shapes; einsums with three or more operands are split in opt_einsum's
-order first.  Symbolic dims become dynamic axes (``dim_param``); shapes that
-Reshape needs are computed at run time from the inputs' ``Shape``.  The
-attention core can instead be emitted as one fused op (:mod:`lowering.fusion`).
+The graph is first lowered for the ONNX target of the chosen attention mode
+(:mod:`lowering.targets`): attention is recognised once by the optimizer and
+each ``Attention`` node is kept (emitted as the standard ``Attention`` op or
+onnxruntime's ``com.microsoft.GroupQueryAttention``) or decomposed, and
+einsums of three or more operands are split pairwise.  Every pairwise einsum
+that maps onto a batched GEMM is emitted as Transpose/Reshape + ``MatMul`` (the
+plan of :mod:`lowering.contraction`), since onnxruntime's ``Einsum`` kernel is
+1.4-3x slower on prefill shapes and 7-12x on decode shapes.  Symbolic dims
+become dynamic axes (``dim_param``); shapes that Reshape needs are computed at
+run time from the inputs' ``Shape``.
 
 The IR version is the lowest that the opset needs, so the installed
 onnxruntime (which refuses IR 14, onnx 1.23's default) loads the model.
@@ -20,16 +23,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphc.dims import Dim, dim_prod, dim_symbols, dim_terms, eval_dim, is_static, is_symbol, normalize_dim
+from graphc import Attention
+from graphc.dims import Dim, dim_add, dim_mul, dim_prod, dim_sub, dim_terms, is_static, is_symbol, normalize_dim
 from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
+from graphc.numerics import hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
-from graphc.optimizer.infra import DEFAULT_DIM_HINT
+from graphc.optimizer import PassContext, lower
 
-from .contraction import contraction_order, plan_matmul
-from .kernels import hidden_keys
-from .fusion import ATTENTION_MODES, AttentionMatch, emit_fused, find_attention_cores
+from .contraction import plan_matmul
+from .targets import ATTENTION_MODES, onnx_target
 
 __all__ = ["export", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES"]
 
@@ -90,14 +94,33 @@ class OnnxBuilder:
         if isinstance(d, int):
             out = self.const(np.array([d], np.int64), f"dim_{d}")
         elif is_symbol(d):
-            if d not in self.symbol_source:
-                raise ExportError(f"symbolic dim {d!r} is not the size of any graph input axis, so it cannot be computed at run time")
-            src, axis = self.symbol_source[d]
-            out = self.op("Shape", [src], base=f"dim_{d}", start=axis, end=axis + 1)
+            if d in self.symbol_source:
+                src, axis = self.symbol_source[d]
+                out = self.op("Shape", [src], base=f"dim_{d}", start=axis, end=axis + 1)
+            else:
+                out = self._solve(d)
         else:
             out = self._poly(d)
         self._dim_cache[d] = out
         return out
+
+    def _solve(self, sym: str) -> str:
+        """A symbol seen only inside an input's dim expression: ``past_seq`` from an axis of ``past_seq+seq``."""
+        for name in self.graph.inputs:
+            for axis, d in enumerate(self.graph.types[name].shape):
+                terms = dim_terms(d)
+                mine = [(syms, c) for syms, c in terms if sym in syms]
+                if len(mine) != 1 or mine[0][0] != (sym,):
+                    continue
+                rest = [(syms, c) for syms, c in terms if sym not in syms]
+                if not all(s in self.symbol_source for syms, _ in rest for s in syms):
+                    continue
+                coef = mine[0][1]
+                total = self.op("Shape", [name], base=f"{name}_dim{axis}", start=axis, end=axis + 1)
+                rest_dim = dim_sub(d, dim_mul(coef, sym))
+                value = self.op("Sub", [total, self.dim(rest_dim)]) if rest else total
+                return self.op("Div", [value, self.dim(coef)], base=f"dim_{sym}") if coef != 1 else value
+        raise ExportError(f"symbolic dim {sym!r} cannot be computed at run time from any graph input's shape")
 
     def _poly(self, d: Dim) -> str:
         total: str | None = None
@@ -155,31 +178,54 @@ def _lower_pair(b: OnnxBuilder, spec_text: str, names: list[str], shapes: list[t
 def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
     g = b.graph
     spec = node.op.parsed  # type: ignore[attr-defined]
-    shapes = [g.types[i].shape for i in node.inputs]
     if len(spec.inputs) == 1:
         b.op("Einsum", list(node.inputs), node.name, equation=str(spec))
+    elif len(spec.inputs) == 2:
+        _lower_pair(b, str(spec), list(node.inputs), [g.types[i].shape for i in node.inputs], node.name)
+    else:  # pragma: no cover - legalisation splits these
+        raise ExportError(f"node {node.name!r}: einsum {spec} has {len(spec.inputs)} operands; lower the graph first")
+
+
+def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """The standard ``Attention`` op, or ``com.microsoft.GroupQueryAttention`` for ``ort-gqa``."""
+    op: Attention = node.op  # type: ignore[assignment]
+    g = b.graph
+    ins = list(node.inputs)
+    mask = ins[3] if op.has_mask else None
+    past = ins[3 + op.has_mask :] if op.kv_cache else []
+    if mode != "ort-gqa":
+        inputs = ins[:3] + ([mask or ""] if (mask or past) else []) + past
+        b.nodes.append(
+            helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), is_causal=int(op.causal_offset is not None), scale=op.scale)
+        )
         return
-    if len(spec.inputs) == 2:
-        _lower_pair(b, str(spec), list(node.inputs), shapes, node.name)
-        return
-    sizes = label_sizes(spec, shapes)
-    hint = {s: DEFAULT_DIM_HINT for d in sizes.values() for s in dim_symbols(d)}
-    int_shapes = [tuple(eval_dim(d, hint) for d in s) for s in shapes]
-    operands = [(n, s) for n, s in zip(node.inputs, shapes)]
-    steps = contraction_order(spec, int_shapes)
-    for k, (positions, step) in enumerate(steps):
-        args = [operands[i] for i in positions]
-        for i in sorted(positions, reverse=True):
-            del operands[i]
-        step_spec = parse_einsum(step)
-        step_sizes = label_sizes(step_spec, [s for _, s in args])
-        out_shape = tuple(step_sizes[ch] for ch in step_spec.output)
-        out = node.name if k == len(steps) - 1 else b.fresh(f"{node.name}_step{k}")
-        if len(args) == 2:
-            _lower_pair(b, step, [n for n, _ in args], [s for _, s in args], out)
-        else:
-            b.op("Einsum", [n for n, _ in args], out, equation=step)
-        operands.append((out, out_shape))
+    q, k, v = ins[:3]
+    batch, n_heads, sq, head_dim = g.types[q].shape
+    n_kv, k_len = g.types[k].shape[1], g.types[k].shape[2]
+
+    def pack(x: str, heads: Dim, seq: Dim) -> str:  # [B,H,S,D] -> [B,S,H*D]
+        t = b.op("Transpose", [x], base=f"{x}_BSHD", perm=[0, 2, 1, 3])
+        return b.reshape(t, [batch, seq, dim_prod([heads, head_dim])])
+
+    total = dim_add(g.types[past[0]].shape[2], k_len) if past else k_len
+    total32 = b.op("Cast", [b.dim(total)], base="total_len", to=6)
+    seqlens = b.op("Cast", [b.op("Expand", [b.op("Sub", [b.dim(total), b.dim(1)]), b.dim(batch)])], base="seqlens_k", to=6)
+    inputs = [pack(q, n_heads, sq), pack(k, n_kv, k_len), pack(v, n_kv, k_len), *(past or ["", ""]), seqlens, total32]
+    packed = b.fresh(f"{node.name}_BSN")
+    b.nodes.append(
+        helper.make_node(
+            "GroupQueryAttention",
+            inputs,
+            [packed, *node.outputs[1:]],
+            name=b.fresh(f"n_{node.name}"),
+            domain="com.microsoft",
+            num_heads=int(n_heads),
+            kv_num_heads=int(n_kv),
+            scale=op.scale,
+        )
+    )
+    y = b.reshape(packed, [batch, sq, n_heads, head_dim])
+    b.op("Transpose", [y], node.name, perm=[0, 2, 1, 3])
 
 
 def _may_mask_whole_rows(g: Graph, value: str) -> bool:
@@ -203,10 +249,12 @@ def _may_mask_whole_rows(g: Graph, value: str) -> bool:
     return False
 
 
-def _lower_node(b: OnnxBuilder, node: Node) -> None:
+def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     g, op, ins, out = b.graph, node.op, list(node.inputs), node.name
     dtype = g.types[out].dtype
-    if isinstance(op, Einsum):
+    if isinstance(op, Attention):
+        _emit_attention(b, node, mode)
+    elif isinstance(op, Einsum):
         _lower_einsum(b, node)
     elif isinstance(op, Reshape):
         b.reshape(ins[0], op.shape, out)
@@ -270,39 +318,41 @@ def export(
     opset: int = DEFAULT_OPSET,
     attention: str = "decomposed",
     hints: dict[str, int] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> onnx.ModelProto:
-    """Export ``graph`` to an ONNX model (written to ``path`` when given).
+    """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
 
     ``attention``: ``"decomposed"`` (MatMul/Softmax nodes), ``"onnx-attention"``
     (the standard ``Attention`` op, opset 23+), ``"ort-gqa"`` (onnxruntime's
-    ``com.microsoft.GroupQueryAttention``) or ``"auto"`` (fused for prefill-like
-    shapes, decomposed for decode; ``hints`` size symbolic dims for that choice).
+    ``com.microsoft.GroupQueryAttention``) or ``"auto"`` (per attention: fused
+    when each KV head serves at least 64 query rows under ``sizes``/``hints``,
+    else grouped MatMuls; decomposed when the query length is unknown).  An
+    explicit fused mode that cannot carry a recognised attention raises
+    :class:`ExportError` with the reason; ``auto`` falls back to the decomposed form.
     """
     if attention not in ATTENTION_MODES:
         raise UnknownNameError("attention mode", attention, ATTENTION_MODES)
     max_opset = onnx.defs.onnx_opset_version()
-    if not isinstance(opset, int) or not MIN_OPSET <= opset <= max_opset:
+    if not isinstance(opset, int) or isinstance(opset, bool) or not MIN_OPSET <= opset <= max_opset:
         raise ExportError(f"opset must be an int in {MIN_OPSET}..{max_opset} (the installed onnx), got {opset!r}")
     graph.verify()
     for out in graph.outputs:
         if out in graph.inputs or out in graph.initializers:
             raise ExportError(f"graph output {out!r} is a graph input or initializer; ONNX needs outputs computed by nodes")
-    b = OnnxBuilder(graph)
-    matches: list[AttentionMatch] = find_attention_cores(graph, attention, opset, hints or {})
-    absorbed = {n for m in matches for n in m.absorbed}
-    at = {m.anchor: m for m in matches}
-    for node in graph.topological_order():
-        if node.name in at:
-            emit_fused(b, at[node.name])
-        elif node.name not in absorbed:
-            _lower_node(b, node)
-    for name, arr in graph.initializers.items():
+    ctx = PassContext()
+    lowered = lower(graph, onnx_target(attention, opset), {**(hints or {}), **(sizes or {})}, ctx)
+    if attention in ("onnx-attention", "ort-gqa"):
+        _check_fused(lowered, attention, ctx)
+    b = OnnxBuilder(lowered)
+    for node in lowered.topological_order():
+        _lower_node(b, node, attention)
+    for name, arr in lowered.initializers.items():
         b.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
     onnx_graph = helper.make_graph(
         b.nodes,
         graph.name,
-        [_value_info(graph, n) for n in graph.inputs],
-        [_value_info(graph, n) for n in graph.outputs],
+        [_value_info(lowered, n) for n in lowered.inputs],
+        [_value_info(lowered, n) for n in lowered.outputs],
         b.initializers,
     )
     imports = [helper.make_opsetid("", opset)]
@@ -311,5 +361,18 @@ def export(
     model = helper.make_model(onnx_graph, opset_imports=imports, producer_name="graphc")
     model.ir_version = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
     if path is not None:
-        onnx.save(model, str(path))
+        try:
+            onnx.save(model, str(path))
+        except OSError as e:
+            raise ExportError(f"cannot write {str(path)!r}: {e.strerror}") from None
     return model
+
+
+def _check_fused(lowered: Graph, mode: str, ctx: PassContext) -> None:
+    """An explicit fused mode must fuse every attention it recognised, and recognise at least one."""
+    declined = [f for f in ctx.trace.fired if f.rule == "legalize_attention"]
+    if declined:
+        raise ExportError(f"attention={mode!r} cannot carry {declined[0].node!r}: {declined[0].detail.split(': ', 1)[-1]}; use attention='auto' to fall back")
+    if not any(isinstance(n.op, Attention) for n in lowered.topological_order()):
+        misses = "; ".join(f"{m.node!r}: {m.reason}" for m in ctx.trace.near_misses.values() if m.rule == "fuse_attention")
+        raise ExportError(f"attention={mode!r}: no attention recognised ({misses or 'the graph has no softmax over scores'})")

@@ -1,6 +1,8 @@
 """The ``torch`` backend: the same DAG interpreted with torch ops (CPU, or CUDA when present).
 
-It sets graphc's results and speed beside the framework users know.  Einsums
+It sets graphc's results and speed beside the framework users know.  The graph
+is lowered for the torch target first, so every recognised attention runs as
+``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa``); einsums
 run through ``torch.einsum`` (which dispatches to batched GEMMs); a softmax row
 that is entirely masked gives zeros, as in every graphc backend.
 """
@@ -12,13 +14,16 @@ from typing import Any
 
 import numpy as np
 
+from graphc import Attention
 from graphc.dims import eval_dim, eval_shape
 from graphc.errors import ExecutionError
 from graphc.graph import Graph
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.optimizer import lower
 
 from .backends import Runner
 from .inputs import check_inputs
+from .targets import TORCH_TARGET
 
 __all__ = ["prepare_torch"]
 
@@ -37,7 +42,26 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         hidden = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(eval_dim(op.offset, env) + 1)
         return x.masked_fill(hidden, float("-inf"))
 
+    def attention(op: Attention, a: list[Any], env: dict[str, int]) -> Any:
+        q, k, v = a[:3]
+        rest = a[3:]
+        mask = rest.pop(0) if op.has_mask else None
+        if op.kv_cache:
+            k, v = torch.cat([rest[0], k], dim=2), torch.cat([rest[1], v], dim=2)
+        sq, sk = q.shape[2], k.shape[2]
+        bias = None
+        if op.causal_offset is not None:
+            hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(eval_dim(op.causal_offset, env) + 1)
+            bias = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+        if mask is not None:
+            m = mask if op.mask == "additive" else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+            bias = m if bias is None else bias + m
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=op.scale, enable_gqa=k.shape[1] != q.shape[1])
+        out = torch.nan_to_num(out, nan=0.0)  # a row with no visible key: zeros
+        return (out, k, v) if op.kv_cache else out
+
     return {
+        Attention: attention,
         Einsum: lambda op, a, env: torch.einsum(op.spec, *a),
         Reshape: lambda op, a, env: a[0].reshape(eval_shape(op.shape, env)),
         Transpose: lambda op, a, env: a[0].permute(*op.perm),
@@ -53,16 +77,17 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     }
 
 
-def prepare_torch(graph: Graph, device: str | None = None, threads: int | None = None) -> Runner:
-    """A runner interpreting ``graph`` with torch on ``device`` (default: CUDA when available, else CPU)."""
+def prepare_torch(graph: Graph, device: str | None = None, threads: int | None = None, sizes: Any = None) -> Runner:
+    """A runner interpreting ``graph`` (lowered for torch) on ``device`` (default: CUDA when available, else CPU)."""
     import torch
 
+    lowered = lower(graph, TORCH_TARGET, sizes)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if threads:
         torch.set_num_threads(threads)
     kernels = _kernels(torch)
-    order = graph.topological_order()
-    weights = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in graph.initializers.items()}
+    order = lowered.topological_order()
+    weights = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in lowered.initializers.items()}
 
     def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env_dims = check_inputs(graph, inputs)
@@ -71,7 +96,8 @@ def prepare_torch(graph: Graph, device: str | None = None, threads: int | None =
         with torch.no_grad():
             for node in order:
                 try:
-                    env[node.name] = kernels[type(node.op)](node.op, [env[i] for i in node.inputs], env_dims)
+                    result = kernels[type(node.op)](node.op, [env[i] for i in node.inputs], env_dims)
+                    env.update(zip(node.outputs, result if len(node.outputs) > 1 else (result,)))
                 except Exception as e:  # noqa: BLE001 - re-raised with the node attached
                     raise ExecutionError(f"torch backend: node {node.name!r} ({node.op}) failed: {type(e).__name__}: {e}", node.name) from e
         if dev.type == "cuda":

@@ -8,8 +8,9 @@ from reference import ref_sdpa
 
 import graphc
 from graphc import AttentionConfig, optimize
-from lowering import NumpyInterpreter, random_inputs
-from lowering.attention_kernel import blocked_attention, find_blocked_attention
+from graphc.optimizer import REFERENCE_TARGET, lower
+from lowering import NUMPY_TARGET, NumpyInterpreter, random_inputs, run
+from lowering.attention_kernel import blocked_attention
 
 CFG = AttentionConfig(48, 6, 2, bias=True)
 F64 = dict(rtol=1e-11, atol=1e-13)
@@ -26,28 +27,28 @@ GRAPHS = {
 
 @pytest.mark.parametrize("optimized", [False, True])
 @pytest.mark.parametrize("kind", GRAPHS)
-def test_kernel_engages_and_matches_the_unfused_interpreter(kind, optimized):
+def test_kernel_engages_and_matches_the_reference_interpreter(kind, optimized):
     build, sizes = GRAPHS[kind]
     g = build()
     if optimized:
         g = optimize(g).graph
-    (chain,) = find_blocked_attention(g)
-    assert chain.anchor in ("attn_BHSD", "attn_BHkvMD")
-    fused, plain = NumpyInterpreter(g), NumpyInterpreter(g, fuse=False)
-    assert fused._attention and not plain._attention
+    lowered = lower(g, NUMPY_TARGET, sizes)
+    assert lowered.op_counts().get("Attention") == 1 and "Softmax" not in lowered.op_counts()
+    reference = lower(g, REFERENCE_TARGET)
+    assert "Attention" not in reference.op_counts()
     feeds = random_inputs(g, seed=3, **sizes)
-    want = plain.run(feeds)
-    for name, arr in fused.run(feeds).items():
+    want = NumpyInterpreter(reference, reference=True).run(feeds)
+    for name, arr in NumpyInterpreter(lowered).run(feeds).items():
         np.testing.assert_allclose(arr, want[name], **F64, err_msg=name)
 
 
 def test_kernel_declines_user_masks_and_shared_values():
-    masked = graphc.sdpa_graph(CFG, mask=True)
-    assert find_blocked_attention(masked) == []  # Where in the chain: the plain path handles it
+    masked = lower(graphc.sdpa_graph(CFG, mask=True), NUMPY_TARGET)
+    assert "Attention" not in masked.op_counts()  # decomposed: the blocked kernel takes no user mask
     g = graphc.sdpa_graph(CFG)
     g.output("probs_BHST")  # the probabilities are wanted too: they must be materialised
-    assert find_blocked_attention(g) == []
-    out = NumpyInterpreter(g).run(random_inputs(g, batch=1, seq=3))
+    assert "Attention" not in lower(g, NUMPY_TARGET).op_counts()
+    out = run(g, random_inputs(g, batch=1, seq=3))
     np.testing.assert_allclose(out["probs_BHST"].sum(-1), 1.0)
 
 

@@ -7,9 +7,10 @@ import pytest
 from reference import ref_layer, ref_sdpa
 
 import graphc
+from graphc.optimizer import lower
 from graphc import AttentionConfig, Graph, optimize
 from graphc.errors import BackendError, BackendUnavailableError, ExportError, InputError, UnknownNameError
-from lowering import export, random_inputs, run, run_numpy, unavailable_reason
+from lowering import onnx_target, export, random_inputs, run, run_numpy, unavailable_reason
 
 F32 = dict(rtol=1e-4, atol=1e-5)
 CFG = AttentionConfig(64, 8, 2, bias=True)
@@ -92,11 +93,16 @@ def test_dynamic_axes_and_shape_inference_agree_with_graphc(tmp_path):
     outs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
     assert outs["present_key"] == ["batch", 2, "past_seq+seq", 8]
     # dynamic: every dim ONNX can name agrees with graphc; expressions ONNX cannot name come back as unk__N
-    assert _inferred_mismatches(g, model) == []
+    assert _inferred_mismatches(_exported(g), model) == []
     # static: every value's inferred shape equals graphc's exactly, optimized or not
     static = graphc.kv_cache_graph(CFG, seed=0, batch=2, seq=3, past=5)
     for graph in (static, optimize(static).graph):
-        assert _inferred_mismatches(graph, export(graph), allow_unknown=False) == []
+        assert _inferred_mismatches(_exported(graph), export(graph), allow_unknown=False) == []
+
+
+def _exported(g: Graph) -> Graph:
+    """The graph as export lowers it (attention recognised, then decomposed for MatMul export)."""
+    return lower(g, onnx_target("decomposed", 23))
 
 
 def _inferred_mismatches(g: Graph, model, allow_unknown: bool = True) -> list:
@@ -189,8 +195,9 @@ def test_errors_are_clear():
         export(g, opset=21, attention="onnx-attention")
     with pytest.raises(UnknownNameError, match="unknown attention mode 'flash'"):
         export(g, attention="flash")
-    with pytest.raises(ExportError, match="no attention core recognised .* fused export starts from the unoptimized graph"):
-        export(optimize(g).graph, attention="onnx-attention")
+    ffn = _hand_graphs()["ffn"][0]
+    with pytest.raises(ExportError, match="attention='onnx-attention': no attention recognised"):
+        export(ffn, attention="onnx-attention")
     passthrough = Graph("passthrough")
     passthrough.output(passthrough.input("x", [2]))
     with pytest.raises(ExportError, match="graph output 'x' is a graph input"):

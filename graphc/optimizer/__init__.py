@@ -3,8 +3,10 @@
 from .cleanup import common_subexpression_elimination, constant_folding, dead_code_elimination, simplify_layout
 from .cost import GraphCost, format_comparison, graph_cost
 from .grouping import fold_groups, fuse_repeat_kv
-from .infra import DEFAULT_DIM_HINT, Miss, Pass, PassContext, PassManager, RewritePass, Rule, Trace
-from .pipeline import PIPELINES, OptimizationReport, OptimizationResult, optimize, pipeline
+from .attention import fuse_attention
+from .infra import DEFAULT_DIM_HINT, Miss, Pass, PassContext, PassManager, PassResult, RewritePass, Rule, Trace, rewrite_to_fixed_point
+from .legalize import LOWERING_STAGES, REFERENCE_TARGET, Target, legalize, lower
+from .pipeline import PIPELINES, STAGES, OptimizationReport, OptimizationResult, optimize, pipeline
 from .planning import OPTIMIZERS, plan_contractions
 from .scaling import hoist_elementwise
 
@@ -13,7 +15,16 @@ __all__ = [
     "OptimizationResult",
     "OptimizationReport",
     "PIPELINES",
+    "STAGES",
     "pipeline",
+    "lower",
+    "legalize",
+    "Target",
+    "REFERENCE_TARGET",
+    "LOWERING_STAGES",
+    "fuse_attention",
+    "PassResult",
+    "rewrite_to_fixed_point",
     "Pass",
     "RewritePass",
     "Rule",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphc.graph import Graph, Node
-from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Transpose
+from graphc.ops import CausalMask, Einsum, Op, Repeat, Reshape, Transpose
 
 from .infra import Miss, Pass, PassContext, RewritePass, Rule
 
@@ -23,6 +23,7 @@ __all__ = [
     "simplify_layout",
     "LAYOUT_RULES",
     "CONSTANT_FOLD_LIMIT",
+    "CONSTANT_FOLD_RULE",
 ]
 
 CONSTANT_FOLD_LIMIT = 1 << 26
@@ -30,24 +31,24 @@ CONSTANT_FOLD_LIMIT = 1 << 26
 
 
 def remove_if_dead(graph: Graph, name: str) -> None:
-    """Remove node ``name`` if nothing reads it, then its operands' producers likewise."""
+    """Remove the node producing ``name`` if none of its outputs is read, then its operands' producers likewise."""
     stack = [name]
     while stack:
-        n = stack.pop()
-        if n in graph.nodes and graph.use_count(n) == 0 and n not in graph.outputs:
-            inputs = graph.nodes[n].inputs
-            graph.remove_node(n)
+        node = graph.producer(stack.pop())
+        if node is not None and all(graph.use_count(o) == 0 for o in node.outputs):
+            inputs = node.inputs
+            graph.remove_node(node.name)
             stack.extend(inputs)
 
 
 def only_reader(graph: Graph, value: str, reader: str) -> bool:
-    """True when ``reader`` is the sole reader of ``value`` (once) and ``value`` is no graph output."""
-    return value not in graph.outputs and graph.use_count(value) == 1 and value in graph.nodes[reader].inputs
+    """True when node ``reader`` is the sole reader of ``value`` (once) and ``value`` is no graph output."""
+    return not graph.is_output(value) and graph.use_count(value) == 1 and value in graph.nodes[reader].inputs
 
 
 def _bypass(graph: Graph, node: Node, rule: str) -> Miss | Node:
     """Check that ``node`` (an identity) can be removed by sending its readers to its input."""
-    if node.name in graph.outputs:
+    if graph.is_output(node.name):
         return Miss(f"{rule}: {node.name!r} is a graph output, so it is kept under its name")
     return node
 
@@ -64,7 +65,18 @@ def _do_bypass(graph: Graph, node: Node, ctx: PassContext) -> str:
 def _match_noop_reshape(graph: Graph, node: Node, ctx: PassContext) -> object:
     if graph.types[node.inputs[0]].shape != graph.types[node.name].shape:
         return None
+    src = node.inputs[0]
+    if graph.is_output(node.name) and graph.producer(src) is not None and only_reader(graph, src, node.name):
+        return node  # the output keeps its name: its input's node takes it over
     return _bypass(graph, node, "identity reshape")
+
+
+def _do_remove_identity(graph: Graph, node: Node, ctx: PassContext) -> str:
+    src = node.inputs[0]
+    if graph.is_output(node.name):
+        graph.substitute(node.name, {node.name: src})
+        return f"removed; {src!r} now carries the name {node.name!r}"
+    return _do_bypass(graph, node, ctx)
 
 
 def _match_reshape_chain(graph: Graph, node: Node, ctx: PassContext) -> object:
@@ -158,7 +170,7 @@ def _rewrite_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -
 
 
 LAYOUT_RULES = (
-    Rule("remove_identity_reshape", (Reshape,), _match_noop_reshape, _do_bypass),
+    Rule("remove_identity_reshape", (Reshape,), _match_noop_reshape, _do_remove_identity),
     Rule("fold_reshape_chain", (Reshape,), _match_reshape_chain, _rewrite_reshape_chain),
     Rule("remove_identity_transpose", (Transpose,), _match_identity_transpose, _do_bypass),
     Rule("fold_transpose_chain", (Transpose,), _match_transpose_chain, _rewrite_transpose_chain),
@@ -186,11 +198,13 @@ def _dce(graph: Graph, ctx: PassContext) -> bool:
         if n in live:
             continue
         live.add(n)
-        if n in graph.nodes:
-            stack.extend(graph.nodes[n].inputs)
-    dead = [n for n in graph.nodes if n not in live]
+        p = graph.producer(n)
+        if p is not None:
+            stack.extend(p.inputs)
+            live.update(p.outputs)
+    dead = [n.name for n in graph.topological_order() if not any(o in live for o in n.outputs)]
     unused = [n for n in graph.initializers if n not in live]
-    for n in reversed([x.name for x in graph.topological_order() if x.name in dead]):
+    for n in reversed(dead):
         graph.remove_node(n)
     for n in unused:
         graph.remove_initializer(n)
@@ -203,46 +217,55 @@ dead_code_elimination = Pass("dce", "remove nodes and initializers that no outpu
 
 
 def _cse(graph: Graph, ctx: PassContext) -> bool:
-    seen: dict[tuple[object, tuple[str, ...]], str] = {}
+    seen: dict[tuple[object, tuple[str, ...]], Node] = {}
     changed = False
     for node in graph.topological_order():
-        node = graph.nodes[node.name]
         key = (node.op, node.inputs)
-        if key in seen and node.name not in graph.outputs:
-            graph.replace_uses(node.name, seen[key])
+        first = seen.get(key)
+        if first is not None and not any(graph.is_output(o) for o in node.outputs):
+            for o, f in zip(node.outputs, first.outputs):
+                graph.replace_uses(o, f)
             graph.remove_node(node.name)
-            ctx.fired("cse", node.name, f"same as {seen[key]!r}")
+            ctx.fired("cse", node.name, f"same as {first.name!r}")
             changed = True
         else:
-            seen.setdefault(key, node.name)
+            seen.setdefault(key, node)
     return changed
 
 
 common_subexpression_elimination = Pass("cse", "merge nodes that apply the same op to the same operands", _cse)
 
 
-def _constant_fold(graph: Graph, ctx: PassContext) -> bool:
-    from lowering.numpy_interpreter import KERNELS, Context  # local: lowering builds on graphc
-
-    changed = False
-    for node in graph.topological_order():
-        if not node.inputs or not all(graph.is_constant(i) for i in node.inputs):
-            continue
-        if isinstance(node.op, Repeat) or node.name in graph.outputs:
-            continue
-        if ctx.numel(graph.types[node.name].shape) > CONSTANT_FOLD_LIMIT:
-            ctx.missed("constant_fold", node.name, f"result has more than {CONSTANT_FOLD_LIMIT} elements")
-            continue
-        value = KERNELS[type(node.op)](node.op, [graph.initializers[i] for i in node.inputs], Context({}, None))
-        value = np.ascontiguousarray(value, dtype=graph.types[node.name].dtype)
-        inputs = node.inputs
-        graph.replace_with_constant(node.name, value)
-        for i in inputs:
-            if graph.use_count(i) == 0 and i in graph.initializers:
-                graph.remove_initializer(i)
-        ctx.fired("constant_fold", node.name, f"computed {node.op} of {', '.join(inputs)} ahead of time")
-        changed = True
-    return changed
+def _match_constant(graph: Graph, node: Node, ctx: PassContext) -> object:
+    if not node.inputs or not all(graph.is_constant(i) for i in node.inputs):
+        return None
+    if isinstance(node.op, Repeat) or len(node.outputs) != 1 or graph.is_output(node.name):
+        return None
+    if ctx.numel(graph.types[node.name].shape) > CONSTANT_FOLD_LIMIT:
+        return Miss(f"result has more than {CONSTANT_FOLD_LIMIT} elements")
+    return node
 
 
-constant_folding = Pass("constant_fold", "evaluate nodes whose operands are all initializers", _constant_fold)
+def _rewrite_constant(graph: Graph, node: Node, ctx: PassContext) -> str:
+    arrays = [graph.initializers[i] for i in node.inputs]
+    key = (node.op, tuple(id(a) for a in arrays))
+    hit = ctx.fold_cache.get(key)
+    if hit is None:  # tied weights (one array under several names) fold once
+        value = node.op.evaluate(arrays, {})
+        value = np.ascontiguousarray(value, dtype=graph.types[node.name].dtype).reshape(graph.types[node.name].shape)
+        value.setflags(write=False)
+        ctx.fold_cache[key] = (arrays, value)  # the arrays are kept so their ids stay unique
+    else:
+        value = hit[1]
+    inputs = node.inputs
+    graph.replace_with_constant(node.name, value)
+    for i in inputs:
+        if graph.use_count(i) == 0 and i in graph.initializers:
+            graph.remove_initializer(i)
+    return f"computed {node.op} of {', '.join(inputs)} ahead of time"
+
+
+CONSTANT_FOLD_RULE = Rule("constant_fold", (Op,), _match_constant, _rewrite_constant)
+"""Evaluate a node whose operands are all initializers with the op's reference semantics."""
+
+constant_folding = RewritePass("constant_fold", "evaluate nodes whose operands are all initializers", [CONSTANT_FOLD_RULE])

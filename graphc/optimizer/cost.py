@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from graphc.graph import Graph, Node
+from graphc.attention_op import Attention
 from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Softmax
 
 from .infra import PassContext
@@ -58,12 +59,17 @@ def _bytes(graph: Graph, name: str, ctx: PassContext) -> int:
 
 
 def node_cost(graph: Graph, node: Node, ctx: PassContext) -> NodeCost:
-    """FLOPs, bytes read plus written, and result bytes of ``node``."""
-    out = _bytes(graph, node.name, ctx)
+    """FLOPs, bytes read plus written, and result bytes of ``node`` (all its outputs)."""
+    out = sum(_bytes(graph, o, ctx) for o in node.outputs)
     if isinstance(node.op, Reshape):
         return NodeCost(0, 0, 0)
-    numel = ctx.numel(graph.types[node.name].shape)
-    if isinstance(node.op, Einsum):
+    numel = ctx.numel(graph.types[node.outputs[0]].shape)
+    if isinstance(node.op, Attention):
+        b, hq, sq, d = ctx.shape(graph.types[node.inputs[0]].shape)
+        sk = ctx.shape(graph.types[node.outputs[-1]].shape)[2] if node.op.kv_cache else ctx.shape(graph.types[node.inputs[1]].shape)[2]
+        dv = ctx.shape(graph.types[node.inputs[2]].shape)[3]
+        flops = 2 * b * hq * sq * sk * (d + dv) + 5 * b * hq * sq * sk
+    elif isinstance(node.op, Einsum):
         sizes: dict[str, int] = {}
         for term, v in zip(node.op.parsed.inputs, node.inputs):
             sizes.update(zip(term, ctx.shape(graph.types[v].shape)))
@@ -99,11 +105,12 @@ def graph_cost(graph: Graph, hints: Mapping[str, int] | None = None) -> GraphCos
         largest = max(largest, c.out_bytes)
         if isinstance(node.op, Repeat):
             repeat_bytes += c.out_bytes
-        live[node.name] = c.out_bytes
+        for o in node.outputs:
+            live[o] = _bytes(graph, o, ctx) if c.out_bytes else 0
         current += c.out_bytes
         peak = max(peak, current)
         for v in set(node.inputs):
-            if last.get(v) == i and v in live and v not in graph.outputs:
+            if last.get(v) == i and v in live and not graph.is_output(v):
                 current -= live.pop(v)
     counts = graph.op_counts()
     return GraphCost(

@@ -32,7 +32,7 @@ from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Scale, Softmax, Tran
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
 
-__all__ = ["fuse_repeat_kv", "fold_groups", "HOIST_RULE", "grouped_name", "folded_name"]
+__all__ = ["fuse_repeat_kv", "fold_groups", "FUSE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
 
 _LAYOUT = re.compile(r"^(.*)_BH([A-Z]+)$")
 
@@ -55,7 +55,7 @@ def _match_fuse(graph: Graph, node: Node, ctx: PassContext) -> object:
     op: Repeat = node.op  # type: ignore[assignment]
     if op.repeats == 1:
         return None
-    if node.name in graph.outputs:
+    if graph.is_output(node.name):
         return Miss("its value is a graph output, so the repeated tensor must be materialised")
     readers = graph.consumers(node.name)
     if not readers:
@@ -121,7 +121,7 @@ def _match_fold(graph: Graph, node: Node, ctx: PassContext) -> object:
     if len(spec.inputs) != 2:
         return None
     readers = graph.consumers(node.name)
-    if node.name in graph.outputs or not readers or not all(isinstance(r.op, Reshape) for r in readers):
+    if graph.is_output(node.name) or not readers or not all(isinstance(r.op, Reshape) for r in readers):
         return None  # the result's un-fold reshape would not compose with a reshape after it
     for pos in (0, 1):
         term, other = spec.inputs[pos], spec.inputs[1 - pos]
@@ -197,24 +197,24 @@ def _match_hoist(graph: Graph, node: Node, ctx: PassContext) -> object:
 def _rewrite_hoist(graph: Graph, m: tuple[Node, Node], ctx: PassContext) -> str:
     node, layout = m
     op = node.op
+    kind = op.kind
     if isinstance(op, Softmax):
         op = Softmax(op.axis - graph.types[node.name].rank if op.axis >= 0 else op.axis)
     moved = graph.insert_before(layout.name, op, [layout.inputs[0]], f"{layout.inputs[0]}_{node.op.kind.lower()}")
     graph.redefine(node.name, layout.op, [moved])
     remove_if_dead(graph, layout.name)
-    return f"moved {node.op.kind} above {layout.op.kind} {layout.name!r}"
+    return f"moved {kind} above {layout.op.kind} {layout.name!r}"
 
+
+FUSE_REPEAT_RULE = Rule("fuse_repeat_kv", (Repeat,), _match_fuse, _rewrite_fuse)
+FOLD_RULE = Rule("fold_groups", (Einsum,), _match_fold, _rewrite_fold)
 
 fuse_repeat_kv = RewritePass(
-    "fuse_repeat_kv",
-    "turn Repeat of K/V + einsum into a grouped einsum over [kv_heads, group] (no K/V copy)",
-    [Rule("fuse_repeat_kv", (Repeat,), _match_fuse, _rewrite_fuse)],
+    "fuse_repeat_kv", "turn Repeat of K/V + einsum into a grouped einsum over [kv_heads, group] (no K/V copy)", [FUSE_REPEAT_RULE]
 )
 
 fold_groups = RewritePass(
-    "fold_groups",
-    "merge adjacent free labels of a reshaped operand (group x query rows) into one GEMM axis",
-    [Rule("fold_groups", (Einsum,), _match_fold, _rewrite_fold)],
+    "fold_groups", "merge adjacent free labels of a reshaped operand (group x query rows) into one GEMM axis", [FOLD_RULE]
 )
 
 HOIST_RULE = Rule("hoist_elementwise", (Scale, Unary, CausalMask, Softmax), _match_hoist, _rewrite_hoist)

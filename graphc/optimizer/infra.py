@@ -5,25 +5,41 @@ returns a match object (the rule applies), a :class:`Miss` (the pattern almost
 matched; the reason is kept for ``--explain``) or ``None`` (not this pattern).
 ``rewrite`` changes the graph and returns a one-line description.
 
-A :class:`Pass` maps a graph to ``(graph, modified)`` and never mutates the
-graph it is given (it works on a copy).  :class:`PassManager` runs a flat list
-of named passes to a bounded fixed point, optionally calling
-:meth:`~graphc.graph.Graph.verify` after every pass, and records every rewrite
-and near miss in a :class:`Trace`.
+A :class:`Pass` edits a graph in place and returns ``PassResult(graph,
+modified)``; ``optimize`` gives the passes its own copy, so the caller's graph
+is never changed.  Rewrite passes share one worklist driver
+(:func:`rewrite_to_fixed_point`) that revisits only what a rewrite touched.
+:class:`PassManager` runs the named stages in order, each once, optionally
+calling :meth:`~graphc.graph.Graph.verify` after every stage, and records every
+rewrite and near miss in a :class:`Trace`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from graphc.dims import Dim, dim_symbols, eval_dim, eval_shape
 from graphc.errors import GraphcError, OptimizerError
 from graphc.graph import Graph, Node
 from graphc.ops import Op
 
-__all__ = ["Miss", "Rule", "Pass", "RewritePass", "PassContext", "PassManager", "Trace", "Fired", "NearMiss", "DEFAULT_DIM_HINT"]
+__all__ = [
+    "Miss",
+    "Rule",
+    "Pass",
+    "PassResult",
+    "RewritePass",
+    "rewrite_to_fixed_point",
+    "PassContext",
+    "PassManager",
+    "Trace",
+    "Fired",
+    "NearMiss",
+    "DEFAULT_DIM_HINT",
+]
 
 DEFAULT_DIM_HINT = 512
 """Size assumed for a symbolic dim without a hint when costs are compared."""
@@ -63,13 +79,17 @@ class Trace:
 
     fired: list[Fired] = field(default_factory=list)
     near_misses: dict[tuple[str, str], NearMiss] = field(default_factory=dict)
+    decisions: dict[str, str] = field(default_factory=dict)
     iterations: int = 0
 
-    def explain(self) -> str:
-        """A readable account: one line per rewrite, then the rules that did not fire and why."""
-        lines = [f"optimizer ran {self.iterations} iteration(s), {len(self.fired)} rewrite(s)"]
-        for f in self.fired:
-            lines.append(f"  [{f.iteration}] {f.pass_name}/{f.rule} on {f.node}: {f.detail}")
+    def explain(self, last: int | None = None) -> str:
+        """A readable account: one line per rewrite (the ``last`` ones only, if given), then the rules that did not fire and why."""
+        lines = [f"optimizer ran {len(self.fired)} rewrite(s)"]
+        for f in self.fired[-last:] if last else self.fired:
+            lines.append(f"  {f.pass_name}/{f.rule} on {f.node}: {f.detail}")
+        if self.decisions:
+            lines.append("decisions:")
+            lines.extend(f"  {d}" for d in self.decisions.values())
         if self.near_misses:
             lines.append("did not fire:")
             for m in self.near_misses.values():
@@ -82,6 +102,7 @@ class Trace:
             "iterations": self.iterations,
             "fired": [f.__dict__ for f in self.fired],
             "near_misses": [m.__dict__ for m in self.near_misses.values()],
+            "decisions": list(self.decisions.values()),
         }
 
 
@@ -94,6 +115,15 @@ class PassContext:
     trace: Trace = field(default_factory=Trace)
     iteration: int = 0
     current_pass: str = ""
+    target: Any = None  # a graphc.optimizer.legalize.Target while lowering
+    fold_cache: dict[Any, Any] = field(default_factory=dict)
+
+    def known_size(self, d: Dim) -> int | None:
+        """A dim's size when every symbol in it is hinted, else ``None`` (for choices that must not guess)."""
+        syms = dim_symbols(d)
+        if not syms <= set(self.hints):
+            return None
+        return eval_dim(d, {s: int(self.hints[s]) for s in syms})
 
     def size(self, d: Dim) -> int:
         """A dim's size with symbols replaced by their hint (:data:`DEFAULT_DIM_HINT` if none)."""
@@ -117,6 +147,10 @@ class PassContext:
         self.trace.fired.append(Fired(self.iteration, self.current_pass, rule, node, detail))
         self.trace.near_misses.pop((rule, node), None)
 
+    def decide(self, node: str, text: str) -> None:
+        """Record a choice made without rewriting (a kernel kept for a backend, say)."""
+        self.trace.decisions[node] = f"{self.current_pass} on {node}: {text}"
+
     def missed(self, rule: str, node: str, reason: str) -> None:
         """Record a near miss (the latest reason per rule and node wins)."""
         self.trace.near_misses[(rule, node)] = NearMiss(self.current_pass, rule, node, reason)
@@ -132,78 +166,119 @@ class Rule:
     rewrite: Callable[[Graph, Any, PassContext], str]
 
 
+class PassResult(NamedTuple):
+    """What a pass returns: the graph (the same object: passes work in place) and whether it changed."""
+
+    graph: Graph
+    modified: bool
+
+
 @dataclass(frozen=True)
 class Pass:
-    """A named graph transformation ``run(graph, ctx) -> modified`` applied to a private copy."""
+    """A named in-place graph transformation ``run(graph, ctx) -> modified``.
+
+    Passes edit the graph they are given (``optimize`` hands them its own copy),
+    as onnx-ir's in-place passes do; calling one returns a :class:`PassResult`.
+    """
 
     name: str
     description: str
     run: Callable[[Graph, PassContext], bool]
+    in_place: bool = True
 
-    def __call__(self, graph: Graph, ctx: PassContext) -> tuple[Graph, bool]:
-        """Return ``(new_graph, modified)``; ``graph`` itself is never changed."""
-        work = graph.copy()
+    def __call__(self, graph: Graph, ctx: PassContext) -> PassResult:
+        """Run on ``graph`` (edited in place) and return ``PassResult(graph, modified)``."""
         ctx.current_pass = self.name
-        modified = self.run(work, ctx)
-        return (work, True) if modified else (graph, False)
+        return PassResult(graph, bool(self.run(graph, ctx)))
 
 
-_MAX_REWRITES = 10_000
+_MAX_REWRITES_PER_NODE = 50
+
+
+def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext, stage: str = "rewrite") -> int:
+    """Apply ``rules`` with a worklist until none fires; returns the number of rewrites.
+
+    Every node is visited once in topological order; after a rewrite only the
+    nodes it touched (created, rewired or whose readers changed) and their
+    direct neighbours are visited again.  A rule set that keeps undoing its own
+    rewrites (more than a bounded number per node) raises :class:`OptimizerError`.
+    """
+    order = graph.topological_order()
+    work: deque[str] = deque(n.name for n in order)
+    queued = set(work)
+    limit = 1000 + _MAX_REWRITES_PER_NODE * len(order)
+    fired = 0
+    while work:
+        name = work.popleft()
+        queued.discard(name)
+        node = graph.nodes.get(name)
+        if node is None:
+            continue
+        for rule in rules:
+            if not isinstance(node.op, rule.ops):
+                continue
+            m = rule.match(graph, node, ctx)
+            if isinstance(m, Miss):
+                ctx.missed(rule.name, node.name, m.reason)
+                continue
+            if m is None:
+                continue
+            touched = graph.track_changes()
+            try:
+                detail = rule.rewrite(graph, m, ctx)
+            finally:
+                graph.stop_tracking()
+            ctx.fired(rule.name, node.name, detail)
+            fired += 1
+            if fired > limit:
+                raise OptimizerError(f"stage {stage!r} did not settle after {fired} rewrites (rules keep undoing each other):\n{ctx.trace.explain(last=20)}")
+            again = set(touched)
+            again.add(name)
+            for t in list(again):
+                n = graph.nodes.get(t)
+                if n is None:
+                    continue
+                for i in n.inputs:
+                    p = graph.producer(i)
+                    if p is not None:
+                        again.add(p.name)
+                for o in n.outputs:
+                    again.update(u.name for u in graph.value(o).users)
+            for t in sorted((graph.nodes[t] for t in again if t in graph.nodes), key=lambda n: n._key):
+                if t.name not in queued:
+                    work.append(t.name)
+                    queued.add(t.name)
+            break
+    return fired
 
 
 def RewritePass(name: str, description: str, rules: Sequence[Rule]) -> Pass:
-    """A pass that applies ``rules`` node by node, in topological order, until none fires."""
+    """A pass that applies ``rules`` with the worklist driver :func:`rewrite_to_fixed_point`."""
 
     def run(graph: Graph, ctx: PassContext) -> bool:
-        modified = False
-        for _ in range(_MAX_REWRITES):
-            fired = False
-            for node in graph.topological_order():
-                if node.name not in graph.nodes:
-                    continue
-                for rule in rules:
-                    if not isinstance(node.op, rule.ops):
-                        continue
-                    m = rule.match(graph, graph.nodes[node.name], ctx)
-                    if isinstance(m, Miss):
-                        ctx.missed(rule.name, node.name, m.reason)
-                    elif m is not None:
-                        ctx.fired(rule.name, node.name, rule.rewrite(graph, m, ctx))
-                        fired = modified = True
-                        break
-                if fired:
-                    break
-            if not fired:
-                return modified
-        raise OptimizerError(f"pass {name!r} did not settle after {_MAX_REWRITES} rewrites")
+        return rewrite_to_fixed_point(graph, rules, ctx, name) > 0
 
     return Pass(name, description, run)
 
 
 class PassManager:
-    """Runs a flat list of passes, repeating the list until nothing changes (at most ``max_iterations`` times)."""
+    """Runs named stages in order, each once (a rewrite stage itself runs to its fixed point)."""
 
-    def __init__(self, passes: Sequence[Pass], max_iterations: int = 8, verify: bool = False) -> None:
+    def __init__(self, passes: Sequence[Pass], verify: bool = False) -> None:
         self.passes = list(passes)
-        self.max_iterations = max_iterations
         self.verify = verify
 
-    def run(self, graph: Graph, ctx: PassContext) -> tuple[Graph, bool]:
-        """Optimize ``graph``; returns ``(graph, modified)`` and fills ``ctx.trace``."""
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        """Run every stage on ``graph`` (in place); returns ``PassResult(graph, modified)`` and fills ``ctx.trace``."""
         any_change = False
-        for iteration in range(1, self.max_iterations + 1):
-            ctx.iteration = iteration
-            ctx.trace.iterations = iteration
-            changed = False
-            for p in self.passes:
-                graph, modified = p(graph, ctx)
-                changed |= modified
-                if modified and self.verify:
-                    try:
-                        graph.verify()
-                    except GraphcError as e:
-                        raise OptimizerError(f"pass {p.name!r} produced an invalid graph: {type(e).__name__}: {e}") from e
-            any_change |= changed
-            if not changed:
-                return graph, any_change
-        raise OptimizerError(f"optimizer did not reach a fixed point in {self.max_iterations} iterations:\n{ctx.trace.explain()}")
+        ctx.iteration = 1
+        ctx.trace.iterations = 1
+        for p in self.passes:
+            _, modified = p(graph, ctx)
+            any_change |= modified
+            if self.verify:
+                try:
+                    graph.verify()
+                except GraphcError as e:
+                    raise OptimizerError(f"pass {p.name!r} produced an invalid graph: {type(e).__name__}: {e}") from e
+        return PassResult(graph, any_change)

@@ -9,30 +9,43 @@ from typing import Any, NamedTuple
 from graphc.errors import UnknownNameError
 from graphc.graph import Graph
 
-from .cleanup import common_subexpression_elimination, constant_folding, dead_code_elimination, simplify_layout
+from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .cost import GraphCost, format_comparison, graph_cost
-from .grouping import fold_groups, fuse_repeat_kv
-from .infra import Pass, PassContext, PassManager, Trace
+from .grouping import FOLD_RULE, FUSE_REPEAT_RULE, HOIST_RULE
+from .infra import Pass, PassContext, PassManager, RewritePass, Trace
+from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
-from .scaling import hoist_elementwise
+from .scaling import SCALE_RULES
 
-__all__ = ["optimize", "OptimizationResult", "OptimizationReport", "PIPELINES", "pipeline"]
+__all__ = ["optimize", "OptimizationResult", "OptimizationReport", "PIPELINES", "pipeline", "STAGES"]
+
+STAGES: dict[str, Pass] = {
+    p.name: p
+    for p in (
+        RewritePass(
+            "group_kv",
+            "turn Repeat of K/V + einsum into a grouped einsum (no K/V copy) and fold the group into the GEMM rows",
+            [FUSE_REPEAT_RULE, FOLD_RULE, *LAYOUT_RULES],
+        ),
+        RewritePass(
+            "simplify",
+            "layout no-ops and chains, elementwise ops above layout changes, the scale onto the smallest operand or a weight, constants folded",
+            [*LAYOUT_RULES, HOIST_RULE, *SCALE_RULES, CONSTANT_FOLD_RULE],
+        ),
+        RewritePass("cleanup", "layout no-ops and chains, constants folded", [*LAYOUT_RULES, CONSTANT_FOLD_RULE]),
+        plan_contractions,
+        common_subexpression_elimination,
+        dead_code_elimination,
+    )
+}
+"""Every named stage; a pipeline is a list of them, each run once (rewrite stages run to their own fixed point)."""
 
 PIPELINES: dict[int, tuple[Pass, ...]] = {
     0: (),
-    1: (simplify_layout, constant_folding, common_subexpression_elimination, dead_code_elimination),
-    2: (
-        fuse_repeat_kv,
-        fold_groups,
-        simplify_layout,
-        hoist_elementwise,
-        plan_contractions,
-        constant_folding,
-        common_subexpression_elimination,
-        dead_code_elimination,
-    ),
+    1: tuple(STAGES[n] for n in ("cleanup", "cse", "dce")),
+    2: tuple(STAGES[n] for n in ("group_kv", "simplify", "plan_contractions", "cleanup", "cse", "dce")),
 }
-"""The flat list of passes run at each level (level 2 is the default)."""
+"""The stages run at each level (level 2 is the default)."""
 
 
 def pipeline(level: int) -> tuple[Pass, ...]:
@@ -84,7 +97,8 @@ def optimize(
     hints: Mapping[str, int] | None = None,
     optimizer: str = "auto",
     verify: bool = False,
-    max_iterations: int = 8,
+    target: Target | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> OptimizationResult:
     """Optimize ``graph`` (never modified) and report what changed.
 
@@ -92,14 +106,21 @@ def optimize(
     CSE, DCE), 2 also groups GQA's K/V repeat, folds groups into GEMM rows,
     moves the scale onto weights and plans contractions.  ``hints`` size
     symbolic dims for cost decisions (e.g. ``{"seq": 2048}``); ``optimizer`` is
-    opt_einsum's path optimizer; ``verify`` checks the graph after every pass.
+    opt_einsum's path optimizer; ``verify`` checks the graph after every stage.
+
+    With a ``target`` (a :class:`~graphc.optimizer.legalize.Target`, e.g. from
+    ``lowering.get_target``) the lowering stages follow: attention is
+    recognised as one ``Attention`` op and kept or decomposed per node for that
+    target, with ``sizes`` (the real sizes, when known) informing the choice.
     """
     check_optimizer(optimizer)
-    passes = pipeline(level)
+    passes = pipeline(level) + (LOWERING_STAGES if target is not None else ())
     hints = {k: int(v) for k, v in (hints or {}).items()}
+    known = {**hints, **{k: int(v) for k, v in (sizes or {}).items()}}
     graph.verify()
-    ctx = PassContext(hints=hints, optimizer=optimizer)
-    out, _ = PassManager(passes, max_iterations=max_iterations, verify=verify).run(graph, ctx)
+    ctx = PassContext(hints=known, optimizer=optimizer, target=target)
+    out = graph.copy()
+    PassManager(passes, verify=verify).run(out, ctx)
     out.verify()
-    report = OptimizationReport(graph_cost(graph, hints), graph_cost(out, hints), ctx.trace, hints, level)
+    report = OptimizationReport(graph_cost(graph, known), graph_cost(out, known), ctx.trace, known, level)
     return OptimizationResult(out, report)

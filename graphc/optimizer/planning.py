@@ -21,7 +21,7 @@ from graphc.ops import Einsum
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
 
-__all__ = ["plan_contractions", "OPTIMIZERS", "check_optimizer", "einsum_flops", "merge_specs", "plan_path"]
+__all__ = ["plan_contractions", "SPLIT_RULE", "OPTIMIZERS", "check_optimizer", "einsum_flops", "merge_specs", "plan_path"]
 
 OPTIMIZERS = ("auto", "auto-hq", "greedy", "optimal", "dp", "branch-all", "branch-2", "branch-1", "random-greedy")
 
@@ -120,11 +120,11 @@ def _rewrite_split(graph: Graph, node: Node, ctx: PassContext) -> str:
     return f"split {spec} into {' then '.join(steps)} (optimizer {ctx.optimizer!r}, {int(info.opt_cost):,} FLOPs under the hints)"
 
 
+SPLIT_RULE = Rule("split_contraction", (Einsum,), _match_split, _rewrite_split)
+"""Split an einsum of three or more operands into pairwise einsums in opt_einsum's order."""
+
 plan_contractions = RewritePass(
     "plan_contractions",
     "merge barrier-free einsum chains when cheaper, split multi-operand einsums in opt_einsum's order",
-    [
-        Rule("merge_einsum_chain", (Einsum,), _match_merge, _rewrite_merge),
-        Rule("split_contraction", (Einsum,), _match_split, _rewrite_split),
-    ],
+    [Rule("merge_einsum_chain", (Einsum,), _match_merge, _rewrite_merge), SPLIT_RULE],
 )

@@ -9,6 +9,7 @@ the scale from the scores to ``q_proj.weight`` (and ``q_proj.bias``).
 
 from __future__ import annotations
 
+from graphc.dims import dim_is_nonnegative, dim_prod, dim_sub
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, Einsum, Scale
 
@@ -43,9 +44,20 @@ def _match_scale_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> obje
     consts = [i for i, v in enumerate(e.inputs) if graph.is_constant(v)]
     if consts:
         return node, e, consts[0]
-    sizes = [ctx.numel(graph.types[v].shape) for v in e.inputs]
-    pos = sizes.index(min(sizes))
-    if sizes[pos] >= ctx.numel(graph.types[e.name].shape):
+    shapes = [graph.types[v].shape for v in e.inputs]
+    if all(ctx.known_size(d) is not None for shape in shapes for d in shape):
+        sizes = [ctx.numel(shape) for shape in shapes]  # every size is known: compare them
+        pos = sizes.index(min(sizes))
+    else:  # guessed sizes must never put the scale on the larger operand (a pass over a KV cache)
+        numels = [dim_prod(shape) for shape in shapes]
+        smallest = [i for i, n in enumerate(numels) if all(dim_is_nonnegative(dim_sub(m, n)) for m in numels)]
+        if not smallest:
+            return Miss(
+                f"which operand of {e.name!r} is smaller depends on unhinted sizes ({', '.join(map(str, numels))}); "
+                "the scale stays on the result, where attention kernels apply it"
+            )
+        pos = smallest[0]
+    if ctx.numel(shapes[pos]) >= ctx.numel(graph.types[e.name].shape):
         return Miss(f"no operand of {e.name!r} is smaller than its result, so scaling the result is cheapest")
     return node, e, pos
 
@@ -56,7 +68,7 @@ def _rewrite_scale_into_einsum(graph: Graph, m: tuple[Node, Node, int], ctx: Pas
     scaled = graph.insert_before(e.name, node.op, [operand], f"{operand}_scaled")
     inputs = list(e.inputs)
     inputs[pos] = scaled.name
-    if node.name in graph.outputs:  # the output keeps its name: the scale node becomes the einsum
+    if graph.is_output(node.name):  # the output keeps its name: the scale node becomes the einsum
         graph.redefine(node.name, e.op, inputs)
         remove_if_dead(graph, e.name)
     else:  # the einsum keeps its (layout-carrying) name and takes over the scale's readers

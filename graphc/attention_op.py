@@ -1,0 +1,223 @@
+"""``Attention``: scaled dot-product attention as one typed op, and its one decomposition.
+
+Builders emit attention as a DAG of einsum and elementwise nodes; the
+optimizer's ``fuse_attention`` rule recognises that DAG once and replaces it by
+this op, so each backend can run its best kernel.  A backend without a kernel
+gets :func:`decompose_attention`'s grouped einsum chain (no K/V copy).
+
+Layout is the ONNX ``Attention`` op's 4-D form: ``q [B, Hq, Sq, D]``,
+``k [B, Hkv, Sk, D]``, ``v [B, Hkv, Sk, Dv]``; query head ``h`` reads KV head
+``h // (Hq // Hkv)`` (consecutive groups).  Inputs after q, k, v: the user mask
+(when ``mask`` is ``"bool"`` or ``"additive"``; broadcastable to
+``[B, Hq, Sq, P+Sk]``), then ``past_key``/``past_value [B, Hkv, P, D|Dv]``
+(when ``kv_cache``).  Outputs: ``out [B, Hq, Sq, Dv]``, then
+``present_key``/``present_value [B, Hkv, P+Sk, D|Dv]`` (when ``kv_cache``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dims import Dim, dim_add, dim_div, dim_mul, dim_is_nonnegative, eval_dim, format_shape, normalize_dim
+from .errors import DTypeMismatchError, GraphError, OpError, ShapeMismatchError
+from .graph import Graph
+from .numerics import causal_mask, safe_softmax
+from .ops import FLOAT_DTYPES, CausalMask, Concat, Dims, Einsum, Op, Reshape, Scale, Softmax, TensorType, Where, Binary, broadcast_shapes, register_op
+
+__all__ = ["Attention", "MASK_KINDS", "decompose_attention", "attention_group_size"]
+
+MASK_KINDS = ("none", "bool", "additive")
+
+
+@register_op
+@dataclass(frozen=True)
+class Attention(Op):
+    """``softmax(scale * q k^T [causal] [mask]) v`` over grouped heads.
+
+    ``causal_offset``: ``None`` for no causal mask, else key ``j`` (counted over
+    past and new keys) is hidden from query ``i`` when ``j > i + offset``; with a
+    KV cache of past length P the offset is P.  ``mask``: ``"none"``, ``"bool"``
+    (True keeps a key) or ``"additive"`` (added to the scores).  ``kv_cache``:
+    the op appends ``k``/``v`` to ``past_key``/``past_value`` and also returns
+    the results.  A row with no visible key gives zeros.
+    """
+
+    scale: float
+    causal_offset: Dim | None = None
+    mask: str = "none"
+    kv_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not np.isfinite(self.scale):
+            raise OpError(f"Attention: scale must be a finite float, got {self.scale!r}")
+        object.__setattr__(self, "scale", float(self.scale))
+        if self.causal_offset is not None:
+            object.__setattr__(self, "causal_offset", normalize_dim(self.causal_offset))
+        if self.mask not in MASK_KINDS:
+            raise OpError(f"Attention: mask must be one of {MASK_KINDS}, got {self.mask!r}")
+        if not isinstance(self.kv_cache, bool):
+            raise OpError(f"Attention: kv_cache must be a bool, got {self.kv_cache!r}")
+
+    @property
+    def num_outputs(self) -> int:  # type: ignore[override]
+        """1, or 3 with a KV cache (out, present_key, present_value)."""
+        return 3 if self.kv_cache else 1
+
+    @property
+    def has_mask(self) -> bool:
+        """True when a user mask is an input."""
+        return self.mask != "none"
+
+    def check_arity(self, n: int) -> None:
+        want = 3 + self.has_mask + 2 * self.kv_cache
+        if n != want:
+            raise OpError(f"Attention(mask={self.mask!r}, kv_cache={self.kv_cache}) takes {want} inputs, got {n}")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        return self.infer_all(ins)[0]
+
+    def infer_all(self, ins: Sequence[TensorType]) -> tuple[TensorType, ...]:
+        q, k, v = ins[:3]
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.rank != 4:
+                raise ShapeMismatchError(f"Attention: {name} must be 4-D [batch, heads, seq, dim], got {format_shape(t.shape)}")
+        if q.dtype not in FLOAT_DTYPES or {k.dtype, v.dtype} != {q.dtype}:
+            raise DTypeMismatchError(f"Attention: q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        b, hq, sq, d = q.shape
+        if k.shape[0] != b or v.shape[0] != b:
+            raise ShapeMismatchError(f"Attention: batch differs: q {format_shape(q.shape)}, k {format_shape(k.shape)}, v {format_shape(v.shape)}")
+        hkv, sk = k.shape[1], k.shape[2]
+        if v.shape[1] != hkv or v.shape[2] != sk:
+            raise ShapeMismatchError(f"Attention: k {format_shape(k.shape)} and v {format_shape(v.shape)} must share heads and length")
+        if k.shape[3] != d:
+            raise ShapeMismatchError(f"Attention: q head dim {d!r} differs from k head dim {k.shape[3]!r}")
+        if attention_group_size(hq, hkv) is None:
+            raise ShapeMismatchError(f"Attention: query heads {hq!r} are not a multiple of KV heads {hkv!r}")
+        dv = v.shape[3]
+        total = sk
+        rest = list(ins[3:])
+        mask = rest.pop(0) if self.has_mask else None
+        outs = [TensorType((b, hq, sq, dv), q.dtype)]
+        if self.kv_cache:
+            pk, pv = rest
+            if pk.rank != 4 or pk.shape[:2] != (b, hkv) or pk.shape[3] != d or pv.shape != (*pk.shape[:3], dv) or {pk.dtype, pv.dtype} != {q.dtype}:
+                raise ShapeMismatchError(
+                    f"Attention: past_key {pk} / past_value {pv} must be [{b},{hkv},P,{d}] / [{b},{hkv},P,{dv}] of {q.dtype}"
+                )
+            total = dim_add(pk.shape[2], sk)
+            outs += [TensorType((b, hkv, total, d), q.dtype), TensorType((b, hkv, total, dv), q.dtype)]
+        if mask is not None:
+            want = "bool" if self.mask == "bool" else q.dtype
+            if mask.dtype != want:
+                raise DTypeMismatchError(f"Attention: a {self.mask} mask must be {want}, got {mask.dtype}")
+            if mask.rank > 4 or broadcast_shapes(mask.shape, (b, hq, sq, total), "Attention mask") != (b, hq, sq, total):
+                raise ShapeMismatchError(f"Attention: mask {format_shape(mask.shape)} does not broadcast to [{b},{hq},{sq},{total}]")
+        return tuple(outs)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return self.evaluate_all(args, dims)[0]
+
+    def evaluate_all(self, args: Sequence[np.ndarray], dims: Dims) -> tuple[np.ndarray, ...]:
+        """Reference semantics, written plainly: repeat K/V to the query heads, then the textbook formula."""
+        q, k, v = args[:3]
+        rest = list(args[3:])
+        mask = rest.pop(0) if self.has_mask else None
+        if self.kv_cache:
+            k, v = np.concatenate([rest[0], k], axis=2), np.concatenate([rest[1], v], axis=2)
+        group = q.shape[1] // max(k.shape[1], 1) if k.shape[1] else 1
+        kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        s = np.einsum("bhqd,bhkd->bhqk", q, kr) * np.array(self.scale, q.dtype)
+        if self.causal_offset is not None:
+            s = causal_mask(s, eval_dim(self.causal_offset, dims))
+        if self.mask == "bool":
+            s = np.where(mask, s, np.array(-np.inf, s.dtype))
+        elif self.mask == "additive":
+            s = s + mask
+        out = np.einsum("bhqk,bhkd->bhqd", safe_softmax(s, -1), vr).astype(q.dtype)
+        return (out, k, v) if self.kv_cache else (out,)
+
+    @property
+    def may_mask_whole_rows(self) -> bool:
+        """True when some query row can see no key (a user mask, or a causal offset that may be negative)."""
+        return self.has_mask or (self.causal_offset is not None and not dim_is_nonnegative(self.causal_offset))
+
+
+def attention_group_size(n_heads: Dim, n_kv_heads: Dim) -> int | None:
+    """Query heads per KV head, or ``None`` when ``n_heads`` is not a multiple of ``n_kv_heads``."""
+    if normalize_dim(n_heads) == normalize_dim(n_kv_heads):
+        return 1
+    return dim_div(n_heads, n_kv_heads)
+
+
+def decompose_attention(graph: Graph, node_name: str) -> str:
+    """Replace the ``Attention`` node ``node_name`` by einsum and elementwise nodes; returns a description.
+
+    The chain is the grouped form with the group folded into the GEMM rows: Q is
+    viewed as ``[B, Hkv, G*Sq, D]``, so QK^T and PV are each one batched GEMM per
+    KV head and K/V are never copied; the scores are viewed as
+    ``[B, Hkv, G, Sq, Sk]`` for the scale, masks and softmax.  The outputs keep
+    their names.
+    """
+    node = graph.nodes[node_name]
+    op = node.op
+    if not isinstance(op, Attention):
+        raise GraphError(f"decompose_attention: {node_name!r} is a {op.kind}, not Attention")
+    ins = list(node.inputs)
+    q, k, v = ins[:3]
+    rest = ins[3:]
+    mask = rest.pop(0) if op.has_mask else None
+    base = node.outputs[0]
+
+    def add(o: Op, inputs: Sequence[str], label: str) -> str:
+        return graph.insert_before(node_name, o, inputs, f"{base}_{label}").name
+
+    if op.kv_cache:
+        k = add(Concat(2), [rest[0], k], "present_key")
+        v = add(Concat(2), [rest[1], v], "present_value")
+    b, hq, sq, _ = graph.types[q].shape
+    hkv, sk = graph.types[k].shape[1], graph.types[k].shape[2]
+    dv = graph.types[v].shape[3]
+    g = attention_group_size(hq, hkv) or 1
+    if op.scale != 1.0:  # on the query side: never larger than the scores, and no pass over a KV cache
+        q = add(Scale(op.scale), [q], "q_scaled")
+    if g == 1:
+        s = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores_BHST")
+    else:
+        rows = dim_mul(g, sq)
+        qm = add(Reshape((b, hkv, rows, graph.types[q].shape[3])), [q], "q_BHkvMD")
+        s = add(Einsum("bnmd,bnkd->bnmk"), [qm, k], "scores_BHkvMT")
+        s = add(Reshape((b, hkv, g, sq, sk)), [s], "scores_BHkvGST")
+    if op.causal_offset is not None:
+        s = add(CausalMask(op.causal_offset), [s], "causal")
+    if mask is not None:
+        m = _grouped_mask(graph, mask, g, hkv, add)
+        if op.mask == "bool":
+            neg_inf = graph.add_initializer(graph.fresh_name(f"{base}_neg_inf"), np.array(-np.inf, graph.types[s].dtype)).name
+            s = add(Where(), [m, s, neg_inf], "masked")
+        else:
+            s = add(Binary("add"), [s, m], "masked")
+    p = add(Softmax(-1), [s], "probs")
+    if g == 1:
+        out = add(Einsum("bhqk,bhkd->bhqd"), [p, v], "attn_BHSD")
+    else:
+        p = add(Reshape((b, hkv, rows, sk)), [p], "probs_BHkvMT")
+        o = add(Einsum("bnmk,bnkd->bnmd"), [p, v], "attn_BHkvMD")
+        out = add(Reshape((b, hq, sq, dv)), [o], "attn_BHSD")
+    replacements = {node.outputs[0]: out}
+    if op.kv_cache:
+        replacements.update({node.outputs[1]: k, node.outputs[2]: v})
+    graph.substitute(node_name, replacements)
+    return f"decomposed into grouped einsums (group {g}, no K/V copy)"
+
+
+def _grouped_mask(graph: Graph, mask: str, g: int, hkv: Dim, add) -> str:  # noqa: ANN001
+    """View a mask broadcastable to ``[B, Hq, Sq, Sk]`` as one broadcastable to ``[B, Hkv, G, Sq, Sk]``."""
+    shape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape
+    if g == 1:
+        return mask if shape == graph.types[mask].shape else add(Reshape(shape), [mask], "mask_4d")
+    mb, mh, msq, msk = shape
+    heads = (1, 1) if mh == 1 else (hkv, g)
+    return add(Reshape((mb, *heads, msq, msk)), [mask], "mask_grouped")

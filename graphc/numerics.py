@@ -1,0 +1,33 @@
+"""Reference numerics shared by the ops' semantics and the backends' kernels.
+
+These are the definitions, written for clarity: a causal mask offset by the
+KV-cache length, and a softmax whose fully masked rows are zeros (not NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["hidden_keys", "causal_mask", "safe_softmax"]
+
+
+def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int) -> np.ndarray:
+    """Bool ``[rows, keys]``: True where key ``j`` is hidden from query ``i`` (``j > i + offset``), for queries row_start..row_stop-1."""
+    return np.arange(keys)[None, :] > (np.arange(row_start, row_stop)[:, None] + offset)
+
+
+def causal_mask(x: np.ndarray, offset: int) -> np.ndarray:
+    """Return ``x`` with ``x[..., i, j] = -inf`` where ``j > i + offset``."""
+    sq, sk = x.shape[-2:]
+    return np.where(hidden_keys(0, sq, sk, offset), np.array(-np.inf, x.dtype), x)
+
+
+def safe_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """Softmax along ``axis``; a row of all ``-inf`` (or an empty row) gives zeros instead of NaN."""
+    if x.size == 0:
+        return np.zeros_like(x)
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.zeros((), x.dtype))
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    return e / np.where(s == 0, np.ones((), x.dtype), s)

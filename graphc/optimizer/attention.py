@@ -1,0 +1,322 @@
+"""``fuse_attention``: recognise scaled dot-product attention once, from einsum semantics.
+
+The rule starts at a ``Softmax`` over the last axis and walks up through the
+ops that may sit on the scores (``Scale``, ``CausalMask``, a bool mask written
+``Where(mask, s, -inf)``, an additive mask ``s + m``, and ``Reshape`` views that
+keep the key axis) to a two-operand einsum, then down from the softmax (through
+views) to a second einsum.  Roles come from the labels, not from spec text or
+value names:
+
+- QK^T ``A,B->S``: the key label ``t`` is ``S``'s last label and occurs in one
+  operand only (that operand is K); the head dim ``d`` is the one label
+  contracted; labels shared by Q, K and ``S`` are batch labels (the last one is
+  the KV-head axis); labels of Q alone are query rows (group x queries).
+- PV ``P,V->O``: ``P`` has the scores' shape, so its labels map position by
+  position onto ``S``'s; the key label is contracted against V; V's one free
+  label is the value head dim.
+
+So the repeated form (``Repeat`` of K/V, absorbed), the grouped and the folded
+forms, any axis order, a scale on Q, K or the scores, and a KV cache
+(``Concat`` of past and new keys whose causal offset is the past length) all
+become one :class:`~graphc.attention_op.Attention` node with views around it.
+Near misses say why (``--explain``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphc.attention_op import Attention
+from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
+from graphc.graph import Graph, Node
+from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Where
+
+from .cleanup import only_reader, remove_if_dead
+from .infra import Miss, PassContext, RewritePass, Rule
+
+__all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
+
+
+@dataclass
+class AttentionMatch:
+    """A recognised attention chain and how to rebuild it as one op."""
+
+    softmax: Node
+    pv: Node
+    q: str
+    k: str
+    v: str
+    q_term: str  # Q's labels in the order of ``q``
+    k_term: str
+    v_term: str  # V's labels, in QK label names (t for the key axis, e for the value dim)
+    batch: str  # batch labels (last: KV heads)
+    rows: str  # query-row labels (group x queries)
+    t: str
+    d: str
+    sizes: dict[str, Dim]
+    sq: Dim
+    group: int
+    scale: float
+    offset: Dim | None
+    mask: str | None
+    mask_kind: str
+    past: tuple[str, str] | None
+    presents: tuple[str, str] | None
+    out_term: str  # PV output labels, in QK label names
+    chain: list[str] = field(default_factory=list)  # values of the chain, softmax first (removed when dead)
+
+
+def _neg_inf_constant(graph: Graph, name: str) -> bool:
+    if not graph.is_constant(name):
+        return False
+    arr = graph.initializers[name]
+    return arr.size >= 1 and bool(np.all(np.isneginf(arr)))
+
+
+def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C901 - one pattern, read top to bottom
+    rank = graph.types[softmax.name].rank
+    if rank < 2 or softmax.op.axis % rank != rank - 1:  # type: ignore[attr-defined]
+        return None
+    scale, offset, mask, mask_kind = 1.0, None, None, "none"
+    view_for_rows: tuple[Dim, ...] | None = None
+    chain = [softmax.name]
+    x = softmax.inputs[0]
+    reader = softmax.name
+    while True:
+        node = graph.producer(x)
+        if node is None:
+            return None
+        if isinstance(node.op, Einsum):
+            break
+        if not isinstance(node.op, (Reshape, Scale, CausalMask, Where, Binary)):
+            return None
+        if not only_reader(graph, x, reader):
+            return Miss(f"{x!r} on the scores is read outside the attention chain")
+        op = node.op
+        nxt = node.inputs[0]
+        if isinstance(op, Reshape):
+            if graph.types[node.name].shape[-1:] != graph.types[nxt].shape[-1:]:
+                return Miss(f"view {node.name!r} changes the key axis")
+        elif isinstance(op, Scale):
+            if mask_kind == "additive" or (op.factor <= 0 and (mask is not None or offset is not None)):
+                return Miss(f"scale {node.name!r} after a mask cannot move into the attention scale")
+            scale *= op.factor
+        elif isinstance(op, CausalMask):
+            if offset is not None:
+                return Miss("two causal masks on one softmax")
+            offset = op.offset
+            view_for_rows = graph.types[node.name].shape
+        elif isinstance(op, Where):
+            cond, a, b = node.inputs
+            if not _neg_inf_constant(graph, b) or graph.types[cond].dtype != "bool":
+                return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf)")
+            if mask is not None:
+                return Miss("more than one user mask on one softmax")
+            mask, mask_kind, nxt = cond, "bool", a
+            view_for_rows = view_for_rows or graph.types[node.name].shape
+        else:
+            if op.fn != "add":
+                return None
+            full = graph.types[node.name].shape
+            cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
+            if len(cands) != 1 and not (len(cands) == 2 and graph.producer(node.inputs[1]) is None):
+                return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
+            pos = cands[0]
+            if mask is not None:
+                return Miss("more than one user mask on one softmax")
+            mask, mask_kind, nxt = node.inputs[1 - pos], "additive", node.inputs[pos]
+            view_for_rows = view_for_rows or full
+        chain.append(node.name)
+        reader, x = node.name, nxt
+    qk = node
+    if not only_reader(graph, x, reader):
+        return Miss(f"scores {x!r} are read outside the attention chain")
+    spec = qk.op.parsed  # type: ignore[attr-defined]
+    if len(spec.inputs) != 2:
+        return Miss(f"{qk.name!r} ({spec}) is not a two-operand einsum")
+    out = spec.output
+    t = out[-1]
+    a_term, b_term = spec.inputs
+    if (t in a_term) == (t in b_term):
+        return Miss(f"in {qk.name!r} ({spec}) the softmax axis label {t!r} is not in exactly one operand")
+    qpos = 1 if t in a_term else 0
+    q_term, k_term = spec.inputs[qpos], spec.inputs[1 - qpos]
+    batch = "".join(c for c in out[:-1] if c in q_term and c in k_term)
+    rows = "".join(c for c in out[:-1] if c in q_term and c not in k_term)
+    contracted = [c for c in q_term if c not in out]
+    if len(contracted) != 1 or contracted[0] not in k_term:
+        return Miss(f"{qk.name!r} ({spec}) does not contract exactly one head-dim label between Q and K")
+    d = contracted[0]
+    if set(k_term) != set(batch + t + d) or set(q_term) != set(batch + rows + d) or len(batch) + len(rows) + 1 != len(out):
+        return Miss(f"{qk.name!r} ({spec}) has labels that are neither batch, query, key nor head dim")
+    if out[: len(batch)] != batch:
+        return Miss(f"{qk.name!r} ({spec}) interleaves query rows with batch labels")
+    sizes: dict[str, Dim] = {}
+    for term, v in ((q_term, qk.inputs[qpos]), (k_term, qk.inputs[1 - qpos])):
+        sizes.update(zip(term, graph.types[v].shape))
+    view = view_for_rows or graph.types[softmax.inputs[0]].shape
+    n_rows = dim_prod(sizes[c] for c in rows)
+    sq = view[-2] if len(view) >= 2 else 1
+    group = dim_div(n_rows, sq) if rows else (1 if normalize_dim(sq) == 1 else None)
+    if group is None:
+        if offset is not None:
+            return Miss(f"the causal mask's query axis ({sq!r}) does not divide the query rows ({n_rows!r})")
+        sq, group = n_rows, 1
+    # --- down: softmax -> views -> PV
+    p_val = softmax.name
+    readers = graph.consumers(p_val)
+    while len(readers) == 1 and isinstance(readers[0].op, Reshape) and not graph.is_output(p_val):
+        chain.insert(0, readers[0].name)
+        p_val = readers[0].name
+        readers = graph.consumers(p_val)
+    if len(readers) != 1 or not isinstance(readers[0].op, Einsum) or not only_reader(graph, p_val, readers[0].name):
+        return Miss("the probabilities are not read by one einsum alone")
+    pv = readers[0]
+    pspec = pv.op.parsed  # type: ignore[attr-defined]
+    if len(pspec.inputs) != 2 or graph.types[p_val].shape != graph.types[qk.name].shape:
+        return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape")
+    ppos = pv.inputs.index(p_val)
+    p_term, v_term_raw = pspec.inputs[ppos], pspec.inputs[1 - ppos]
+    rename = dict(zip(p_term, out))
+    if rename[p_term[-1]] != t or p_term[-1] in pspec.output or p_term[-1] not in v_term_raw:
+        return Miss(f"{pv.name!r} ({pspec}) does not contract the key axis against V")
+    v_free = [c for c in v_term_raw if c not in p_term]
+    if len(v_free) != 1 or v_free[0] not in pspec.output:
+        return Miss(f"{pv.name!r} ({pspec}) has no single value-dim label")
+    e = "E" if "E" not in out + q_term else next(c for c in "ZYXWVU" if c not in out + q_term)
+    rename[v_free[0]] = e
+    v_term = "".join(rename[c] for c in v_term_raw)
+    out_term = "".join(rename.get(c, "?") for c in pspec.output)
+    if set(v_term) != set(batch + t + e) or set(out_term) != set(batch + rows + e):
+        return Miss(f"{pv.name!r} ({pspec}) mixes labels across the batch, query and value axes")
+    sizes[e] = graph.types[pv.inputs[1 - ppos]].shape[v_term.index(e)]
+    # --- Q, K, V producers: absorb a scale on Q or K and the KV-head repeat
+    q, k, v = qk.inputs[qpos], qk.inputs[1 - qpos], pv.inputs[1 - ppos]
+    q, f = _strip_scale(graph, q, qk.name)
+    scale *= f
+    reps = []
+    for name, term, user in ((k, k_term, qk.name), (v, v_term, pv.name)):
+        r = 1
+        for _ in range(2):
+            p = graph.producer(name)
+            if p is not None and isinstance(p.op, Scale) and name == k and only_reader(graph, name, user):
+                scale *= p.op.factor
+                user, name = p.name, p.inputs[0]
+                k = name
+            elif p is not None and isinstance(p.op, Repeat) and only_reader(graph, name, user) and batch:
+                if p.op.axis % len(term) != term.index(batch[-1]):
+                    return Miss(f"repeat {p.name!r} is not along the KV-head axis")
+                r = p.op.repeats
+                user, name = p.name, p.inputs[0]
+        reps.append((name, r))
+    (k, rk), (v, rv) = reps
+    if rk != rv:
+        return Miss(f"K is repeated {rk}x but V {rv}x")
+    if mask is not None:
+        hq = dim_prod([sizes[batch[-1]] if batch else 1, group])
+        canonical = (dim_prod(sizes[c] for c in batch[:-1]), hq, sq, sizes[t])
+        mshape = graph.types[mask].shape
+        if len(mshape) > 2 and tuple(map(normalize_dim, view_for_rows or ())) != tuple(map(normalize_dim, canonical)):
+            return Miss(f"the mask is applied to a {list(view_for_rows or ())} view, not [batch, heads, queries, keys]")
+    past = presents = None
+    if offset is not None and len(batch) == 2 and k_term == batch + t + d and v_term == batch + t + e:
+        kc, vc = graph.producer(k), graph.producer(v)
+        if all(c is not None and isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
+            if normalize_dim(graph.types[kc.inputs[0]].shape[2]) == normalize_dim(offset) and _later_readers_ok(graph, (kc, vc), pv):  # type: ignore[union-attr]
+                past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)  # type: ignore[union-attr]
+                k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
+    return AttentionMatch(
+        softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, sizes, sq, group * rk, scale, offset, mask, mask_kind,
+        past, presents, out_term, chain + [qk.name],
+    )
+
+
+def _strip_scale(graph: Graph, value: str, reader: str) -> tuple[str, float]:
+    p = graph.producer(value)
+    if p is not None and isinstance(p.op, Scale) and only_reader(graph, value, reader):
+        return p.inputs[0], p.op.factor
+    return value, 1.0
+
+
+def _later_readers_ok(graph: Graph, concats: tuple[Node, ...], pv: Node) -> bool:
+    """The fused op replaces the cache Concats at the PV einsum's place: their other readers must come later."""
+    for c in concats:
+        for r in graph.consumers(c.name):
+            if not isinstance(r.op, (Repeat, Einsum, Scale)) and not graph.is_before(pv.name, r.name):
+                return False
+    return True
+
+
+def _to_canonical(graph: Graph, value: str, term: str, order: str, shape: tuple[Dim, ...], anchor: str, label: str) -> str:
+    """Transpose ``value`` (labels ``term``) to ``order`` and reshape it to ``shape`` (each only when needed)."""
+    perm = tuple(term.index(c) for c in order)
+    if perm != tuple(range(len(perm))):
+        value = graph.insert_before(anchor, Transpose(perm), [value], f"{value}_{label}").name
+    if tuple(map(normalize_dim, graph.types[value].shape)) != tuple(map(normalize_dim, shape)):
+        value = graph.insert_before(anchor, Reshape(shape), [value], f"{value}_{label}").name
+    return value
+
+
+def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
+    s = m.sizes
+    b = dim_prod(s[c] for c in m.batch[:-1])
+    hkv_label = m.batch[-1] if m.batch else None
+    hk = s[hkv_label] if hkv_label else 1
+    rows = dim_prod(s[c] for c in m.rows)
+    anchor = m.pv.name
+    hkv_src = graph.types[m.k].shape[m.k_term.index(hkv_label)] if hkv_label else 1
+    hq = dim_prod([hk, dim_div(rows, m.sq) or 1])
+    q = _to_canonical(graph, m.q, m.q_term, m.batch + m.rows + m.d, (b, hq, m.sq, s[m.d]), anchor, "BHSD")
+    k_len = graph.types[m.k].shape[m.k_term.index(m.t)]
+    k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv_src, k_len, s[m.d]), anchor, "BHkvTD")
+    v = _v_canonical(graph, m, b, hkv_src, anchor)
+    inputs = [q, k, v] + ([m.mask] if m.mask else []) + (list(m.past) if m.past else [])
+    op = Attention(m.scale, m.offset, m.mask_kind, m.past is not None)
+    base = m.pv.name
+    stem = base.split("_B")[0] if "_B" in base else base
+    names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.presents] if m.presents else [])
+    outs = graph.add_multi_node(op, inputs, names, before=anchor)
+    # back to the PV einsum's layout: [B, Hq, Sq, E] -> [batch..., rows..., E] -> output order
+    e = next(c for c in m.out_term if c not in m.batch + m.rows)
+    y = outs[0].name
+    natural = m.batch + m.rows + e
+    full = tuple(s[c] for c in m.batch + m.rows) + (graph.types[v].shape[3],)
+    if tuple(map(normalize_dim, graph.types[y].shape)) != tuple(map(normalize_dim, full)):
+        y = graph.insert_before(anchor, Reshape(full), [y], f"{base}_unfused").name
+    perm = tuple(natural.index(c) for c in m.out_term)
+    if perm != tuple(range(len(perm))):
+        y = graph.insert_before(anchor, Transpose(perm), [y], f"{base}_unfused").name
+    repl = {m.pv.name: y}
+    graph.substitute(m.pv.name, repl)
+    if m.presents:
+        for present, new in zip(m.presents, outs[1:]):
+            graph.replace_uses(present, new.name)
+            remove_if_dead(graph, present)
+            graph.rename_value(new.name, present)
+    for name in m.chain:
+        remove_if_dead(graph, name)
+    parts = [f"scale={m.scale:g}", f"group={m.group}"]
+    if m.offset is not None:
+        parts.append(f"causal offset {m.offset}")
+    if m.mask:
+        parts.append(f"{m.mask_kind} mask {m.mask!r}")
+    if m.past:
+        parts.append("KV cache " + ", ".join(m.past))
+    return "attention recognised: " + ", ".join(parts)
+
+
+def _v_canonical(graph: Graph, m: AttentionMatch, b: Dim, hkv: Dim, anchor: str) -> str:
+    e = next(c for c in m.v_term if c not in m.batch + m.t)
+    shape = graph.types[m.v].shape
+    return _to_canonical(graph, m.v, m.v_term, m.batch + m.t + e, (b, hkv, shape[m.v_term.index(m.t)], shape[m.v_term.index(e)]), anchor, "BHkvTD")
+
+
+FUSE_ATTENTION_RULE = Rule("fuse_attention", (Softmax,), _match, _rewrite)
+
+fuse_attention = RewritePass(
+    "fuse_attention",
+    "recognise softmax(scale * QK^T + masks) V (repeated, grouped or folded, any axis order) as one Attention op",
+    [FUSE_ATTENTION_RULE],
+)

@@ -1,0 +1,108 @@
+"""Legalisation: make a graph runnable by one target, once, after the target-free optimizer.
+
+A :class:`Target` says which composite ops a backend runs natively and, for
+``Attention``, whether it wants this node fused (its kernel) or decomposed (the
+one decomposition, :func:`~graphc.attention_op.decompose_attention`), given the
+sizes known at the time.  It also says how many operands an einsum may have; a
+longer einsum is split into pairwise ones in opt_einsum's order, here, so no
+backend plans contractions again.
+
+``lower(graph, target, sizes)`` runs the lowering stages (``fuse_attention``,
+layout clean-up, legalisation, dead-code removal) on a copy; backends call it
+on the graph they are given, optimized or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from graphc.attention_op import Attention, decompose_attention
+from graphc.graph import Graph, Node
+
+from .attention import fuse_attention
+from .cleanup import LAYOUT_RULES, dead_code_elimination
+from .infra import Pass, PassContext, PassManager, RewritePass, Rule
+from .planning import SPLIT_RULE
+
+__all__ = ["Target", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
+
+AttentionPolicy = Callable[[Graph, Node, PassContext], "str | None"]
+"""Decides one ``Attention`` node: ``None`` keeps it for the backend's kernel, a string is the reason to decompose it."""
+
+
+def _always_decompose(graph: Graph, node: Node, ctx: PassContext) -> str:
+    return "the target has no attention kernel"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a backend runs natively.
+
+    ``attention``: the policy for ``Attention`` nodes (default: decompose all);
+    ``max_einsum_operands``: longer einsums are split pairwise; ``description``
+    is shown in reports.
+    """
+
+    name: str
+    attention: AttentionPolicy = _always_decompose
+    max_einsum_operands: int = 2
+    description: str = ""
+
+
+REFERENCE_TARGET = Target("reference", description="every composite op decomposed; reference semantics only")
+
+
+def _match_attention(graph: Graph, node: Node, ctx: PassContext) -> object:
+    reason = ctx.target.attention(graph, node, ctx) if ctx.target is not None else "no target"
+    if reason is None:
+        ctx.decide(node.name, f"Attention kept for {ctx.target.name}'s kernel")
+        return None
+    return node, reason
+
+
+def _rewrite_attention(graph: Graph, m: tuple[Node, str], ctx: PassContext) -> str:
+    node, reason = m
+    decompose_attention(graph, node.name)
+    return f"decomposed into grouped einsums: {reason}"
+
+
+def _match_long_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:
+    limit = ctx.target.max_einsum_operands if ctx.target is not None else 2
+    return SPLIT_RULE.match(graph, node, ctx) if len(node.inputs) > limit else None
+
+
+legalize = RewritePass(
+    "legalize",
+    "decompose Attention where the target has no kernel (or its policy says so); split einsums the target cannot run",
+    [
+        Rule("legalize_attention", (Attention,), _match_attention, _rewrite_attention),
+        Rule("split_contraction", SPLIT_RULE.ops, _match_long_einsum, SPLIT_RULE.rewrite),
+    ],
+)
+
+simplify_views = RewritePass("simplify_views", "fold the views the attention rewrite left", list(LAYOUT_RULES))
+
+LOWERING_STAGES: tuple[Pass, ...] = (fuse_attention, simplify_views, legalize, dead_code_elimination)
+"""The target-aware stages, in order."""
+
+
+def lower(
+    graph: Graph,
+    target: Target,
+    sizes: Mapping[str, int] | None = None,
+    ctx: PassContext | None = None,
+    verify: bool = False,
+) -> Graph:
+    """A copy of ``graph`` lowered for ``target``: attention recognised and kept or decomposed per node, einsums legal.
+
+    ``sizes`` are the real sizes of symbolic dims when known (a run, or an
+    export for one shape); policies see them through ``ctx.known_size``.
+    """
+    ctx = ctx or PassContext()
+    ctx.hints = {**dict(ctx.hints), **{k: int(v) for k, v in (sizes or {}).items()}}
+    ctx.target = target
+    work = graph.copy()
+    PassManager(LOWERING_STAGES, verify=verify).run(work, ctx)
+    work.verify()
+    return work

@@ -1,0 +1,113 @@
+"""What each backend runs natively: the :class:`~graphc.optimizer.Target` of every backend and ONNX mode.
+
+A target's attention policy looks at one ``Attention`` node (and the sizes
+known for the run) and keeps it for the backend's kernel or says why it is
+decomposed.  Adding a backend means adding its target here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from graphc import Attention
+from graphc.dims import normalize_dim
+from graphc.errors import UnknownNameError
+from graphc.graph import Graph, Node
+from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
+
+__all__ = [
+    "ATTENTION_MODES",
+    "AUTO_MIN_QUERY_ROWS",
+    "NUMPY_TARGET",
+    "TORCH_TARGET",
+    "onnx_target",
+    "onnx_attention_unsupported",
+    "gqa_unsupported",
+    "REFERENCE_TARGET",
+]
+
+ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "auto")
+AUTO_MIN_QUERY_ROWS = 64
+"""``auto`` fuses when each KV head serves at least this many query rows (group x queries); measured on 2 cores,
+a decode step runs faster as grouped MatMuls than through either fused op."""
+
+
+def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
+    op: Attention = node.op  # type: ignore[assignment]
+    return "the blocked kernel takes no user mask" if op.has_mask else None
+
+
+NUMPY_TARGET = Target("numpy", _numpy_policy, description="row-blocked attention kernel, GEMM contractions")
+TORCH_TARGET = Target("torch", lambda g, n, c: None, description="torch scaled_dot_product_attention")
+
+
+def _past_len(graph: Graph, node: Node) -> object:
+    op: Attention = node.op  # type: ignore[assignment]
+    return normalize_dim(graph.types[node.inputs[3 + op.has_mask]].shape[2]) if op.kv_cache else 0
+
+
+def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | None:
+    """Why the standard ``Attention`` op cannot carry this node (``None`` when it can)."""
+    op: Attention = node.op  # type: ignore[assignment]
+    if opset < 23:
+        return f"the Attention op needs opset 23 or later, got opset {opset}"
+    if op.may_mask_whole_rows:
+        return "rows can be fully masked, and runtimes disagree on what the fused op returns for them"
+    if op.causal_offset is not None and normalize_dim(op.causal_offset) != _past_len(graph, node):
+        return f"causal offset {op.causal_offset!r} is not the past length; the op aligns its causal mask to the cache"
+    return None
+
+
+def gqa_unsupported(graph: Graph, node: Node) -> str | None:
+    """Why ``com.microsoft.GroupQueryAttention`` cannot carry this node (``None`` when it can)."""
+    op: Attention = node.op  # type: ignore[assignment]
+    if op.causal_offset is None:
+        return "GroupQueryAttention is causal only, and this attention has no causal mask"
+    if op.has_mask:
+        return "GroupQueryAttention takes no user mask"
+    if normalize_dim(op.causal_offset) != _past_len(graph, node):
+        return f"causal offset {op.causal_offset!r} is not the past length"
+    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+    if not op.kv_cache and normalize_dim(q[2]) != normalize_dim(k[2]):
+        return "GroupQueryAttention without a past cache needs as many keys as queries"
+    if not all(isinstance(d, int) for d in (q[1], k[1], q[3])):
+        return "head counts and head dim must be static"
+    return None
+
+
+def _rows_per_kv_head(graph: Graph, node: Node, ctx: PassContext) -> int | None:
+    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+    sq = ctx.known_size(q[2])
+    if sq is None or not isinstance(q[1], int) or not isinstance(k[1], int):
+        return None
+    return sq * (q[1] // max(k[1], 1))
+
+
+def onnx_target(mode: str, opset: int) -> Target:
+    """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset``."""
+    if mode not in ATTENTION_MODES:
+        raise UnknownNameError("attention mode", mode, ATTENTION_MODES)
+    policy: Callable[[Graph, Node, PassContext], str | None]
+    if mode == "decomposed":
+        return Target("onnx-decomposed", description="MatMul/Softmax nodes")
+    if mode == "onnx-attention":
+
+        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
+            return onnx_attention_unsupported(graph, node, opset)
+
+    elif mode == "ort-gqa":
+
+        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
+            return gqa_unsupported(graph, node)
+
+    else:
+
+        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
+            rows = _rows_per_kv_head(graph, node, ctx)
+            if rows is None:
+                return "auto: the query length is not known (give sizes), so the grouped MatMul form is kept"
+            if rows < AUTO_MIN_QUERY_ROWS:
+                return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
+            return onnx_attention_unsupported(graph, node, opset)
+
+    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")
