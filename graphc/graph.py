@@ -474,17 +474,20 @@ class Graph(GraphBuilder):
     def replace_uses(self, old: ValueLike, new: ValueLike) -> None:
         """Make every reader of ``old`` (nodes and graph outputs) read ``new`` instead: O(readers).
 
-        ``new`` must be defined before every reader of ``old``.
+        ``new`` must be defined before every reader of ``old``; the node that
+        computes ``new`` keeps reading ``old`` (insert a node, then redirect).
         """
         old_n, new_n = _name_of(old), _name_of(new)
         ov, nv = self.value(old_n), self.value(new_n)
         if ov.type != nv.type:
             raise GraphError(f"cannot replace {old_n!r} ({ov.type}) by {new_n!r} ({nv.type}): types differ")
         for node, count in list(ov.users.items()):
+            if node is nv.producer:
+                continue  # ``new`` computed from ``old`` (insert, then redirect): it keeps reading ``old``
             node.inputs = tuple(new_n if i == old_n else i for i in node.inputs)
             nv.users[node] = nv.users.get(node, 0) + count
+            del ov.users[node]
             self._touch(node.name)
-        ov.users.clear()
         if old_n in self._output_uses:
             self._outputs = [new_n if o == old_n else o for o in self._outputs]
             self._output_uses = {o: 1 for o in self._outputs}

@@ -319,6 +319,7 @@ def export(
     attention: str = "decomposed",
     hints: dict[str, int] | None = None,
     sizes: dict[str, int] | None = None,
+    external_data: bool = False,
 ) -> onnx.ModelProto:
     """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
 
@@ -329,7 +330,14 @@ def export(
     else grouped MatMuls; decomposed when the query length is unknown).  An
     explicit fused mode that cannot carry a recognised attention raises
     :class:`ExportError` with the reason; ``auto`` falls back to the decomposed form.
+
+    ``external_data=True`` (needs ``path``) streams the weights into
+    ``<path>.data`` beside the model, one array at a time, each distinct array
+    once (tied weights share their bytes), so models past protobuf's 2 GiB
+    limit export without copying every weight into one message.
     """
+    if external_data and path is None:
+        raise ExportError("external_data=True needs a path to write the weights next to")
     if attention not in ATTENTION_MODES:
         raise UnknownNameError("attention mode", attention, ATTENTION_MODES)
     max_opset = onnx.defs.onnx_opset_version()
@@ -346,8 +354,11 @@ def export(
     b = OnnxBuilder(lowered)
     for node in lowered.topological_order():
         _lower_node(b, node, attention)
-    for name, arr in lowered.initializers.items():
-        b.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+    if external_data:
+        b.initializers.extend(_write_external(lowered, Path(str(path))))
+    else:
+        for name, arr in lowered.initializers.items():
+            b.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
     onnx_graph = helper.make_graph(
         b.nodes,
         graph.name,
@@ -366,6 +377,39 @@ def export(
         except OSError as e:
             raise ExportError(f"cannot write {str(path)!r}: {e.strerror}") from None
     return model
+
+
+_EXTERNAL_MIN_BYTES = 1024
+_ALIGN = 4096
+
+
+def _write_external(graph: Graph, path: Path) -> list[onnx.TensorProto]:
+    """Stream every initializer of at least 1 KiB into ``<path>.data`` (each distinct array once) and return the tensors."""
+    location = path.name + ".data"
+    tensors: list[onnx.TensorProto] = []
+    placed: dict[int, tuple[int, int]] = {}
+    try:
+        with open(path.parent / location, "wb") as f:
+            for name, arr in graph.initializers.items():
+                if arr.nbytes < _EXTERNAL_MIN_BYTES:
+                    tensors.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+                    continue
+                if id(arr) not in placed:
+                    offset = -f.tell() % _ALIGN + f.tell()
+                    f.seek(offset)
+                    data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
+                    f.write(memoryview(data).cast("B"))
+                    placed[id(arr)] = (offset, arr.nbytes)
+                offset, length = placed[id(arr)]
+                t = onnx.TensorProto(name=name, data_type=ONNX_DTYPES[str(arr.dtype)], dims=list(arr.shape))
+                t.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = key, value
+                tensors.append(t)
+    except OSError as e:
+        raise ExportError(f"cannot write weights to {str(path.parent / location)!r}: {e.strerror}") from None
+    return tensors
 
 
 def _check_fused(lowered: Graph, mode: str, ctx: PassContext) -> None:

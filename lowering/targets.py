@@ -58,7 +58,7 @@ def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | No
     return None
 
 
-def gqa_unsupported(graph: Graph, node: Node) -> str | None:
+def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) -> str | None:
     """Why ``com.microsoft.GroupQueryAttention`` cannot carry this node (``None`` when it can)."""
     op: Attention = node.op  # type: ignore[assignment]
     if op.causal_offset is None:
@@ -72,6 +72,10 @@ def gqa_unsupported(graph: Graph, node: Node) -> str | None:
         return "GroupQueryAttention without a past cache needs as many keys as queries"
     if not all(isinstance(d, int) for d in (q[1], k[1], q[3])):
         return "head counts and head dim must be static"
+    if op.kv_cache and ctx is not None:
+        batch, sq = ctx.known_size(q[0]), ctx.known_size(q[2])
+        if batch is not None and sq is not None and batch > 1 and sq > 1:
+            return "onnxruntime's GroupQueryAttention rejects batch > 1 when a past and several new tokens are given"
     return None
 
 
@@ -98,7 +102,7 @@ def onnx_target(mode: str, opset: int) -> Target:
     elif mode == "ort-gqa":
 
         def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-            return gqa_unsupported(graph, node)
+            return gqa_unsupported(graph, node, ctx)
 
     else:
 

@@ -150,3 +150,18 @@ def test_debug_shows_the_traceback(capsys):
 def test_python_dash_m_graphc():
     proc = subprocess.run([sys.executable, "-m", "graphc", "info", "--preset", "llama2-70b"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "heads=64, kv_heads=8" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["onnx-attention", "ort-gqa", "auto"])
+def test_compare_runs_fused_modes_on_the_optimized_graph(capsys, mode):
+    code, out, _ = _run(capsys, "compare", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--seq", "80",
+                        "--backends", "numpy,onnx-reference,ort-cpu", "--attention", mode, "--repeats", "1")
+    assert code == 0 and "all backends agree" in out and "(optimized)" in out and "attention decomposed" in out
+    if mode == "ort-gqa":
+        assert "skipped" in out and "GroupQueryAttention" in out  # the reference evaluator cannot run contrib ops
+
+
+def test_compare_core_decode_binds_the_past_length(capsys):
+    code, out, _ = _run(capsys, "compare", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--core", "--decode", "--past", "9",
+                        "--backends", "numpy,onnx-reference,ort-cpu", "--repeats", "1")
+    assert code == 0 and "all backends agree" in out

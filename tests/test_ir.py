@@ -264,3 +264,60 @@ def test_reshape_with_symbolic_products_verifies():
     assert g.types[y.name].shape == ("b", "h*s", 4)
     assert Reshape(("b", "s*h")).shape == ("b", "h*s")
     assert Transpose((1, 0)).perm == (1, 0)
+
+
+# ------------------------------------------------------------ the IR core: users, order, multi-output
+
+
+def test_values_know_their_producer_and_users_through_every_edit():
+    g = _small_graph()
+    assert g.value("c").producer is g.nodes["c"] and set(g.value("c").users) == {g.nodes["d"]}
+    e = g.insert_before("d", graphc.ops.Scale(2.0), ["c"], "e")
+    g.replace_uses("c", e)  # d now reads e; e still reads c
+    assert [n.name for n in g.consumers("c")] == ["e"] and [n.name for n in g.consumers("e")] == ["d"]
+    assert [n.name for n in g.topological_order()] == ["c", "e", "d"]
+    g.verify()  # also checks every users list against the nodes
+    g.set_inputs("d", ["c"])
+    from graphc.optimizer.cleanup import remove_if_dead
+
+    remove_if_dead(g, "e")
+    assert "e" not in g.nodes and set(g.value("c").users) == {g.nodes["d"]}
+    g.verify()
+
+
+def test_rename_and_substitute_keep_graph_outputs_and_readers():
+    g = _small_graph()
+    g.rename_value("c", "scores")
+    assert g.nodes["d"].inputs == ("scores",) and "scores" in g.nodes
+    s = g.insert_before("d", graphc.ops.Softmax(-1), ["scores"], "d_new")
+    g.substitute("d", {"d": s})  # d's readers (the graph output) move to d_new, which takes the name d
+    assert g.outputs == ["d"] and g.nodes["d"].op == graphc.ops.Softmax(-1) and "d_new" not in g.types
+    g.verify()
+
+
+def test_multi_output_nodes_print_save_and_load():
+    g = Graph("kv")
+    q, k, v = (g.input(n, [1, 4, "s", 8]) for n in ("q", "k", "v"))
+    pk, pv = g.input("pk", [1, 4, "p", 8]), g.input("pv", [1, 4, "p", 8])
+    out, kk, vv = g.attention(q, k, v, 0.5, "p", past_key=pk, past_value=pv, names=["o", "present_key", "present_value"])
+    g.output(out, kk, vv)
+    g.verify()
+    line = [ln for ln in str(g).splitlines() if "Attention" in ln][0]
+    assert line.startswith("  o: float32[1,4,s,8], present_key: float32[1,4,p+s,8], present_value: float32[1,4,p+s,8] = Attention[")
+    h = graph_from_dict(json.loads(json.dumps(graph_to_dict(g))))
+    assert str(h) == str(g) and h.producer("present_value") is h.nodes["o"]
+
+
+def test_call_inlines_a_graph_with_unique_names():
+    sub = Graph("sub")
+    x = sub.input("x", ["n", 3])
+    sub.output(sub.relu(sub.einsum("ni,ij->nj", x, sub.constant("w", np.eye(3, dtype=np.float32)), name="y"), name="z"))
+    g = Graph("two")
+    a = g.input("a", ["n", 3])
+    first = g.call(sub, {"x": a}, prefix="l0.")["z"]
+    second = g.call(sub, {"x": first}, prefix="l0.")["z"]  # same prefix again: names still unique
+    g.output(second)
+    g.verify()
+    assert first.name == "l0.z" and second.name == "l0.z_1" and g.initializers["l0.w"] is g.initializers["l0.w_1"]
+    with pytest.raises(GraphError, match="missing \\['x'\\]"):
+        g.call(sub, {})

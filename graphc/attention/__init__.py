@@ -3,6 +3,7 @@
 from .builders import (
     attention_core,
     attention_layer_graph,
+    attention_stack_graph,
     cross_attention_graph,
     init_weights,
     kv_cache_graph,
@@ -25,6 +26,7 @@ __all__ = [
     "attention_core",
     "sdpa_graph",
     "attention_layer_graph",
+    "attention_stack_graph",
     "cross_attention_graph",
     "kv_cache_graph",
 ]

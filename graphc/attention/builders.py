@@ -12,7 +12,7 @@ Weights follow ``torch.nn.Linear``: ``q_proj.weight`` is ``[n_heads*head_dim, d_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ __all__ = [
     "attention_layer_graph",
     "cross_attention_graph",
     "kv_cache_graph",
+    "attention_stack_graph",
 ]
 
 
@@ -250,4 +251,37 @@ def kv_cache_graph(
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past)
     g.output(_merge_and_project(g, attn, cfg, seq, batch), k, v)
+    return g
+
+
+def attention_stack_graph(
+    cfg: AttentionConfig,
+    n_layers: int,
+    batch: Dim = "batch",
+    seq: Dim = "seq",
+    weights: Sequence[Mapping[str, np.ndarray]] | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    tie_weights: bool = False,
+    name: str | None = None,
+) -> Graph:
+    """``n_layers`` attention layers in a row, each inlined from :func:`attention_layer_graph` with :meth:`Graph.call`.
+
+    Layer ``i``'s weights are named ``layers.{i}.q_proj.weight`` ...; ``weights``
+    gives one mapping per layer, else layer ``i`` draws random weights with seed
+    ``seed + i``.  ``tie_weights`` builds one layer and shares its (read-only)
+    arrays across all layers, as compile-time benchmarks do to stay small.
+    """
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        raise WeightError(f"n_layers must be a positive int, got {n_layers!r}")
+    if weights is not None and len(weights) != n_layers:
+        raise WeightError(f"weights has {len(weights)} layer(s), n_layers is {n_layers}")
+    g = Graph(name or f"attention_stack_{cfg.kind.lower()}_{n_layers}")
+    x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
+    shared = attention_layer_graph(cfg, batch, seq, seed=seed, dtype=dtype) if tie_weights and weights is None else None
+    for i in range(n_layers):
+        layer = shared or attention_layer_graph(cfg, batch, seq, weights=None if weights is None else weights[i], seed=seed + i, dtype=dtype)
+        x = g.call(layer, {"x_BSM": x}, prefix=f"layers.{i}.")["out_BSM"]
+    g.rename_value(x.name, "out_BSM")
+    g.output("out_BSM")
     return g

@@ -99,17 +99,19 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
         if isinstance(op, Reshape):
             if graph.types[node.name].shape[-1:] != graph.types[nxt].shape[-1:]:
                 return Miss(f"view {node.name!r} changes the key axis")
-        elif isinstance(op, Scale):
-            if mask_kind == "additive" or (op.factor <= 0 and (mask is not None or offset is not None)):
-                return Miss(f"scale {node.name!r} after a mask cannot move into the attention scale")
+        elif isinstance(op, Scale):  # the walk goes up: scales seen so far act after the masks found further up
             scale *= op.factor
         elif isinstance(op, CausalMask):
+            if scale <= 0:
+                return Miss(f"a non-positive scale acts after causal mask {node.name!r}")
             if offset is not None:
                 return Miss("two causal masks on one softmax")
             offset = op.offset
             view_for_rows = graph.types[node.name].shape
         elif isinstance(op, Where):
             cond, a, b = node.inputs
+            if scale <= 0:
+                return Miss(f"a non-positive scale acts after mask {node.name!r}")
             if not _neg_inf_constant(graph, b) or graph.types[cond].dtype != "bool":
                 return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf)")
             if mask is not None:
@@ -119,6 +121,8 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
         else:
             if op.fn != "add":
                 return None
+            if scale != 1.0:
+                return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
             full = graph.types[node.name].shape
             cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
             if len(cands) != 1 and not (len(cands) == 2 and graph.producer(node.inputs[1]) is None):
