@@ -187,7 +187,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     """Optimize a graph and print the before/after report (and the trace with --explain)."""
     g, sizes = _graph(args)
     hints = {**sizes, **_hints(args.hint)}
-    out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True)
+    target = None
+    if args.target:
+        from lowering.targets import target_named
+
+        target = target_named(args.target)
+    out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True, target=target)
     print(report.explain() if args.explain else report)
     if args.print:
         print()
@@ -255,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--level", type=int, default=2, choices=sorted(PIPELINES))
     o.add_argument("--optimizer", default="auto", choices=OPTIMIZERS, help="opt_einsum path optimizer")
     o.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim for cost decisions")
+    o.add_argument("--target", default=None, metavar="NAME", help="also lower for a backend: numpy, reference, torch, onnx-decomposed, onnx-onnx-attention, onnx-ort-gqa, onnx-auto")
     o.add_argument("--print", action="store_true", help="print the optimized graph")
     o.add_argument("-o", "--output", default=None, help="save the optimized graph as JSON")
     o.set_defaults(func=cmd_optimize)

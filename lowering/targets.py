@@ -24,6 +24,8 @@ __all__ = [
     "onnx_attention_unsupported",
     "gqa_unsupported",
     "REFERENCE_TARGET",
+    "target_named",
+    "TARGET_NAMES",
 ]
 
 ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "auto")
@@ -114,4 +116,17 @@ def onnx_target(mode: str, opset: int) -> Target:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             return onnx_attention_unsupported(graph, node, opset)
 
-    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")
+    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")  # noqa: B023
+
+
+TARGET_NAMES = ("numpy", "reference", "torch", *(f"onnx-{m}" for m in ATTENTION_MODES))
+
+
+def target_named(name: str, opset: int = 23) -> Target:
+    """The target called ``name`` (one of :data:`TARGET_NAMES`); an unknown name lists the valid ones."""
+    fixed = {"numpy": NUMPY_TARGET, "reference": REFERENCE_TARGET, "torch": TORCH_TARGET}
+    if name in fixed:
+        return fixed[name]
+    if name.startswith("onnx-") and name[5:] in ATTENTION_MODES:
+        return onnx_target(name[5:], opset)
+    raise UnknownNameError("target", name, TARGET_NAMES)
