@@ -45,8 +45,10 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     hkv = k.shape[1]
     group = hq // hkv if hkv else 1
     offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
+    if op.scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
+        q = q * np.array(op.scale, q.dtype)
     qf = q.reshape(b, hkv, group * sq, d)
-    out = blocked_attention(qf, k, v, sq, offset, op.scale if op.scale != 1.0 else None, threads)
+    out = blocked_attention(qf, k, v, sq, offset, None, threads)
     out = out.reshape(b, hq, sq, v.shape[-1])
     return (out, k, v) if op.kv_cache else (out,)
 
