@@ -127,7 +127,7 @@ class Attention(Op):
         mask = rest.pop(0) if self.has_mask else None
         if self.kv_cache:
             k, v = np.concatenate([rest[0], k], axis=2), np.concatenate([rest[1], v], axis=2)
-        group = q.shape[1] // max(k.shape[1], 1) if k.shape[1] else 1
+        group = q.shape[1] // k.shape[1] if k.shape[1] else 1
         kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         s = np.einsum("bhqd,bhkd->bhqk", q, kr) * np.array(self.scale, q.dtype)
         if self.causal_offset is not None:
@@ -157,9 +157,10 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
 
     The chain is the grouped form with the group folded into the GEMM rows: Q is
     viewed as ``[B, Hkv, G*Sq, D]``, so QK^T and PV are each one batched GEMM per
-    KV head and K/V are never copied; the scores are viewed as
-    ``[B, Hkv, G, Sq, Sk]`` for the scale, masks and softmax.  The outputs keep
-    their names.
+    KV head and K/V are never copied; the scale goes on Q (never larger than the
+    scores, and no pass over a KV cache); the scores are viewed as
+    ``[B, Hkv, G, Sq, Sk]`` for the masks and softmax.  The outputs keep their
+    names.
     """
     node = graph.nodes[node_name]
     op = node.op
@@ -181,7 +182,7 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
     hkv, sk = graph.types[k].shape[1], graph.types[k].shape[2]
     dv = graph.types[v].shape[3]
     g = attention_group_size(hq, hkv) or 1
-    if op.scale != 1.0:  # on the query side: never larger than the scores, and no pass over a KV cache
+    if op.scale != 1.0:
         q = add(Scale(op.scale), [q], "q_scaled")
     if g == 1:
         s = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores_BHST")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from graphc import Attention
 from graphc.dims import normalize_dim
-from graphc.errors import UnknownNameError
+from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
 
@@ -96,15 +96,13 @@ def onnx_target(mode: str, opset: int) -> Target:
     policy: Callable[[Graph, Node, PassContext], str | None]
     if mode == "decomposed":
         return Target("onnx-decomposed", description="MatMul/Softmax nodes")
-    if mode == "onnx-attention":
+    if mode in ("onnx-attention", "ort-gqa"):  # asked for by name: an attention it cannot carry is an error
 
         def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-            return onnx_attention_unsupported(graph, node, opset)
-
-    elif mode == "ort-gqa":
-
-        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-            return gqa_unsupported(graph, node, ctx)
+            reason = onnx_attention_unsupported(graph, node, opset) if mode == "onnx-attention" else gqa_unsupported(graph, node, ctx)
+            if reason:
+                raise ExportError(f"attention={mode!r} cannot carry {node.name!r}: {reason}; use attention='auto' to fall back")
+            return None
 
     else:
 
@@ -116,7 +114,7 @@ def onnx_target(mode: str, opset: int) -> Target:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             return onnx_attention_unsupported(graph, node, opset)
 
-    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")  # noqa: B023
+    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")
 
 
 TARGET_NAMES = ("numpy", "reference", "torch", *(f"onnx-{m}" for m in ATTENTION_MODES))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
+from graphc.dims import Dim, dim_div, dim_prod
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Where
 
@@ -55,8 +55,9 @@ class AttentionMatch:
     rows: str  # query-row labels (group x queries)
     t: str
     d: str
+    e: str
     sizes: dict[str, Dim]
-    sq: Dim
+    q_shape: tuple[Dim, ...]  # Q as the op takes it: [batch, query heads, queries, head dim]
     group: int
     scale: float
     offset: Dim | None
@@ -125,7 +126,7 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
             full = graph.types[node.name].shape
             cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
-            if len(cands) != 1 and not (len(cands) == 2 and graph.producer(node.inputs[1]) is None):
+            if len(cands) != 1:
                 return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
             pos = cands[0]
             if mask is not None:
@@ -163,7 +164,7 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
     view = view_for_rows or graph.types[softmax.inputs[0]].shape
     n_rows = dim_prod(sizes[c] for c in rows)
     sq = view[-2] if len(view) >= 2 else 1
-    group = dim_div(n_rows, sq) if rows else (1 if normalize_dim(sq) == 1 else None)
+    group = dim_div(n_rows, sq) if rows else (1 if sq == 1 else None)
     if group is None:
         if offset is not None:
             return Miss(f"the causal mask's query axis ({sq!r}) does not divide the query rows ({n_rows!r})")
@@ -197,42 +198,28 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
         return Miss(f"{pv.name!r} ({pspec}) mixes labels across the batch, query and value axes")
     sizes[e] = graph.types[pv.inputs[1 - ppos]].shape[v_term.index(e)]
     # --- Q, K, V producers: absorb a scale on Q or K and the KV-head repeat
-    q, k, v = qk.inputs[qpos], qk.inputs[1 - qpos], pv.inputs[1 - ppos]
-    q, f = _strip_scale(graph, q, qk.name)
+    q, f = _strip_scale(graph, qk.inputs[qpos], qk.name)
     scale *= f
-    reps = []
-    for name, term, user in ((k, k_term, qk.name), (v, v_term, pv.name)):
-        r = 1
-        for _ in range(2):
-            p = graph.producer(name)
-            if p is not None and isinstance(p.op, Scale) and name == k and only_reader(graph, name, user):
-                scale *= p.op.factor
-                user, name = p.name, p.inputs[0]
-                k = name
-            elif p is not None and isinstance(p.op, Repeat) and only_reader(graph, name, user) and batch:
-                if p.op.axis % len(term) != term.index(batch[-1]):
-                    return Miss(f"repeat {p.name!r} is not along the KV-head axis")
-                r = p.op.repeats
-                user, name = p.name, p.inputs[0]
-        reps.append((name, r))
-    (k, rk), (v, rv) = reps
+    k = _unwrap_kv(graph, qk.inputs[1 - qpos], k_term, qk.name, batch, take_scale=True)
+    v = _unwrap_kv(graph, pv.inputs[1 - ppos], v_term, pv.name, batch, take_scale=False)
+    if isinstance(k, Miss) or isinstance(v, Miss):
+        return k if isinstance(k, Miss) else v
+    (k, rk, fk), (v, rv, _) = k, v
+    scale *= fk
     if rk != rv:
         return Miss(f"K is repeated {rk}x but V {rv}x")
-    if mask is not None:
-        hq = dim_prod([sizes[batch[-1]] if batch else 1, group])
-        canonical = (dim_prod(sizes[c] for c in batch[:-1]), hq, sq, sizes[t])
-        mshape = graph.types[mask].shape
-        if len(mshape) > 2 and tuple(map(normalize_dim, view_for_rows or ())) != tuple(map(normalize_dim, canonical)):
-            return Miss(f"the mask is applied to a {list(view_for_rows or ())} view, not [batch, heads, queries, keys]")
+    q_shape = (dim_prod(sizes[c] for c in batch[:-1]), dim_prod([sizes[batch[-1]] if batch else 1, group]), sq, sizes[d])
+    if mask is not None and graph.types[mask].rank > 2 and view_for_rows != (*q_shape[:3], sizes[t]):
+        return Miss(f"the mask is applied to a {list(view_for_rows or ())} view, not [batch, heads, queries, keys]")
     past = presents = None
     if offset is not None and len(batch) == 2 and k_term == batch + t + d and v_term == batch + t + e:
         kc, vc = graph.producer(k), graph.producer(v)
         if all(c is not None and isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
-            if normalize_dim(graph.types[kc.inputs[0]].shape[2]) == normalize_dim(offset) and _later_readers_ok(graph, (kc, vc), pv):  # type: ignore[union-attr]
+            if graph.types[kc.inputs[0]].shape[2] == offset and _later_readers_ok(graph, (kc, vc), pv):  # type: ignore[union-attr]
                 past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)  # type: ignore[union-attr]
                 k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
     return AttentionMatch(
-        softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, sizes, sq, group * rk, scale, offset, mask, mask_kind,
+        softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, e, sizes, q_shape, group * rk, scale, offset, mask, mask_kind,
         past, presents, out_term, chain + [qk.name],
     )
 
@@ -242,6 +229,25 @@ def _strip_scale(graph: Graph, value: str, reader: str) -> tuple[str, float]:
     if p is not None and isinstance(p.op, Scale) and only_reader(graph, value, reader):
         return p.inputs[0], p.op.factor
     return value, 1.0
+
+
+def _unwrap_kv(graph: Graph, value: str, term: str, reader: str, batch: str, take_scale: bool) -> tuple[str, int, float] | Miss:
+    """K or V below its KV-head ``Repeat`` (and, for K, a ``Scale``), each read only on the way: (value, repeats, scale)."""
+    repeats, scale = 1, 1.0
+    for _ in range(2):
+        p = graph.producer(value)
+        if p is None or not only_reader(graph, value, reader):
+            break
+        if isinstance(p.op, Scale) and take_scale and scale == 1.0:
+            scale = p.op.factor
+        elif isinstance(p.op, Repeat) and batch and repeats == 1:
+            if p.op.axis % len(term) != term.index(batch[-1]):
+                return Miss(f"repeat {p.name!r} is not along the KV-head axis")
+            repeats = p.op.repeats
+        else:
+            break
+        reader, value = p.name, p.inputs[0]
+    return value, repeats, scale
 
 
 def _later_readers_ok(graph: Graph, concats: tuple[Node, ...], pv: Node) -> bool:
@@ -258,47 +264,36 @@ def _to_canonical(graph: Graph, value: str, term: str, order: str, shape: tuple[
     perm = tuple(term.index(c) for c in order)
     if perm != tuple(range(len(perm))):
         value = graph.insert_before(anchor, Transpose(perm), [value], f"{value}_{label}").name
-    if tuple(map(normalize_dim, graph.types[value].shape)) != tuple(map(normalize_dim, shape)):
+    if graph.types[value].shape != shape:
         value = graph.insert_before(anchor, Reshape(shape), [value], f"{value}_{label}").name
     return value
 
 
 def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
-    s = m.sizes
-    b = dim_prod(s[c] for c in m.batch[:-1])
-    hkv_label = m.batch[-1] if m.batch else None
-    hk = s[hkv_label] if hkv_label else 1
-    rows = dim_prod(s[c] for c in m.rows)
-    anchor = m.pv.name
-    hkv_src = graph.types[m.k].shape[m.k_term.index(hkv_label)] if hkv_label else 1
-    hq = dim_prod([hk, dim_div(rows, m.sq) or 1])
-    q = _to_canonical(graph, m.q, m.q_term, m.batch + m.rows + m.d, (b, hq, m.sq, s[m.d]), anchor, "BHSD")
-    k_len = graph.types[m.k].shape[m.k_term.index(m.t)]
-    k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv_src, k_len, s[m.d]), anchor, "BHkvTD")
-    v = _v_canonical(graph, m, b, hkv_src, anchor)
+    s, anchor, base = m.sizes, m.pv.name, m.pv.name
+    b, _, _, d = m.q_shape
+    hkv = graph.types[m.k].shape[m.k_term.index(m.batch[-1])] if m.batch else 1
+    q = _to_canonical(graph, m.q, m.q_term, m.batch + m.rows + m.d, m.q_shape, anchor, "BHSD")
+    k_shape, v_shape = graph.types[m.k].shape, graph.types[m.v].shape
+    k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv, k_shape[m.k_term.index(m.t)], d), anchor, "BHkvTD")
+    v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
     inputs = [q, k, v] + ([m.mask] if m.mask else []) + (list(m.past) if m.past else [])
     op = Attention(m.scale, m.offset, m.mask_kind, m.past is not None)
-    base = m.pv.name
     stem = base.split("_B")[0] if "_B" in base else base
     names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.presents] if m.presents else [])
     outs = graph.add_multi_node(op, inputs, names, before=anchor)
     # back to the PV einsum's layout: [B, Hq, Sq, E] -> [batch..., rows..., E] -> output order
-    e = next(c for c in m.out_term if c not in m.batch + m.rows)
     y = outs[0].name
-    natural = m.batch + m.rows + e
-    full = tuple(s[c] for c in m.batch + m.rows) + (graph.types[v].shape[3],)
-    if tuple(map(normalize_dim, graph.types[y].shape)) != tuple(map(normalize_dim, full)):
+    natural = m.batch + m.rows + m.e
+    full = tuple(s[c] for c in natural)
+    if graph.types[y].shape != full:
         y = graph.insert_before(anchor, Reshape(full), [y], f"{base}_unfused").name
     perm = tuple(natural.index(c) for c in m.out_term)
     if perm != tuple(range(len(perm))):
         y = graph.insert_before(anchor, Transpose(perm), [y], f"{base}_unfused").name
-    repl = {m.pv.name: y}
-    graph.substitute(m.pv.name, repl)
-    if m.presents:
-        for present, new in zip(m.presents, outs[1:]):
-            graph.replace_uses(present, new.name)
-            remove_if_dead(graph, present)
-            graph.rename_value(new.name, present)
+    graph.substitute(m.pv.name, {m.pv.name: y})
+    for present, new in zip(m.presents or (), outs[1:]):  # the op now produces the cache under its names
+        graph.substitute(present, {present: new})
     for name in m.chain:
         remove_if_dead(graph, name)
     parts = [f"scale={m.scale:g}", f"group={m.group}"]
@@ -309,12 +304,6 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     if m.past:
         parts.append("KV cache " + ", ".join(m.past))
     return "attention recognised: " + ", ".join(parts)
-
-
-def _v_canonical(graph: Graph, m: AttentionMatch, b: Dim, hkv: Dim, anchor: str) -> str:
-    e = next(c for c in m.v_term if c not in m.batch + m.t)
-    shape = graph.types[m.v].shape
-    return _to_canonical(graph, m.v, m.v_term, m.batch + m.t + e, (b, hkv, shape[m.v_term.index(m.t)], shape[m.v_term.index(e)]), anchor, "BHkvTD")
 
 
 FUSE_ATTENTION_RULE = Rule("fuse_attention", (Softmax,), _match, _rewrite)
