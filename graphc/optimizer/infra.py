@@ -56,7 +56,6 @@ class Miss:
 class Fired:
     """One rewrite: which pass and rule fired on which node, and what it did."""
 
-    iteration: int
     pass_name: str
     rule: str
     node: str
@@ -80,7 +79,6 @@ class Trace:
     fired: list[Fired] = field(default_factory=list)
     near_misses: dict[tuple[str, str], NearMiss] = field(default_factory=dict)
     decisions: dict[str, str] = field(default_factory=dict)
-    iterations: int = 0
 
     def explain(self, last: int | None = None) -> str:
         """A readable account: one line per rewrite (the ``last`` ones only, if given), then the rules that did not fire and why."""
@@ -99,7 +97,6 @@ class Trace:
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON-ready data."""
         return {
-            "iterations": self.iterations,
             "fired": [f.__dict__ for f in self.fired],
             "near_misses": [m.__dict__ for m in self.near_misses.values()],
             "decisions": list(self.decisions.values()),
@@ -113,7 +110,6 @@ class PassContext:
     hints: Mapping[str, int] = field(default_factory=dict)
     optimizer: str = "auto"
     trace: Trace = field(default_factory=Trace)
-    iteration: int = 0
     current_pass: str = ""
     target: Any = None  # a graphc.optimizer.legalize.Target while lowering
     fold_cache: dict[Any, Any] = field(default_factory=dict)
@@ -144,7 +140,7 @@ class PassContext:
 
     def fired(self, rule: str, node: str, detail: str) -> None:
         """Record a rewrite."""
-        self.trace.fired.append(Fired(self.iteration, self.current_pass, rule, node, detail))
+        self.trace.fired.append(Fired(self.current_pass, rule, node, detail))
         self.trace.near_misses.pop((rule, node), None)
 
     def decide(self, node: str, text: str) -> None:
@@ -184,7 +180,6 @@ class Pass:
     name: str
     description: str
     run: Callable[[Graph, PassContext], bool]
-    in_place: bool = True
 
     def __call__(self, graph: Graph, ctx: PassContext) -> PassResult:
         """Run on ``graph`` (edited in place) and return ``PassResult(graph, modified)``."""
@@ -271,8 +266,6 @@ class PassManager:
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         """Run every stage on ``graph`` (in place); returns ``PassResult(graph, modified)`` and fills ``ctx.trace``."""
         any_change = False
-        ctx.iteration = 1
-        ctx.trace.iterations = 1
         for p in self.passes:
             _, modified = p(graph, ctx)
             any_change |= modified
