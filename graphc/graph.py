@@ -621,7 +621,7 @@ class Graph(GraphBuilder):
         return dag
 
     def sort(self) -> None:
-        """Re-sort the nodes topologically, keeping the current order where it is valid (loaders call this)."""
+        """Re-sort the nodes topologically, keeping the current order where it is valid (after edits that broke the order)."""
         dag = self._check_acyclic()
         order = list(nx.lexicographical_topological_sort(dag, key=lambda n: self._nodes[n]._key))
         for n in order:
