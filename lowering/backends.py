@@ -122,26 +122,45 @@ def _cuda_missing() -> str | None:
     return None
 
 
+def _check_provider(name: str, provider: str, used: list[str]) -> None:
+    if provider not in used:
+        raise BackendError(f"{name}: onnxruntime fell back to {used} instead of {provider}; refusing to report CPU results as {name}")
+
+
 def _ort(provider: str) -> Callable[..., Runner]:
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
 
     def prepare_ort(
-        graph: Graph, opset: int | None = None, attention: str = "decomposed", threads: int | None = None, sizes: Sizes = None
+        graph: Graph,
+        opset: int | None = None,
+        attention: str = "decomposed",
+        threads: int | None = None,
+        sizes: Sizes = None,
+        isolate: bool = False,
     ) -> Runner:
         import onnxruntime as ort
 
-        model = _export(graph, opset, attention, sizes)
+        model = _export(graph, opset, attention, sizes).SerializeToString()
+        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+        if isolate:
+            from .isolated import IsolatedSession
+
+            isolated = IsolatedSession(model, providers, threads)
+            _check_provider(name, provider, isolated.providers)
+
+            def run_isolated(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+                return dict(zip(isolated.outputs, isolated.run(inputs)))
+
+            return Runner(name, f"onnxruntime {isolated.version} {isolated.providers[0]} (worker process)", graph, run_isolated)
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = threads
-        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
         try:
-            sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+            sess = ort.InferenceSession(model, so, providers=providers)
         except Exception as e:  # noqa: BLE001
             raise BackendError(f"onnxruntime could not load graph {graph.name!r} for {name}: {e}") from e
-        if provider not in sess.get_providers():
-            raise BackendError(f"{name}: onnxruntime fell back to {sess.get_providers()} instead of {provider}; refusing to report CPU results as {name}")
+        _check_provider(name, provider, sess.get_providers())
         out_names = [o.name for o in sess.get_outputs()]
 
         def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
