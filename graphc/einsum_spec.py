@@ -3,6 +3,7 @@
 graphc accepts the explicit form only: ``"bhqd,bhkd->bhqk"``.  Exactly one
 ``->``, letters only, no ellipsis, no label repeated inside one operand
 (diagonals), output labels unique and present in some input, one size per label.
+An empty term is a rank-0 operand (``"->"``: one scalar; ``",->"``: two).
 Every error names the operand, the label and the sizes involved.
 """
 
@@ -47,8 +48,6 @@ def parse_einsum(spec: str) -> EinsumSpec:
     if text.count("->") != 1:
         raise EinsumSpecError(f"einsum spec {spec!r} must contain exactly one '->' (implicit output is not accepted), found {text.count('->')}")
     lhs, out = text.split("->")
-    if not lhs:
-        raise EinsumSpecError(f"einsum spec {spec!r} has no input operands")
     inputs = tuple(lhs.split(","))
     for i, term in enumerate(inputs):
         for c in term:

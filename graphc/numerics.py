@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hidden_keys", "causal_mask", "safe_softmax"]
+__all__ = ["hidden_keys", "causal_mask", "safe_softmax", "contiguous"]
 
 
 def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int) -> np.ndarray:
@@ -31,3 +31,8 @@ def safe_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     e = np.exp(x - m)
     s = np.sum(e, axis=axis, keepdims=True)
     return e / np.where(s == 0, np.ones((), x.dtype), s)
+
+
+def contiguous(a: np.ndarray, dtype: np.dtype | str | None = None) -> np.ndarray:
+    """``a`` as a C-contiguous array of its own rank (``np.ascontiguousarray`` turns rank 0 into shape ``(1,)``)."""
+    return np.asarray(a, dtype=dtype, order="C")

@@ -45,6 +45,7 @@ __all__ = [
     "Dims",
     "check_dtype",
     "broadcast_shapes",
+    "integer_divide",
 ]
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
@@ -97,6 +98,12 @@ def _same_dtype(op: str, ins: Sequence[TensorType]) -> str:
 def _float(op: str, t: TensorType, i: int = 0) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise DTypeMismatchError(f"{op}: operand {i} must be a float tensor, got {t.dtype}")
+
+
+def _numeric(op: str, ins: Sequence[TensorType]) -> None:
+    for i, t in enumerate(ins):
+        if t.dtype == "bool":
+            raise DTypeMismatchError(f"{op}: operand {i} is bool; arithmetic needs a float or int tensor (Cast it, or use Where for masks)")
 
 
 def broadcast_shapes(a: Shape, b: Shape, op: str = "broadcast") -> Shape:
@@ -205,6 +212,7 @@ class Einsum(Op):
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         dtype = _same_dtype(f"Einsum {self.spec!r}", ins)
+        _numeric(f"Einsum {self.spec!r}", ins)
         return TensorType(infer_einsum_shape(self.parsed, [t.shape for t in ins]), dtype)
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
@@ -358,6 +366,7 @@ class Unary(Op):
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         if self.fn != "neg":
             _float(f"Unary {self.fn}", ins[0])
+        _numeric(f"Unary {self.fn}", ins)
         return ins[0]
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
@@ -366,7 +375,11 @@ class Unary(Op):
 
 @dataclass(frozen=True)
 class Binary(Op):
-    """Elementwise binary function ``fn`` (one of :data:`BINARY_FUNCTIONS`) with NumPy broadcasting."""
+    """Elementwise binary function ``fn`` (one of :data:`BINARY_FUNCTIONS`) with NumPy broadcasting.
+
+    Operands are float or int (not bool) of one dtype.  On ints, ``div`` truncates
+    toward zero and gives 0 for a zero divisor (:func:`integer_divide`); integer
+    overflow wraps."""
 
     fn: str
     arity: ClassVar[int | None] = 2
@@ -377,6 +390,7 @@ class Binary(Op):
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         dtype = _same_dtype(f"Binary {self.fn}", ins)
+        _numeric(f"Binary {self.fn}", ins)
         return TensorType(broadcast_shapes(ins[0].shape, ins[1].shape, f"Binary {self.fn}"), dtype)
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
@@ -451,6 +465,19 @@ class CausalMask(Op):
         return causal_mask(args[0], eval_dim(self.offset, dims))
 
 
+def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """graphc's integer ``div``: the quotient truncated toward zero (C, ONNX), and 0 where the divisor is 0.
+
+    Every backend computes this (onnxruntime's ``Div`` traps on a zero divisor,
+    so the export guards it).
+    """
+    zero = b == 0
+    safe = np.where(zero, np.ones((), b.dtype), b)
+    q = np.floor_divide(a, safe)
+    q = q + ((np.remainder(a, safe) != 0) & ((a < 0) != (safe < 0))).astype(q.dtype)
+    return np.where(zero, np.zeros((), q.dtype), q)
+
+
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "exp": np.exp,
     "neg": np.negative,
@@ -464,7 +491,7 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add,
     "sub": np.subtract,
     "mul": np.multiply,
-    "div": np.divide,
+    "div": lambda a, b: integer_divide(a, b) if a.dtype.kind in "iu" else np.divide(a, b),
     "max": np.maximum,
 }
 

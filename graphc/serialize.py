@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import CycleError, GraphcError, SerializationError
 from .graph import Graph, Node
+from .numerics import contiguous
 from .ops import OP_TYPES, Op, TensorType
 
 __all__ = ["graph_to_dict", "graph_from_dict", "save_graph", "load_graph", "FORMAT_VERSION"]
@@ -39,7 +40,7 @@ def graph_to_dict(graph: Graph, include_weights: bool = True) -> dict[str, Any]:
         arr = graph.initializers[name]
         entry: dict[str, Any] = {"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape)}
         if include_weights:
-            entry["data"] = base64.b64encode(np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()).decode("ascii")
+            entry["data"] = base64.b64encode(contiguous(arr).astype(arr.dtype.newbyteorder("<")).tobytes()).decode("ascii")
         inits.append(entry)
     return {
         "format": "graphc",

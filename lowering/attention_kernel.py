@@ -69,6 +69,8 @@ def blocked_attention(
     """
     *batch, rows_total, dim = q.shape
     t_len, e_dim = k.shape[-2], v.shape[-1]
+    if sq == 0 or rows_total == 0 or 0 in batch:  # no query rows: nothing to compute
+        return np.zeros((*batch, rows_total, e_dim), np.result_type(q, v))
     if rows_total % sq:
         raise ValueError(f"query rows {rows_total} are not a multiple of the query length {sq}")
     groups = rows_total // sq

@@ -71,6 +71,8 @@ def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None
     Rows with no visible key give zeros.  Returns a new array; ``x`` is not modified.
     """
     sq, sk = x.shape[-2], x.shape[-1]
+    if x.size == 0:  # no rows, or rows with no keys: a row that sees no key is zeros
+        return np.zeros(x.shape, x.dtype)
     x3 = x.reshape((-1, sq, sk))
     out = np.empty(x3.shape, x.dtype)
     lead = max(1, x3.shape[0])

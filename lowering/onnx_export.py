@@ -28,7 +28,7 @@ from graphc.dims import Dim, dim_add, dim_mul, dim_prod, dim_sub, dim_terms, is_
 from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
-from graphc.numerics import hidden_keys
+from graphc.numerics import contiguous, hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import PassContext, lower
 
@@ -229,23 +229,40 @@ def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 def _may_mask_whole_rows(g: Graph, value: str) -> bool:
-    """True unless every path into a softmax provably leaves a finite entry in each row."""
-    stack, seen = [value], set()
+    """True unless every path into a softmax provably leaves a finite entry in each row.
+
+    A row can be all ``-inf`` when a boolean mask, a causal mask with a
+    negative offset, a constant holding a non-finite entry (an additive mask,
+    or a mask the optimizer folded) or a user tensor reaches the softmax.  Every
+    op is followed back, contractions included (a ``-inf`` survives a
+    transposing einsum or a product with a positive weight); only user tensors
+    that reach the softmax through a contraction (queries and keys) are taken
+    to be finite, and a softmax's own result is finite.
+    """
+    stack: list[tuple[str, bool]] = [(value, False)]
+    seen: set[tuple[str, bool]] = set()
     while stack:
-        v = stack.pop()
-        if v in seen:
+        v, contracted = stack.pop()
+        if (v, contracted) in seen:
             continue
-        seen.add(v)
+        seen.add((v, contracted))
+        if v in g.initializers:
+            arr = g.initializers[v]
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                return True
+            continue
         node = g.producer(v)
         if node is None:
-            if v in g.inputs:
-                return True  # a user tensor may carry -inf
+            if v in g.inputs and not contracted:
+                return True  # a user tensor (an additive mask) may carry -inf
             continue
         op = node.op
         if isinstance(op, Where) or (isinstance(op, CausalMask) and not op.offset_is_nonnegative):
             return True
-        if isinstance(op, (Scale, Unary, Binary, Reshape, Transpose, CausalMask, Cast)):
-            stack.extend(node.inputs)
+        if isinstance(op, (Softmax, Attention)):
+            continue
+        through = contracted or (isinstance(op, Einsum) and len(node.inputs) > 1)
+        stack.extend((i, through) for i in node.inputs)
     return False
 
 
@@ -259,7 +276,10 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     elif isinstance(op, Reshape):
         b.reshape(ins[0], op.shape, out)
     elif isinstance(op, Transpose):
-        b.op("Transpose", ins, out, perm=list(op.perm))
+        if op.perm:
+            b.op("Transpose", ins, out, perm=list(op.perm))
+        else:  # rank 0: nothing to permute (and an empty perm attribute has no ONNX type)
+            b.op("Identity", ins, out)
     elif isinstance(op, Repeat):
         rank = g.types[ins[0]].rank
         axis = op.axis % rank
@@ -281,6 +301,8 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         b.op("Cast", ins, out, to=ONNX_DTYPES[op.dtype])
     elif isinstance(op, Unary):
         b.op(_UNARY[op.fn], ins, out)
+    elif isinstance(op, Binary) and op.fn == "div" and dtype.startswith("int"):
+        _integer_divide(b, ins, out, dtype)
     elif isinstance(op, Binary):
         b.op(_BINARY[op.fn], ins, out)
     elif isinstance(op, Where):
@@ -291,6 +313,14 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         b.op("Where", [causal_hidden(b, ins[0], g.types[ins[0]].shape, op.offset), b.const(np.array(-np.inf, dtype), "neg_inf"), ins[0]], out)
     else:  # pragma: no cover - every op kind is handled above
         raise ExportError(f"node {out!r}: no ONNX lowering for {op.kind}")
+
+
+def _integer_divide(b: OnnxBuilder, ins: list[str], out: str, dtype: str) -> None:
+    """graphc's integer ``div`` (truncating; 0 for a zero divisor): ONNX ``Div`` truncates but traps on zero."""
+    zero, one = b.const(np.zeros((), dtype), "zero"), b.const(np.ones((), dtype), "one")
+    is_zero = b.op("Equal", [ins[1], zero], base=f"{out}_div0")
+    quotient = b.op("Div", [ins[0], b.op("Where", [is_zero, one, ins[1]], base=f"{out}_den")], base=f"{out}_q")
+    b.op("Where", [is_zero, zero, quotient], out)
 
 
 def causal_hidden(b: OnnxBuilder, x: str, shape: tuple[Dim, ...], offset: Dim) -> str:
@@ -358,7 +388,7 @@ def export(
         b.initializers.extend(_write_external(lowered, Path(str(path))))
     else:
         for name, arr in lowered.initializers.items():
-            b.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+            b.initializers.append(numpy_helper.from_array(contiguous(arr), name))
     onnx_graph = helper.make_graph(
         b.nodes,
         graph.name,
@@ -392,12 +422,12 @@ def _write_external(graph: Graph, path: Path) -> list[onnx.TensorProto]:
         with open(path.parent / location, "wb") as f:
             for name, arr in graph.initializers.items():
                 if arr.nbytes < _EXTERNAL_MIN_BYTES:
-                    tensors.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+                    tensors.append(numpy_helper.from_array(contiguous(arr), name))
                     continue
                 if id(arr) not in placed:
                     offset = -f.tell() % _ALIGN + f.tell()
                     f.seek(offset)
-                    data = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
+                    data = contiguous(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
                     f.write(memoryview(data).cast("B"))
                     placed[id(arr)] = (offset, arr.nbytes)
                 offset, length = placed[id(arr)]

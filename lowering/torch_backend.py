@@ -18,6 +18,7 @@ from graphc import Attention
 from graphc.dims import eval_dim, eval_shape
 from graphc.errors import ExecutionError
 from graphc.graph import Graph
+from graphc.numerics import contiguous
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import lower
 
@@ -31,7 +32,15 @@ __all__ = ["prepare_torch"]
 def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     dtypes = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
     unary = {"exp": torch.exp, "neg": torch.neg, "tanh": torch.tanh, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal, "relu": torch.relu, "sigmoid": torch.sigmoid}
-    binary = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "max": torch.maximum}
+
+    def divide(a: Any, b: Any) -> Any:  # graphc's integer div: truncating, 0 for a zero divisor
+        if a.dtype.is_floating_point:
+            return torch.div(a, b)
+        zero = b == 0
+        q = torch.div(a, torch.where(zero, torch.ones_like(b), b), rounding_mode="trunc")
+        return torch.where(zero, torch.zeros_like(q), q)
+
+    binary = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": divide, "max": torch.maximum}
 
     def softmax(op: Softmax, a: list[Any], env: dict[str, int]) -> Any:
         return torch.nan_to_num(torch.softmax(a[0], dim=op.axis), nan=0.0)
@@ -92,7 +101,7 @@ def prepare_torch(graph: Graph, device: str | None = None, threads: int | None =
     def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env_dims = check_inputs(graph, inputs)
         env: dict[str, Any] = dict(weights)
-        env.update({k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in inputs.items()})
+        env.update({k: torch.from_numpy(contiguous(v)).to(dev) for k, v in inputs.items()})
         with torch.no_grad():
             for node in order:
                 try:

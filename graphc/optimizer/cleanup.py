@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphc.graph import Graph, Node
+from graphc.numerics import contiguous
 from graphc.ops import CausalMask, Einsum, Op, Repeat, Reshape, Transpose
 
 from .infra import Miss, Pass, PassContext, RewritePass, Rule
@@ -252,7 +253,7 @@ def _rewrite_constant(graph: Graph, node: Node, ctx: PassContext) -> str:
     hit = ctx.fold_cache.get(key)
     if hit is None:  # tied weights (one array under several names) fold once
         value = node.op.evaluate(arrays, {})
-        value = np.ascontiguousarray(value, dtype=graph.types[node.name].dtype).reshape(graph.types[node.name].shape)
+        value = contiguous(value, graph.types[node.name].dtype).reshape(graph.types[node.name].shape)
         value.setflags(write=False)
         ctx.fold_cache[key] = (arrays, value)  # the arrays are kept so their ids stay unique
     else:
