@@ -26,7 +26,7 @@ from graphc.errors import BackendError
 from graphc.optimizer import optimize
 from lowering import prepare
 
-__all__ = ["einsum_dags", "int_graphs", "attention_graphs", "Case", "check_differential", "BACKENDS_UNDER_TEST"]
+__all__ = ["einsum_dags", "einsum_chains", "int_graphs", "attention_graphs", "Case", "check_differential", "BACKENDS_UNDER_TEST"]
 
 BACKENDS_UNDER_TEST = ("numpy", "numpy-optimized", "onnx-reference", "ort-cpu")
 _LABELS = string.ascii_letters
@@ -232,7 +232,7 @@ _STEPS = (_einsum_step, _einsum_step, _binary_step, _unary_step, _softmax_step, 
 
 
 @st.composite
-def einsum_dags(draw: st.DrawFn, max_steps: int = 6) -> Case:
+def einsum_dags(draw: st.DrawFn, max_steps: int = 6, steps: tuple = _STEPS) -> Case:
     """A random valid float32 graph of static shapes, with random feeds (see the module doc)."""
     d = _Dag(draw, np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
     for _ in range(draw(st.integers(1, 3))):
@@ -240,12 +240,17 @@ def einsum_dags(draw: st.DrawFn, max_steps: int = 6) -> Case:
     for _ in range(draw(st.integers(0, 2))):
         d.new_constant(d.shape())
     for _ in range(draw(st.integers(1, max_steps))):
-        draw(st.sampled_from(_STEPS))(d)
+        draw(st.sampled_from(steps))(d)
     outs = draw(st.lists(st.sampled_from(d.produced), min_size=1, max_size=3, unique=True))
     for o in outs:
         d.g.output(o)
     d.g.verify()
     return Case(d.g, d.feeds, {})
+
+
+def einsum_chains() -> st.SearchStrategy[Case]:
+    """DAGs of einsums only (what ``plan_contractions`` merges and splits)."""
+    return einsum_dags(max_steps=5, steps=(_einsum_step,))
 
 
 @st.composite

@@ -42,13 +42,6 @@ def einsum_flops(spec: EinsumSpec, sizes: dict[str, int]) -> int:
     return total * max(len(spec.inputs) - 1, 1) * (2 if summed else 1)
 
 
-def _sizes(graph: Graph, node: Node, ctx: PassContext) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for term, v in zip(node.op.parsed.inputs, node.inputs):  # type: ignore[attr-defined]
-        sizes.update(zip(term, ctx.shape(graph.types[v].shape)))
-    return sizes
-
-
 def plan_path(spec: EinsumSpec, shapes: list[tuple[int, ...]], optimizer: str) -> opt_einsum.contract.PathInfo:
     """opt_einsum's plan (a printable ``PathInfo``) for ``spec`` on operands of ``shapes``."""
     _, info = opt_einsum.contract_path(str(spec), *shapes, shapes=True, optimize=check_optimizer(optimizer))
@@ -68,6 +61,11 @@ def merge_specs(outer: EinsumSpec, pos: int, inner: EinsumSpec) -> EinsumSpec:
     return EinsumSpec(tuple(terms), outer.output)
 
 
+def _path_cost(graph: Graph, node: Node, ctx: PassContext) -> int:
+    spec = node.op.parsed  # type: ignore[attr-defined]
+    return int(plan_path(spec, [ctx.shape(graph.types[v].shape) for v in node.inputs], ctx.optimizer).opt_cost)
+
+
 def _match_merge(graph: Graph, node: Node, ctx: PassContext) -> object:
     spec = node.op.parsed  # type: ignore[attr-defined]
     for pos, v in enumerate(node.inputs):
@@ -76,13 +74,11 @@ def _match_merge(graph: Graph, node: Node, ctx: PassContext) -> object:
             continue
         merged = merge_specs(spec, pos, inner.op.parsed)
         inputs = list(node.inputs[:pos]) + list(inner.inputs) + list(node.inputs[pos + 1 :])
-        sizes = {**_sizes(graph, node, ctx), **_sizes(graph, inner, ctx)}
-        shapes = [ctx.shape(graph.types[i].shape) for i in inputs]
-        # sizes of the fresh internal labels come from the inner operands' shapes
-        for term, shape in zip(merged.inputs, shapes):
-            sizes.update(zip(term, shape))
-        now = einsum_flops(spec, sizes) + einsum_flops(inner.op.parsed, sizes)
-        best = int(plan_path(merged, shapes, ctx.optimizer).opt_cost)
+        # one cost model on both sides (opt_einsum's), so that a split of the
+        # merged einsum never costs more than the merge promised: merging then
+        # strictly lowers the cost, and merge and split cannot undo each other
+        now = sum(_path_cost(graph, n, ctx) for n in (inner, node))
+        best = int(plan_path(merged, [ctx.shape(graph.types[i].shape) for i in inputs], ctx.optimizer).opt_cost)
         if best < now:
             return node, merged, inputs, inner.name, now, best
         return Miss(f"merging with {inner.name!r} would cost {best:,} FLOPs, not less than {now:,}")
