@@ -15,9 +15,12 @@ import re
 from functools import lru_cache
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from .errors import DimError
 
 __all__ = [
+    "check_sizes",
     "Dim",
     "Shape",
     "normalize_dim",
@@ -123,6 +126,8 @@ def normalize_dim(d: Dim) -> Dim:
         return d
     if isinstance(d, str):
         return _normalize_text(d)
+    if isinstance(d, np.integer):
+        return int(d)
     return _format(_parse(d))
 
 
@@ -133,6 +138,8 @@ def _normalize_text(d: str) -> Dim:
 
 def normalize_shape(shape: Iterable[Dim]) -> Shape:
     """Return ``shape`` as a tuple of canonical dimensions; negative ints are rejected."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise DimError(f"a shape must be a list of dims (ints or symbol expressions), got {type(shape).__name__} {shape!r}")
     out = []
     for d in shape:
         nd = normalize_dim(d)
@@ -299,3 +306,26 @@ def bind_shapes(items: Sequence[tuple[Sequence[Dim], Sequence[int], str]], env: 
 def format_shape(shape: Sequence[Dim]) -> str:
     """Format a shape as ``[batch,32,seq,128]``."""
     return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def check_sizes(sizes: Mapping[str, object] | None, what: str = "sizes") -> dict[str, int]:
+    """Validate a mapping of symbol name to size (an int >= 0) and return it as a plain dict.
+
+    Raises :class:`DimError` naming the entry and what was expected, so a typo
+    like ``{"seq": "abc"}`` fails where it is given, not deep inside a pass.
+    """
+    if sizes is None:
+        return {}
+    if not isinstance(sizes, Mapping):
+        raise DimError(f"{what} must be a mapping from symbol name to int, got {type(sizes).__name__}")
+    out: dict[str, int] = {}
+    for name, value in sizes.items():
+        if not isinstance(name, str) or not _SYMBOL.fullmatch(name):
+            raise DimError(f"{what}: {name!r} is not a symbol name (a letter or underscore, then letters, digits, underscores)")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise DimError(f"{what}: size of {name!r} must be an int, got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise DimError(f"{what}: size of {name!r} must be >= 0, got {value}")
+        out[name] = int(value)
+    return out
+

@@ -18,7 +18,7 @@ import numpy as np
 
 from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
 from .einsum_spec import EinsumSpec, infer_einsum_shape, parse_einsum
-from .errors import DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
+from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
 from .numerics import causal_mask, safe_softmax
 
 __all__ = [
@@ -79,6 +79,21 @@ class TensorType:
 
     def __str__(self) -> str:
         return f"{self.dtype}{format_shape(self.shape)}"
+
+
+def _int_attr(op: str, name: str, value: object, least: int | None = None) -> int:
+    """An int attribute (numpy ints accepted; bools, floats and strings refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise OpError(f"{op}: attribute {name!r} must be an int, got {type(value).__name__} {value!r}")
+    if least is not None and value < least:
+        raise OpError(f"{op}: attribute {name!r} must be >= {least}, got {value}")
+    return int(value)
+
+
+def _str_attr(op: str, name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise OpError(f"{op}: attribute {name!r} must be a string, got {type(value).__name__} {value!r}")
+    return value
 
 
 def _axis(axis: int, rank: int, op: str) -> int:
@@ -199,7 +214,7 @@ class Einsum(Op):
     spec: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "spec", str(parse_einsum(self.spec)))
+        object.__setattr__(self, "spec", str(parse_einsum(_str_attr("Einsum", "spec", self.spec))))
 
     @property
     def parsed(self) -> EinsumSpec:
@@ -249,7 +264,9 @@ class Transpose(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "perm", tuple(int(p) for p in self.perm))
+        if isinstance(self.perm, (str, bytes)) or not isinstance(self.perm, (tuple, list)):
+            raise OpError(f"Transpose: attribute 'perm' must be a list of ints, got {type(self.perm).__name__} {self.perm!r}")
+        object.__setattr__(self, "perm", tuple(_int_attr("Transpose", "perm", p) for p in self.perm))
         if sorted(self.perm) != list(range(len(self.perm))):
             raise OpError(f"Transpose: perm {list(self.perm)} is not a permutation of 0..{len(self.perm) - 1}")
 
@@ -276,8 +293,8 @@ class Repeat(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
-            raise OpError(f"Repeat: repeats must be a positive int, got {self.repeats!r}")
+        object.__setattr__(self, "axis", _int_attr("Repeat", "axis", self.axis))
+        object.__setattr__(self, "repeats", _int_attr("Repeat", "repeats", self.repeats, least=1))
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         (x,) = ins
@@ -297,6 +314,9 @@ class Softmax(Op):
     axis: int = -1
     arity: ClassVar[int | None] = 1
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis", _int_attr("Softmax", "axis", self.axis))
+
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         (x,) = ins
         _float("Softmax", x)
@@ -312,6 +332,9 @@ class Concat(Op):
     """Concatenate the inputs along ``axis`` (the KV cache appends new keys to past keys)."""
 
     axis: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis", _int_attr("Concat", "axis", self.axis))
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         dtype = _same_dtype("Concat", ins)
@@ -343,7 +366,7 @@ class Cast(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
-        check_dtype(self.dtype)
+        check_dtype(_str_attr("Cast", "dtype", self.dtype))
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         return TensorType(ins[0].shape, self.dtype)
@@ -360,7 +383,7 @@ class Unary(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
-        if self.fn not in UNARY_FUNCTIONS:
+        if _str_attr("Unary", "fn", self.fn) not in UNARY_FUNCTIONS:
             raise UnknownNameError("unary function", self.fn, UNARY_FUNCTIONS)
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
@@ -385,7 +408,7 @@ class Binary(Op):
     arity: ClassVar[int | None] = 2
 
     def __post_init__(self) -> None:
-        if self.fn not in BINARY_FUNCTIONS:
+        if _str_attr("Binary", "fn", self.fn) not in BINARY_FUNCTIONS:
             raise UnknownNameError("binary function", self.fn, BINARY_FUNCTIONS)
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
@@ -423,6 +446,8 @@ class Scale(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float, np.integer, np.floating)):
+            raise OpError(f"Scale: attribute 'factor' must be a number, got {type(self.factor).__name__} {self.factor!r}")
         object.__setattr__(self, "factor", float(self.factor))
         if not math.isfinite(self.factor):
             raise OpError(f"Scale: factor must be finite, got {self.factor!r}")
@@ -447,7 +472,10 @@ class CausalMask(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offset", normalize_dim(self.offset))
+        try:
+            object.__setattr__(self, "offset", normalize_dim(self.offset))
+        except DimError as e:
+            raise OpError(f"CausalMask: attribute 'offset': {e}") from None
 
     @property
     def offset_is_nonnegative(self) -> bool:

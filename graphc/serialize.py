@@ -173,17 +173,25 @@ def _dependency_order(pending: list[tuple[str, Op, list[str], list[str], list[Te
 
 def save_graph(graph: Graph, path: str | Path, include_weights: bool = True) -> None:
     """Write ``graph`` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(graph_to_dict(graph, include_weights), indent=1))
+    text = json.dumps(graph_to_dict(graph, include_weights), indent=1)
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise SerializationError(f"cannot write graph file {str(path)!r}: {e.strerror or e}") from None
 
 
 def load_graph(path: str | Path) -> Graph:
     """Read a graph written by :func:`save_graph`; errors name the file and the field."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise SerializationError(f"cannot read graph file {str(path)!r}: {e.strerror}") from None
+        raise SerializationError(f"cannot read graph file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SerializationError(f"{path}: not a graphc JSON graph (not UTF-8 text: byte {e.start} is {e.object[e.start]:#04x})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise SerializationError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise SerializationError(f"{path}: JSON nested too deeply to be a graphc graph") from None
     return graph_from_dict(doc)

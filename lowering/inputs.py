@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from graphc.dims import bind_shapes, dim_symbols, eval_shape, is_symbol
+from graphc.dims import bind_shapes, check_sizes, dim_symbols, eval_shape, is_symbol
 from graphc.errors import DimError, InputError
 from graphc.graph import Graph
 
@@ -47,6 +47,7 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
 
 def symbol_bindings(graph: Graph, **sizes: int) -> dict[str, int]:
     """Check that ``sizes`` binds every symbol of the graph's inputs and return it as a dict."""
+    sizes = check_sizes(sizes)
     needed = sorted({s for n in graph.inputs for d in graph.types[n].shape for s in dim_symbols(d)})
     missing = [s for s in needed if s not in sizes]
     if missing:
@@ -68,10 +69,13 @@ def random_inputs(graph: Graph, seed: int = 0, **sizes: int) -> dict[str, np.nda
             if not (isinstance(d, int) or is_symbol(d)) and not dim_symbols(d) <= env.keys():
                 raise InputError(f"cannot size input {name!r}: dim {d!r} has unbound symbols")
         shape = eval_shape(t.shape, env)
+        # drawn in the input's own width (float16 via float32), never in float64 first
         if t.dtype == "bool":
-            out[name] = rng.random(shape) < 0.8
+            out[name] = rng.random(shape, dtype=np.float32) < 0.8
         elif t.dtype.startswith("int"):
-            out[name] = rng.integers(0, 10, shape).astype(t.dtype)
+            out[name] = rng.integers(0, 10, shape, dtype=t.dtype)
+        elif t.dtype == "float16":
+            out[name] = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
         else:
-            out[name] = rng.standard_normal(shape).astype(t.dtype)
+            out[name] = rng.standard_normal(shape, dtype=t.dtype)
     return out

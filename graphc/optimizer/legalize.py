@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from graphc.attention_op import Attention, decompose_attention
+from graphc.dims import check_sizes
 from graphc.graph import Graph, Node
 
 from .attention import fuse_attention
@@ -100,7 +101,7 @@ def lower(
     export for one shape); policies see them through ``ctx.known_size``.
     """
     ctx = ctx or PassContext()
-    ctx.hints = {**dict(ctx.hints), **{k: int(v) for k, v in (sizes or {}).items()}}
+    ctx.hints = {**dict(ctx.hints), **check_sizes(sizes, "sizes")}
     ctx.target = target
     work = graph.copy()
     PassManager(LOWERING_STAGES, verify=verify).run(work, ctx)

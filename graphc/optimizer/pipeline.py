@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from graphc.dims import check_sizes
 from graphc.errors import UnknownNameError
 from graphc.graph import Graph
 
@@ -115,8 +116,7 @@ def optimize(
     """
     check_optimizer(optimizer)
     passes = pipeline(level) + (LOWERING_STAGES if target is not None else ())
-    hints = {k: int(v) for k, v in (hints or {}).items()}
-    known = {**hints, **{k: int(v) for k, v in (sizes or {}).items()}}
+    known = {**check_sizes(hints, "hints"), **check_sizes(sizes, "sizes")}
     graph.verify()
     ctx = PassContext(hints=known, optimizer=optimizer, target=target)
     out = graph.copy()
