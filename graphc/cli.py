@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
+from . import __version__, memory
 from .attention import PRESETS, AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
 from .dims import dim_symbols
 from .errors import GraphcError
 from .graph import Graph
+from .ops import DTYPES
 from .optimizer import OPTIMIZERS, PIPELINES, optimize
 from .serialize import load_graph, save_graph
 from .visualize import to_dot, to_svg
@@ -33,6 +37,18 @@ class UsageError(GraphcError):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would print usage and exit itself
         raise UsageError(message)
+
+
+def _add_common_args(p: argparse.ArgumentParser, default: object) -> None:
+    """Flags every subcommand takes before or after its name."""
+    p.add_argument("--debug", action="store_true", default=default if default is not None else False, help="show tracebacks on errors")
+    p.add_argument("--quiet", action="store_true", default=default if default is not None else False, help="no progress lines on stderr")
+    p.add_argument(
+        "--memory-cap",
+        metavar="SIZE",
+        default=default,
+        help="refuse runs estimated above SIZE (e.g. 16GiB, 'none'; default: GRAPHC_MEMORY_CAP or half of this machine's memory)",
+    )
 
 
 def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
@@ -54,17 +70,34 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
         src.add_argument("--seq", type=int, default=None, help="new tokens (default 512; 1 with --decode)")
 
 
+def _at_least(flag: str, value: int | float | None, least: int | float, most: int | float | None = None) -> None:
+    """A usage error unless ``value`` (when given) lies in ``least..most``."""
+    if value is None:
+        return
+    if value != value or value < least or (most is not None and value > most):  # value != value: NaN
+        bound = f">= {least}" if most is None else f"in {least}..{most}"
+        raise UsageError(f"{flag} must be {bound}, got {value}")
+
+
 def _config(args: argparse.Namespace) -> AttentionConfig:
-    if args.preset and args.heads:
-        raise UsageError("give either --preset or --heads, not both")
+    custom = [f for f, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model)) if v is not None]
+    if args.preset and custom:
+        raise UsageError(f"give either --preset or a custom config ({', '.join(custom)}), not both")
+    for flag, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model)):
+        _at_least(flag, v, 1)
     if args.preset:
         cfg = preset(args.preset)
-    elif args.heads:
-        head_dim = args.head_dim or (args.d_model // args.heads if args.d_model else None)
-        if head_dim is None:
+    elif args.heads is not None:
+        if args.head_dim is None and args.d_model is None:
             raise UsageError("a custom config needs --head-dim or --d-model")
-        d_model = args.d_model or args.heads * head_dim
-        cfg = AttentionConfig(d_model, args.heads, args.kv_heads or args.heads, head_dim=head_dim, bias=args.bias)
+        head_dim = args.head_dim if args.head_dim is not None else args.d_model // args.heads
+        if head_dim < 1:
+            raise UsageError(f"--d-model {args.d_model} is smaller than --heads {args.heads}; give --head-dim")
+        d_model = args.d_model if args.d_model is not None else args.heads * head_dim
+        kv_heads = args.kv_heads if args.kv_heads is not None else args.heads
+        cfg = AttentionConfig(d_model, args.heads, kv_heads, head_dim=head_dim, bias=args.bias)
+    elif custom:
+        raise UsageError(f"{', '.join(custom)} describe a custom config, which needs --heads too")
     else:
         raise UsageError("no graph given: use --preset NAME, --heads N [--kv-heads M --head-dim D], or --graph FILE")
     return cfg.with_(causal=not args.no_causal) if args.no_causal else cfg
@@ -76,9 +109,8 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     batch = getattr(args, "batch", 1)
     if seq is None:
         seq = 1 if args.decode else 512
-    for flag, v, least in (("--batch", batch, 1), ("--seq", seq, 1), ("--past", args.past, 0)):
-        if v < least:
-            raise UsageError(f"{flag} must be >= {least}, got {v}")
+    for flag, v, least in (("--batch", batch, 1), ("--seq", seq, 1), ("--past", args.past, 0), ("--seed", args.seed, 0)):
+        _at_least(flag, v, least)
     if args.graph:
         g = load_graph(args.graph)
         symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
@@ -106,35 +138,64 @@ def _write(path: str | None, data: str | bytes) -> None:
 # ---------------------------------------------------------------- commands
 
 
+class _Progress:
+    """Progress of a long run on stderr: one rewritten line on a terminal, plain lines otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool = True) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.tty = stream.isatty()
+        self.started = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if not self.enabled:
+            return
+        stamp = f"[{time.perf_counter() - self.started:6.1f}s]"
+        if self.tty:
+            print(f"\r\033[K{stamp} {message}", end="", file=self.stream, flush=True)
+        else:
+            print(f"graphc: {stamp} {message}", file=self.stream, flush=True)
+
+    def done(self) -> None:
+        """Clear the terminal line (plain lines stay)."""
+        if self.enabled and self.tty:
+            print("\r\033[K", end="", file=self.stream, flush=True)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run every backend and compare against the float64 NumPy reference."""
-    from lowering.compare import compare
+    from lowering.compare import MAX_REPEATS, compare
 
-    g, sizes = _graph(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends:
+        raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
+    _at_least("--repeats", args.repeats, 1, MAX_REPEATS)
+    _at_least("--threads", args.threads, 1, 4096)
+    _at_least("--atol", args.atol, 0)
+    _at_least("--rtol", args.rtol, 0)
+    g, sizes = _graph(args)
     options: dict[str, dict[str, Any]] = {}
     for b in backends:
         if b in ("onnx-reference", "ort-cpu", "ort-cuda"):
             options[b] = {"attention": args.attention}
         if b in ("ort-cpu", "ort-cuda", "numpy", "torch") and args.threads:
             options.setdefault(b, {})["threads"] = args.threads
-    progress = None
-    if sys.stdout.isatty() and not args.json:
-        progress = lambda msg: print(f"\r\033[K{msg} ...", end="", file=sys.stderr, flush=True)  # noqa: E731
-    report = compare(
-        g,
-        backends=backends,
-        optimize=not args.no_optimize,
-        repeats=args.repeats,
-        atol=args.atol,
-        rtol=args.rtol,
-        seed=args.seed,
-        sizes=sizes,
-        options=options,
-        progress=progress,
-    )
-    if progress:
-        print("\r\033[K", end="", file=sys.stderr)
+    progress = _Progress(sys.stderr, enabled=not args.quiet)
+    try:
+        report = compare(
+            g,
+            backends=backends,
+            optimize=not args.no_optimize,
+            repeats=args.repeats,
+            atol=args.atol,
+            rtol=args.rtol,
+            seed=args.seed,
+            sizes=sizes,
+            options=options,
+            progress=progress,
+        )
+    finally:
+        progress.done()
     print(json.dumps(report.to_dict(), indent=1) if args.json else report)
     return 0 if report.ok else 1
 
@@ -206,12 +267,15 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     """Print a config's parameters, KV-cache memory, savings and FLOPs."""
     cfg = _config(args)
+    seq = 4096 if args.seq is None else args.seq
+    for flag, v in (("--seq", seq), ("--batch", args.batch), ("--layers", args.layers)):
+        _at_least(flag, v, 1)
     layers = args.layers or (PRESETS[args.preset].n_layers if args.preset else 1)
     if args.preset:
         print(f"{args.preset}: {PRESETS[args.preset].description}, {layers} layers")
-    print(cfg.summary(batch=args.batch, seq_len=args.seq or 4096, dtype=args.dtype, n_layers=layers))
-    total = cfg.kv_cache_bytes(args.batch, args.seq or 4096, args.dtype, layers)
-    mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, args.seq or 4096, args.dtype, layers)
+    print(cfg.summary(batch=args.batch, seq_len=seq, dtype=args.dtype, n_layers=layers))
+    total = cfg.kv_cache_bytes(args.batch, seq, args.dtype, layers)
+    mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, seq, args.dtype, layers)
     print(f"  KV cache, all {layers} layers: {total / 2**30:.3f} GiB (MHA with the same heads: {mha_total / 2**30:.3f} GiB)")
     return 0
 
@@ -223,10 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     from lowering.onnx_export import DEFAULT_OPSET
 
     p = _Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("--version", action="version", version=f"graphc {__version__}")
+    _add_common_args(p, None)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    common = _Parser(add_help=False)
+    _add_common_args(common, argparse.SUPPRESS)  # after the subcommand too; SUPPRESS keeps the top-level value
 
-    c = sub.add_parser("compare", help="run a graph on every backend; exit 1 if any disagrees")
+    c = sub.add_parser("compare", parents=[common], help="run a graph on every backend; exit 1 if any disagrees")
     _add_graph_args(c)
     c.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated (default {','.join(DEFAULT_BACKENDS)})")
     c.add_argument("--no-optimize", action="store_true", help="run the unoptimized graph on every backend")
@@ -238,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=cmd_compare)
 
-    e = sub.add_parser("export", help="export a graph to ONNX")
+    e = sub.add_parser("export", parents=[common], help="export a graph to ONNX")
     _add_graph_args(e, sizes=False)
     e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     e.add_argument("--opset", type=int, default=DEFAULT_OPSET)
@@ -247,14 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-optimize", action="store_true")
     e.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("show", help="print a graph as text, Graphviz DOT or SVG")
+    s = sub.add_parser("show", parents=[common], help="print a graph as text, Graphviz DOT or SVG")
     _add_graph_args(s, sizes=False)
     s.add_argument("--optimized", action="store_true", help="show the graph after optimization")
     s.add_argument("--format", default="text", choices=("text", "dot", "svg"))
     s.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     s.set_defaults(func=cmd_show)
 
-    o = sub.add_parser("optimize", help="optimize a graph and report what changed")
+    o = sub.add_parser("optimize", parents=[common], help="optimize a graph and report what changed")
     _add_graph_args(o)
     o.add_argument("--explain", action="store_true", help="list every rewrite, and rules that did not fire and why")
     o.add_argument("--level", type=int, default=2, choices=sorted(PIPELINES))
@@ -265,23 +332,34 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-o", "--output", default=None, help="save the optimized graph as JSON")
     o.set_defaults(func=cmd_optimize)
 
-    i = sub.add_parser("info", help="config, parameter count, KV-cache memory, FLOPs")
+    i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")
     _add_graph_args(i)
-    i.add_argument("--dtype", default="float16", help="KV-cache dtype (default float16)")
+    i.add_argument("--dtype", default="float16", choices=DTYPES, help="KV-cache dtype (default float16)")
     i.add_argument("--layers", type=int, default=None, help="layers (default: the preset's)")
     i.set_defaults(func=cmd_info)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv``; returns the exit code (0 ok, 1 backends disagree, 2 user error)."""
+    """Run the command line with ``argv``; returns the exit code.
+
+    0: ok; 1: backends disagree; 2: user error (one line on stderr);
+    130: interrupted; 141: stdout closed early (``graphc ... | head``).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
         if not args.command:
             raise UsageError("a command is needed: compare, export, show, optimize or info (see graphc --help)")
-        return int(args.func(args))
+        if args.memory_cap is not None:
+            memory.set_memory_cap(args.memory_cap, "set by --memory-cap")
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141
     except (GraphcError, OSError) as e:
         if debug:
             traceback.print_exc()
@@ -291,6 +369,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graphc: interrupted", file=sys.stderr)
         return 130
+    finally:
+        memory.set_memory_cap(None)
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout went away: point stdout at /dev/null so that the interpreter's final flush is quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def main_entry() -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "ExecutionError",
     "OptimizerError",
     "ExportError",
+    "ResourceLimitError",
     "BackendError",
     "BackendUnavailableError",
 ]
@@ -118,6 +119,15 @@ class OptimizerError(GraphcError, RuntimeError):
 
 class ExportError(GraphcError, ValueError):
     """A graph cannot be expressed in ONNX with the requested options."""
+
+
+class ResourceLimitError(GraphcError, MemoryError):
+    """An allocation graphc was asked for exceeds its memory cap (:mod:`graphc.memory`); ``nbytes`` and ``cap`` say by how much."""
+
+    def __init__(self, message: str, nbytes: int = 0, cap: int = 0) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+        self.cap = cap
 
 
 class BackendError(GraphcError, RuntimeError):

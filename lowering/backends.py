@@ -22,6 +22,7 @@ import numpy as np
 
 from graphc.errors import BackendError, BackendUnavailableError, ExecutionError, GraphcError, UnknownNameError
 from graphc.graph import Graph
+from graphc.memory import check_allocation, graph_run_bytes
 from graphc.optimizer import lower
 
 from .inputs import check_inputs
@@ -254,4 +255,6 @@ def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", 
     """
     get_backend(backend)
     sizes = check_inputs(graph, inputs)
+    upcast = options.get("compute_dtype") == "float64"
+    check_allocation(graph_run_bytes(graph, sizes, upcast=upcast), f"running graph {graph.name!r} on {backend}")
     return prepare(graph, backend, **{"sizes": sizes, **options}).run(inputs)

@@ -22,14 +22,17 @@ from typing import Any
 import numpy as np
 
 from graphc.errors import BackendUnavailableError, GraphcError
+from graphc.dims import check_sizes
 from graphc.graph import Graph
+from graphc.memory import check_allocation, graph_run_bytes
 
-from .backends import get_backend, prepare
-from .inputs import check_inputs, random_inputs
+from .backends import backend_names, get_backend, prepare
+from .inputs import format_sizes, check_inputs, random_inputs, symbol_bindings
 
-__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS"]
+__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS"]
 
 DEFAULT_BACKENDS = ("numpy", "onnx-reference", "ort-cpu", "ort-cuda", "torch")
+MAX_REPEATS = 10_000
 
 
 @dataclass
@@ -164,22 +167,38 @@ def compare(
     ``inputs`` default to seeded random arrays with symbolic dims sized by
     ``sizes``; ``options`` maps a backend name to its options (for example
     ``{"ort-cpu": {"threads": 2}}``); ``hints`` size dims for the optimizer.
+    ``progress`` is called with a line of text at each step (with each
+    backend's elapsed time when it finishes).  The float64 reference run is
+    checked against the memory cap (:mod:`graphc.memory`) before anything is
+    allocated.
     """
-    if repeats < 1:
-        raise GraphcError(f"repeats must be >= 1, got {repeats}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
+        raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
+    for what, tol in (("atol", atol), ("rtol", rtol)):
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0 or tol == float("inf"):
+            raise GraphcError(f"{what} must be a finite number >= 0, got {tol!r}")
+    if isinstance(backends, str) or not backends:
+        raise GraphcError(f"backends must be a non-empty list of names ({', '.join(backend_names())}), got {backends!r}")
     for b in backends:
         get_backend(b)  # unknown names fail before anything runs
     if inputs is None:
-        inputs = random_inputs(graph, seed=seed, **dict(sizes or {}))
-    bindings = check_inputs(graph, inputs)
+        bindings = symbol_bindings(graph, **check_sizes(sizes, "sizes"))
+        _check_reference_memory(graph, bindings)
+        inputs = random_inputs(graph, seed=seed, **bindings)
+    else:
+        bindings = check_inputs(graph, inputs)
+        _check_reference_memory(graph, bindings)
+    say = progress or (lambda _: None)
     run_graph = graph
     if optimize:
         from graphc.optimizer import optimize as _optimize
 
+        say("optimizing")
         run_graph = _optimize(graph, hints=hints or bindings).graph
-    say = progress or (lambda _: None)
     say("reference: numpy float64, attention decomposed")
+    t0 = time.perf_counter()
     want = prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(inputs)
+    say(f"reference done in {time.perf_counter() - t0:.1f}s")
     report = ComparisonReport(
         graph=graph.name,
         reference="numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)",
@@ -190,41 +209,50 @@ def compare(
         input_shapes={k: list(v.shape) for k, v in inputs.items()},
     )
     for i, name in enumerate(backends, 1):
-        say(f"[{i}/{len(backends)}] {name}")
+        say(f"[{i}/{len(backends)}] {name}: preparing and running {repeats + 1} time(s)")
+        t0 = time.perf_counter()
         opts = {"sizes": bindings, **dict((options or {}).get(name, {}))}
-        try:
-            runner = prepare(run_graph, name, **opts)
-        except BackendUnavailableError as e:
-            report.results.append(BackendResult(name, "skipped", reason=e.reason))
-            continue
-        except GraphcError as e:
-            report.results.append(BackendResult(name, "error", reason=f"{type(e).__name__}: {e}"))
-            continue
-        try:
-            got = runner.run(inputs)  # warm-up, and the numbers compared
-            times = _timed(lambda: runner.run(inputs), repeats)
-        except GraphcError as e:
-            report.results.append(BackendResult(name, "error", provider=runner.provider, reason=f"{type(e).__name__}: {e}"))
-            continue
-        err, rel, worst, ok = _errors(got, want, atol, rtol)
-        peak = None
-        if name == "numpy":
-            tracemalloc.start()
-            runner.run(inputs)
-            peak = tracemalloc.get_traced_memory()[1] / 2**20
-            tracemalloc.stop()
-        report.results.append(
-            BackendResult(
-                name,
-                "ok" if ok else "mismatch",
-                provider=runner.provider,
-                reason=None if ok else f"outputs differ beyond tolerance (worst: {worst})",
-                max_abs_err=err,
-                max_rel_err=rel,
-                worst_output=worst,
-                median_ms=statistics.median(times),
-                p90_ms=float(np.percentile(times, 90)),
-                peak_mib=peak,
-            )
-        )
+        result = _run_backend(run_graph, name, opts, inputs, want, repeats, atol, rtol)
+        report.results.append(result)
+        say(f"[{i}/{len(backends)}] {name}: {result.status} in {time.perf_counter() - t0:.1f}s")
     return report
+
+
+def _check_reference_memory(graph: Graph, bindings: Mapping[str, int]) -> None:
+    what = f"the float64 reference run of graph {graph.name!r} with {format_sizes(bindings)}"
+    check_allocation(graph_run_bytes(graph, bindings, upcast=True), what)
+
+
+def _run_backend(
+    graph: Graph, name: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], repeats: int, atol: float, rtol: float
+) -> BackendResult:
+    try:
+        runner = prepare(graph, name, **opts)
+    except BackendUnavailableError as e:
+        return BackendResult(name, "skipped", reason=e.reason)
+    except GraphcError as e:
+        return BackendResult(name, "error", reason=f"{type(e).__name__}: {e}")
+    try:
+        got = runner.run(inputs)  # warm-up, and the numbers compared
+        times = _timed(lambda: runner.run(inputs), repeats)
+    except GraphcError as e:
+        return BackendResult(name, "error", provider=runner.provider, reason=f"{type(e).__name__}: {e}")
+    err, rel, worst, ok = _errors(got, want, atol, rtol)
+    peak = None
+    if name == "numpy":
+        tracemalloc.start()
+        runner.run(inputs)
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    return BackendResult(
+        name,
+        "ok" if ok else "mismatch",
+        provider=runner.provider,
+        reason=None if ok else f"outputs differ beyond tolerance (worst: {worst})",
+        max_abs_err=err,
+        max_rel_err=rel,
+        worst_output=worst,
+        median_ms=statistics.median(times),
+        p90_ms=float(np.percentile(times, 90)),
+        peak_mib=peak,
+    )

@@ -7,15 +7,17 @@ different sizes) fails with an :class:`~graphc.errors.InputError` naming it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
-from graphc.dims import bind_shapes, check_sizes, dim_symbols, eval_shape, is_symbol
+from graphc.dims import bind_shapes, check_sizes, dim_symbols, eval_shape
 from graphc.errors import DimError, InputError
 from graphc.graph import Graph
+from graphc.memory import check_allocation
 
-__all__ = ["check_inputs", "random_inputs", "symbol_bindings"]
+__all__ = ["check_inputs", "random_inputs", "symbol_bindings", "input_shapes", "input_bytes", "format_sizes"]
 
 
 def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
@@ -55,20 +57,47 @@ def symbol_bindings(graph: Graph, **sizes: int) -> dict[str, int]:
     return {s: int(sizes[s]) for s in needed}
 
 
-def random_inputs(graph: Graph, seed: int = 0, **sizes: int) -> dict[str, np.ndarray]:
-    """Random inputs for ``graph`` (standard normal floats, random bools), symbols bound by ``sizes``.
-
-    Only bare symbols need a size; expression dims (``past_seq+seq``) are evaluated.
-    """
-    env = symbol_bindings(graph, **sizes)
-    rng = np.random.default_rng(seed)
-    out: dict[str, np.ndarray] = {}
+def input_shapes(graph: Graph, sizes: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
+    """The concrete shape of every input with symbols bound by ``sizes`` (every symbol must be bound)."""
+    shapes = {}
     for name in graph.inputs:
         t = graph.types[name]
         for d in t.shape:
-            if not (isinstance(d, int) or is_symbol(d)) and not dim_symbols(d) <= env.keys():
-                raise InputError(f"cannot size input {name!r}: dim {d!r} has unbound symbols")
-        shape = eval_shape(t.shape, env)
+            if not dim_symbols(d) <= sizes.keys():
+                raise InputError(f"cannot size input {name!r}: dim {d!r} has unbound symbols {sorted(dim_symbols(d) - sizes.keys())}")
+        shape = eval_shape(t.shape, sizes)
+        if any(n < 0 for n in shape):
+            raise InputError(f"input {name!r} of shape {list(t.shape)} would have negative size {list(shape)} with {format_sizes(sizes)}")
+        shapes[name] = shape
+    return shapes
+
+
+def input_bytes(graph: Graph, sizes: Mapping[str, int]) -> int:
+    """Bytes of the graph's inputs with symbols bound by ``sizes``."""
+    return sum(math.prod(shape) * np.dtype(graph.types[n].dtype).itemsize for n, shape in input_shapes(graph, sizes).items())
+
+
+def format_sizes(sizes: Mapping[str, int]) -> str:
+    """``{"batch": 1, "seq": 8}`` -> ``"batch=1, seq=8"``."""
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "static shapes"
+
+
+def random_inputs(graph: Graph, seed: int = 0, **sizes: int) -> dict[str, np.ndarray]:
+    """Random inputs for ``graph`` (standard normal floats, random bools), symbols bound by ``sizes``.
+
+    Only bare symbols need a size; expression dims (``past_seq+seq``) are
+    evaluated.  The inputs' bytes are checked against the memory cap first
+    (:mod:`graphc.memory`).
+    """
+    env = symbol_bindings(graph, **sizes)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise InputError(f"seed must be an int >= 0, got {seed!r}")
+    shapes = input_shapes(graph, env)
+    check_allocation(input_bytes(graph, env), f"random inputs for graph {graph.name!r} with {format_sizes(env)}")
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        t = graph.types[name]
         # drawn in the input's own width (float16 via float32), never in float64 first
         if t.dtype == "bool":
             out[name] = rng.random(shape, dtype=np.float32) < 0.8

@@ -12,6 +12,7 @@ Weights follow ``torch.nn.Linear``: ``q_proj.weight`` is ``[n_heads*head_dim, d_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -19,13 +20,15 @@ import numpy as np
 from graphc.dims import Dim, dim_sub, normalize_dim
 from graphc.errors import WeightError
 from graphc.graph import Graph, Value
-from graphc.ops import FLOAT_DTYPES
+from graphc.memory import check_allocation
+from graphc.ops import FLOAT_DTYPES, check_dtype
 
 from .config import AttentionConfig
 
 __all__ = [
     "weight_shapes",
     "init_weights",
+    "weight_bytes",
     "attention_core",
     "sdpa_graph",
     "attention_layer_graph",
@@ -51,12 +54,21 @@ def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
 
 def init_weights(cfg: AttentionConfig, seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
     """Random weights from a seeded RNG, scaled by ``fan_in ** -0.5`` (biases small)."""
+    shapes = weight_shapes(cfg)
+    check_allocation(weight_bytes(cfg, dtype), f"the weights of a {cfg.kind} layer (d_model={cfg.d_model}, {cfg.n_heads} heads of {cfg.hd}) in {dtype}")
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in shapes.items():
         std = shape[-1] ** -0.5 if name.endswith("weight") else 0.02
-        out[name] = (rng.standard_normal(shape) * std).astype(dtype)
+        draw = rng.standard_normal(shape, dtype=np.float64 if dtype == "float64" else np.float32)
+        draw *= std
+        out[name] = draw.astype(dtype, copy=False)
     return out
+
+
+def weight_bytes(cfg: AttentionConfig, dtype: str = "float32") -> int:
+    """Bytes of one layer's weights in ``dtype``."""
+    return sum(math.prod(s) for s in weight_shapes(cfg).values()) * np.dtype(check_dtype(dtype)).itemsize
 
 
 def _check_weights(cfg: AttentionConfig, weights: Mapping[str, np.ndarray], dtype: str) -> None:
@@ -276,6 +288,8 @@ def attention_stack_graph(
         raise WeightError(f"n_layers must be a positive int, got {n_layers!r}")
     if weights is not None and len(weights) != n_layers:
         raise WeightError(f"weights has {len(weights)} layer(s), n_layers is {n_layers}")
+    if weights is None and not tie_weights:
+        check_allocation(n_layers * weight_bytes(cfg, dtype), f"the weights of {n_layers} {cfg.kind} layers in {dtype}")
     g = Graph(name or f"attention_stack_{cfg.kind.lower()}_{n_layers}")
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     shared = attention_layer_graph(cfg, batch, seq, seed=seed, dtype=dtype) if tie_weights and weights is None else None
