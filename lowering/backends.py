@@ -123,11 +123,6 @@ def _cuda_missing() -> str | None:
     return None
 
 
-def _check_provider(name: str, provider: str, used: list[str]) -> None:
-    if provider not in used:
-        raise BackendError(f"{name}: onnxruntime fell back to {used} instead of {provider}; refusing to report CPU results as {name}")
-
-
 def _ort(provider: str) -> Callable[..., Runner]:
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
 
@@ -139,35 +134,10 @@ def _ort(provider: str) -> Callable[..., Runner]:
         sizes: Sizes = None,
         isolate: bool = False,
     ) -> Runner:
-        import onnxruntime as ort
+        from .ort_backend import prepare_ort as build
 
-        model = _export(graph, opset, attention, sizes).SerializeToString()
-        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
-        if isolate:
-            from .isolated import IsolatedSession
-
-            isolated = IsolatedSession(model, providers, threads)
-            _check_provider(name, provider, isolated.providers)
-
-            def run_isolated(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-                return dict(zip(isolated.outputs, isolated.run(inputs)))
-
-            return Runner(name, f"onnxruntime {isolated.version} {isolated.providers[0]} (worker process)", graph, run_isolated)
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-        try:
-            sess = ort.InferenceSession(model, so, providers=providers)
-        except Exception as e:  # noqa: BLE001
-            raise BackendError(f"onnxruntime could not load graph {graph.name!r} for {name}: {e}") from e
-        _check_provider(name, provider, sess.get_providers())
-        out_names = [o.name for o in sess.get_outputs()]
-
-        def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return dict(zip(out_names, sess.run(out_names, dict(inputs))))
-
-        return Runner(name, f"onnxruntime {ort.__version__} {sess.get_providers()[0]}", graph, fn)
+        description, fn = build(provider, graph, _export, opset, attention, threads, sizes, isolate)
+        return Runner(name, description, graph, fn)
 
     return prepare_ort
 
@@ -251,7 +221,8 @@ def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", 
 
     Options: ``numpy``: ``compute_dtype``, ``threads``, ``reference``; ONNX backends: ``opset``,
     ``attention`` (``decomposed``, ``onnx-attention``, ``ort-gqa``, ``auto``);
-    onnxruntime: ``threads``; ``torch``: ``device``, ``threads``.
+    onnxruntime: ``threads``, ``isolate`` (run in a worker process, so that a
+    crash inside onnxruntime is a :class:`BackendError`); ``torch``: ``device``, ``threads``.
     """
     get_backend(backend)
     sizes = check_inputs(graph, inputs)

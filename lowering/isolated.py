@@ -45,11 +45,13 @@ def _serve_fds(read_fd: int, write_fd: int) -> None:  # pragma: no cover - runs 
         kind, key, payload = request
         try:
             if kind == "load":
-                model, providers, threads = payload
+                model, providers, threads, basic = payload
                 so = ort.SessionOptions()
                 so.log_severity_level = 3
                 if threads:
                     so.intra_op_num_threads = threads
+                if basic:
+                    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
                 sess = ort.InferenceSession(model, so, providers=providers)
                 sessions[key] = sess
                 conn.send(("ok", ([o.name for o in sess.get_outputs()], sess.get_providers(), ort.__version__)))
@@ -132,15 +134,17 @@ def shutdown_worker() -> None:
 class IsolatedSession:
     """An onnxruntime ``InferenceSession`` living in the worker process.
 
-    ``outputs``, ``providers`` and ``version`` describe the session as the
+    ``basic_optimizations`` limits onnxruntime's graph rewrites to the basic
+    level (see :mod:`lowering.ort_backend`).  ``outputs``, ``providers`` and ``version`` describe the session as the
     worker built it.  :meth:`run` raises :class:`BackendError` when onnxruntime
     fails or the worker dies; a session whose worker died cannot run again.
     """
 
-    def __init__(self, model: bytes, providers: Sequence[str], threads: int | None = None) -> None:
+    def __init__(self, model: bytes, providers: Sequence[str], threads: int | None = None, basic_optimizations: bool = False) -> None:
         self._worker = _worker()
         self._key = next(_KEYS)
-        self.outputs, self.providers, self.version = self._worker.request("load", self._key, (model, list(providers), threads))
+        payload = (model, list(providers), threads, basic_optimizations)
+        self.outputs, self.providers, self.version = self._worker.request("load", self._key, payload)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Run the session on ``feeds``; returns the outputs in :attr:`outputs` order."""

@@ -141,7 +141,7 @@ def _binary_step(d: _Dag) -> None:
         other = d.new_input(other_shape)
     if fn == "div":  # a divisor bounded away from zero
         other = d.g.add(d.g.sigmoid(other, name=d.name("s")), d.g.constant(d.name("one"), np.ones((), np.float32)), name=d.name("den")).name
-    a, b = (name, other) if d.draw(st.booleans()) else (other, name)
+    a, b = (name, other) if fn == "div" or d.draw(st.booleans()) else (other, name)  # a divisor stays bounded away from 0
     v = d.g.binary(fn, a, b, name=d.name(fn))
     d.add(v, tuple(np.broadcast_shapes(shape, other_shape)))
 

@@ -22,7 +22,6 @@ from graphc.cli import main
 from graphc.errors import (
     AttentionConfigError,
     BackendError,
-    CycleError,
     DimError,
     DTypeMismatchError,
     DuplicateNameError,

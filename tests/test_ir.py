@@ -21,7 +21,6 @@ from graphc.errors import (
     UndefinedValueError,
     UnknownNameError,
 )
-from graphc.graph import Node
 from graphc.ops import Einsum, Reshape, TensorType, Transpose
 from graphc.serialize import graph_from_dict, graph_to_dict, load_graph, save_graph
 from lowering import random_inputs, run_numpy

@@ -6,7 +6,6 @@ by another value declines with a :class:`~graphc.optimizer.infra.Miss`.
 
 from __future__ import annotations
 
-import numpy as np
 
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous

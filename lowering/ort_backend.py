@@ -1,0 +1,115 @@
+"""The onnxruntime backends (``ort-cpu``, ``ort-cuda``): export, sessions, and the guards around them.
+
+A graph is exported once per runner (:func:`lowering.onnx_export.export`) and
+run by an ``InferenceSession``, in this process or, with ``isolate=True``, in
+the worker process of :mod:`lowering.isolated`.
+
+onnxruntime's extended graph rewrites fuse a Transpose into ``MatMul``
+(``com.microsoft.FusedMatMul`` with ``transBatchA``), and some releases (1.30
+among them) divide by zero inside that kernel when a transposed operand has a
+zero-size axis: the process dies with SIGFPE.  A run whose contractions have a
+zero-size operand under the run's sizes therefore uses a second session built
+with the basic rewrites only; every other run uses the fully optimized one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from graphc.dims import Shape, eval_shape
+from graphc.errors import BackendError
+from graphc.graph import Graph
+from graphc.ops import Einsum
+
+from .inputs import check_inputs
+
+__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction"]
+
+
+def contraction_shapes(graph: Graph) -> list[Shape]:
+    """The (symbolic) shapes of every einsum operand and result in ``graph``."""
+    shapes = []
+    for node in graph.topological_order():
+        if isinstance(node.op, Einsum):
+            shapes += [graph.types[v].shape for v in (*node.inputs, node.name)]
+    return shapes
+
+
+def has_empty_contraction(shapes: list[Shape], dims: Mapping[str, int]) -> bool:
+    """True when one of ``shapes`` has a zero-size axis with symbols bound by ``dims``."""
+    return any(0 in eval_shape(s, dims) for s in shapes)
+
+
+def _check_provider(name: str, provider: str, used: list[str]) -> None:
+    if provider not in used:
+        raise BackendError(f"{name}: onnxruntime fell back to {used} instead of {provider}; refusing to report CPU results as {name}")
+
+
+class _Sessions:
+    """The runner's sessions: fully optimized, and (built on first need) basic rewrites only."""
+
+    def __init__(self, name: str, graph: Graph, model: bytes, provider: str, threads: int | None, isolate: bool) -> None:
+        self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
+        self.providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+        self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
+        self.outputs: list[str] = []
+        self.description = ""
+        self.session(False)
+
+    def session(self, basic: bool) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
+        if basic in self.built:
+            return self.built[basic]
+        if self.isolate:
+            from .isolated import IsolatedSession
+
+            isolated = IsolatedSession(self.model, self.providers, self.threads, basic_optimizations=basic)
+            used, version, self.outputs = isolated.providers, isolated.version, isolated.outputs
+            run: Callable[[Mapping[str, np.ndarray]], list[np.ndarray]] = isolated.run
+        else:
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            if self.threads:
+                so.intra_op_num_threads = self.threads
+            if basic:
+                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            try:
+                sess = ort.InferenceSession(self.model, so, providers=self.providers)
+            except Exception as e:  # noqa: BLE001
+                raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
+            used, version, self.outputs = sess.get_providers(), ort.__version__, [o.name for o in sess.get_outputs()]
+            out_names = list(self.outputs)
+            run = lambda inputs: sess.run(out_names, dict(inputs))  # noqa: E731
+        _check_provider(self.name, self.provider, used)
+        if not self.description:
+            self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "")
+        self.built[basic] = run
+        return run
+
+
+def prepare_ort(
+    provider: str,
+    graph: Graph,
+    export: Callable[..., Any],
+    opset: int | None = None,
+    attention: str = "decomposed",
+    threads: int | None = None,
+    sizes: Mapping[str, int] | None = None,
+    isolate: bool = False,
+) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
+    """Export ``graph`` and build its session; returns the provider description and the run function."""
+    name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
+    model = export(graph, opset, attention, sizes).SerializeToString()
+    sessions = _Sessions(name, graph, model, provider, threads, isolate)
+    shapes = contraction_shapes(graph)
+    static_empty = any(0 in s for s in shapes)
+
+    def run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        basic = static_empty or (bool(shapes) and has_empty_contraction(shapes, check_inputs(graph, inputs)))
+        return dict(zip(sessions.outputs, sessions.session(basic)(inputs)))
+
+    return sessions.description, run
