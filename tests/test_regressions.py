@@ -246,3 +246,11 @@ def test_random_inputs_are_drawn_in_their_own_dtype():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert x.dtype == np.float32 and peak < 1.5 * x.nbytes
+
+
+def test_robustness_example_runs(capsys):
+    import runpy
+
+    runpy.run_path(os.path.join(ROOT, "examples", "robustness.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "EinsumSpecError: node 'einsum'" in out and "ResourceLimitError:" in out and "all backends agree" in out
