@@ -24,8 +24,8 @@ import numpy as np
 from .dims import Dim, dim_add, dim_div, dim_mul, dim_is_nonnegative, eval_dim, format_shape, normalize_dim
 from .errors import DTypeMismatchError, GraphError, OpError, ShapeMismatchError
 from .graph import Graph
-from .numerics import causal_mask, safe_softmax
-from .ops import FLOAT_DTYPES, CausalMask, Concat, Dims, Einsum, Op, Reshape, Scale, Softmax, TensorType, Where, Binary, broadcast_shapes, register_op
+from .numerics import causal_mask, safe_softmax, softcap
+from .ops import FLOAT_DTYPES, CausalMask, Concat, Dims, Einsum, Op, Reshape, Scale, Softmax, TensorType, Unary, Where, Binary, broadcast_shapes, register_op
 
 __all__ = ["Attention", "MASK_KINDS", "decompose_attention", "attention_group_size"]
 
@@ -35,11 +35,14 @@ MASK_KINDS = ("none", "bool", "additive")
 @register_op
 @dataclass(frozen=True)
 class Attention(Op):
-    """``softmax(scale * q k^T [causal] [mask]) v`` over grouped heads.
+    """``softmax(masks(softcap(scale * q k^T))) v`` over grouped heads.
 
     ``causal_offset``: ``None`` for no causal mask, else key ``j`` (counted over
     past and new keys) is hidden from query ``i`` when ``j > i + offset``; with a
-    KV cache of past length P the offset is P.  ``mask``: ``"none"``, ``"bool"``
+    KV cache of past length P the offset is P.  ``window`` (with a causal mask):
+    a sliding window that also hides ``j <= i + offset - window``.  ``softcap``:
+    ``c * tanh(s / c)`` on the scaled scores, before any mask (Gemma 2's order,
+    and ONNX's since opset 23).  ``mask``: ``"none"``, ``"bool"``
     (True keeps a key) or ``"additive"`` (added to the scores).  ``kv_cache``:
     the op appends ``k``/``v`` to ``past_key``/``past_value`` and also returns
     the results.  A row with no visible key gives zeros.
@@ -49,6 +52,8 @@ class Attention(Op):
     causal_offset: Dim | None = None
     mask: str = "none"
     kv_cache: bool = False
+    window: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not np.isfinite(self.scale):
@@ -60,6 +65,16 @@ class Attention(Op):
             raise OpError(f"Attention: mask must be one of {MASK_KINDS}, got {self.mask!r}")
         if not isinstance(self.kv_cache, bool):
             raise OpError(f"Attention: kv_cache must be a bool, got {self.kv_cache!r}")
+        if self.window is not None:
+            if isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer)) or self.window < 1:
+                raise OpError(f"Attention: window must be an int >= 1 or None, got {self.window!r}")
+            if self.causal_offset is None:
+                raise OpError("Attention: a sliding window needs a causal mask (causal_offset)")
+            object.__setattr__(self, "window", int(self.window))
+        if self.softcap is not None:
+            if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf"):
+                raise OpError(f"Attention: softcap must be a finite number > 0 or None, got {self.softcap!r}")
+            object.__setattr__(self, "softcap", float(self.softcap))
 
     @property
     def num_outputs(self) -> int:  # type: ignore[override]
@@ -130,8 +145,10 @@ class Attention(Op):
         group = q.shape[1] // k.shape[1] if k.shape[1] else 1
         kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         s = np.einsum("bhqd,bhkd->bhqk", q, kr) * np.array(self.scale, q.dtype)
+        if self.softcap is not None:
+            s = softcap(s, self.softcap)
         if self.causal_offset is not None:
-            s = causal_mask(s, eval_dim(self.causal_offset, dims))
+            s = causal_mask(s, eval_dim(self.causal_offset, dims), self.window)
         if self.mask == "bool":
             s = np.where(mask, s, np.array(-np.inf, s.dtype))
         elif self.mask == "additive":
@@ -182,8 +199,9 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
     hkv, sk = graph.types[k].shape[1], graph.types[k].shape[2]
     dv = graph.types[v].shape[3]
     g = attention_group_size(hq, hkv) or 1
-    if op.scale != 1.0:
-        q = add(Scale(op.scale), [q], "q_scaled")
+    q_scale = op.scale / op.softcap if op.softcap is not None else op.scale  # the softcap's 1/c rides on Q too
+    if q_scale != 1.0:
+        q = add(Scale(q_scale), [q], "q_scaled")
     if g == 1:
         s = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores_BHST")
     else:
@@ -191,8 +209,10 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
         qm = add(Reshape((b, hkv, rows, graph.types[q].shape[3])), [q], "q_BHkvMD")
         s = add(Einsum("bnmd,bnkd->bnmk"), [qm, k], "scores_BHkvMT")
         s = add(Reshape((b, hkv, g, sq, sk)), [s], "scores_BHkvGST")
+    if op.softcap is not None:
+        s = add(Scale(op.softcap), [add(Unary("tanh"), [s], "capped")], "softcapped")
     if op.causal_offset is not None:
-        s = add(CausalMask(op.causal_offset), [s], "causal")
+        s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
     if mask is not None:
         m = _grouped_mask(graph, mask, g, hkv, add)
         if op.mask == "bool":

@@ -8,18 +8,33 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["hidden_keys", "causal_mask", "safe_softmax", "contiguous"]
+__all__ = ["hidden_keys", "causal_mask", "softcap", "safe_softmax", "contiguous"]
 
 
-def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int) -> np.ndarray:
-    """Bool ``[rows, keys]``: True where key ``j`` is hidden from query ``i`` (``j > i + offset``), for queries row_start..row_stop-1."""
-    return np.arange(keys)[None, :] > (np.arange(row_start, row_stop)[:, None] + offset)
+def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int, window: int | None = None) -> np.ndarray:
+    """Bool ``[rows, keys]``: True where key ``j`` is hidden from query ``i``, for queries row_start..row_stop-1.
+
+    Hidden: ``j > i + offset`` (causal), and with a sliding ``window`` also
+    ``j <= i + offset - window``, so each query sees its last ``window`` keys.
+    """
+    j = np.arange(keys)[None, :]
+    last = np.arange(row_start, row_stop)[:, None] + offset
+    hidden = j > last
+    if window is not None:
+        hidden |= j <= last - window
+    return hidden
 
 
-def causal_mask(x: np.ndarray, offset: int) -> np.ndarray:
-    """Return ``x`` with ``x[..., i, j] = -inf`` where ``j > i + offset``."""
+def causal_mask(x: np.ndarray, offset: int, window: int | None = None) -> np.ndarray:
+    """Return ``x`` with ``x[..., i, j] = -inf`` where key ``j`` is hidden from query ``i`` (see :func:`hidden_keys`)."""
     sq, sk = x.shape[-2:]
-    return np.where(hidden_keys(0, sq, sk, offset), np.array(-np.inf, x.dtype), x)
+    return np.where(hidden_keys(0, sq, sk, offset, window), np.array(-np.inf, x.dtype), x)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """Logit soft-capping ``cap * tanh(x / cap)`` (Gemma 2), in ``x``'s dtype."""
+    c = np.array(cap, x.dtype)
+    return c * np.tanh(x / c)
 
 
 def safe_softmax(x: np.ndarray, axis: int) -> np.ndarray:

@@ -190,7 +190,8 @@ class Op:
         return out
 
     def __str__(self) -> str:
-        attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in self.attributes().items())
+        optional = {f.name for f in fields(self) if f.default is None}  # type: ignore[arg-type]
+        attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in self.attributes().items() if not (v is None and k in optional))
         return f"{self.kind}[{attrs}]" if attrs else self.kind
 
 
@@ -466,9 +467,12 @@ class CausalMask(Op):
 
     With a KV cache of past length P the offset is P, so query i (the (P+i)-th
     token) sees keys 0..P+i.  ``offset`` may be symbolic (``"past_seq"``).
+    A sliding ``window`` also hides ``j <= i + offset - window``: each query
+    sees its last ``window`` keys (Mistral, Gemma 2).
     """
 
     offset: Dim = 0
+    window: int | None = None
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
@@ -476,6 +480,8 @@ class CausalMask(Op):
             object.__setattr__(self, "offset", normalize_dim(self.offset))
         except DimError as e:
             raise OpError(f"CausalMask: attribute 'offset': {e}") from None
+        if self.window is not None:
+            object.__setattr__(self, "window", _int_attr("CausalMask", "window", self.window, least=1))
 
     @property
     def offset_is_nonnegative(self) -> bool:
@@ -490,7 +496,7 @@ class CausalMask(Op):
         return x
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
-        return causal_mask(args[0], eval_dim(self.offset, dims))
+        return causal_mask(args[0], eval_dim(self.offset, dims), self.window)
 
 
 def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +86,9 @@ def _op_from_dict(d: Any, where: str) -> Op:
         raise SerializationError(f"{where}: unknown op kind {kind!r}; valid kinds: {', '.join(OP_TYPES)}")
     cls = OP_TYPES[kind]
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    if set(attrs) != names:
-        raise SerializationError(f"{where}: op {kind} takes attributes {sorted(names)}, got {sorted(attrs)}")
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}  # type: ignore[arg-type]
+    if not required <= set(attrs) <= names:
+        raise SerializationError(f"{where}: op {kind} takes attributes {sorted(names)} (required: {sorted(required)}), got {sorted(attrs)}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items()}
     try:
         return cls(**kwargs)

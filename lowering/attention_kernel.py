@@ -45,10 +45,11 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     hkv = k.shape[1]
     group = hq // hkv if hkv else 1
     offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
-    if op.scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
-        q = q * np.array(op.scale, q.dtype)
+    q_scale = op.scale / op.softcap if op.softcap is not None else op.scale
+    if q_scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
+        q = q * np.array(q_scale, q.dtype)
     qf = q.reshape(b, hkv, group * sq, d)
-    out = blocked_attention(qf, k, v, sq, offset, None, threads)
+    out = blocked_attention(qf, k, v, sq, offset, None, threads, window=op.window, softcap=op.softcap)
     out = out.reshape(b, hq, sq, v.shape[-1])
     return (out, k, v) if op.kv_cache else (out,)
 
@@ -61,11 +62,16 @@ def blocked_attention(
     offset: int | None,
     scale: float | None,
     threads: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
-    """``softmax(scale * q k^T, masked) v`` for ``q [.., G*sq, D]``, ``k [.., T, D]``, ``v [.., T, E]``.
+    """``softmax(masked(softcap(scale * q k^T))) v`` for ``q [.., G*sq, D]``, ``k [.., T, D]``, ``v [.., T, E]``.
 
     Row ``m`` of ``q`` is query ``m % sq``; keys ``j > i + offset`` are hidden from
-    query ``i`` (no mask when ``offset`` is None); rows that see no key are zeros.
+    query ``i`` (no mask when ``offset`` is None), and with a ``window`` also keys
+    ``j <= i + offset - window`` (key blocks wholly before a row block's window
+    are skipped); ``softcap`` is ``c`` of ``c * tanh(s / c)``, where the caller
+    has already divided ``q`` by ``c``.  Rows that see no key are zeros.
     """
     *batch, rows_total, dim = q.shape
     t_len, e_dim = k.shape[-2], v.shape[-1]
@@ -84,20 +90,24 @@ def blocked_attention(
         i1 = min(sq, i0 + rows)
         r = i1 - i0
         c = t_len if offset is None else max(0, min(t_len, i1 + offset))
+        c0 = 0 if window is None or offset is None else max(0, min(c, i0 + offset - window + 1))
         ob = out[..., i0:i1, :]
-        if c == 0:
+        if c <= c0:
             ob[...] = 0
             return
         qb = q5[..., i0:i1, :].reshape(*batch, groups * r, dim)
-        s = np.matmul(qb, k_t[..., :c])
+        s = np.matmul(qb, k_t[..., c0:c])
         if scale is not None:
             s *= scale
+        if softcap is not None:
+            np.tanh(s, out=s)
+            s *= np.array(softcap, s.dtype)
         if offset is not None:
-            hidden = hidden_keys(i0, i1, c, offset)
+            hidden = hidden_keys(i0, i1, c, offset, window)[:, c0:]
             if hidden.any():
-                np.copyto(s.reshape(*batch, groups, r, c), neg_inf, where=hidden)
+                np.copyto(s.reshape(*batch, groups, r, c - c0), neg_inf, where=hidden)
         softmax_rows_(s)
-        ob[...] = np.matmul(s, v[..., :c, :]).reshape(*batch, groups, r, e_dim)
+        ob[...] = np.matmul(s, v[..., c0:c, :]).reshape(*batch, groups, r, e_dim)
 
     run_blocks(block, range(0, sq, rows), threads, pin_blas=True)
     return out.reshape(*batch, rows_total, e_dim)

@@ -310,7 +310,8 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     elif isinstance(op, Scale):
         b.op("Mul", [ins[0], b.const(np.array(op.factor, dtype), "scale")], out)
     elif isinstance(op, CausalMask):
-        b.op("Where", [causal_hidden(b, ins[0], g.types[ins[0]].shape, op.offset), b.const(np.array(-np.inf, dtype), "neg_inf"), ins[0]], out)
+        hidden = causal_hidden(b, ins[0], g.types[ins[0]].shape, op.offset, op.window)
+        b.op("Where", [hidden, b.const(np.array(-np.inf, dtype), "neg_inf"), ins[0]], out)
     else:  # pragma: no cover - every op kind is handled above
         raise ExportError(f"node {out!r}: no ONNX lowering for {op.kind}")
 
@@ -323,18 +324,22 @@ def _integer_divide(b: OnnxBuilder, ins: list[str], out: str, dtype: str) -> Non
     b.op("Where", [is_zero, zero, quotient], out)
 
 
-def causal_hidden(b: OnnxBuilder, x: str, shape: tuple[Dim, ...], offset: Dim) -> str:
-    """A bool ``[Sq, Sk]`` tensor, True where key j is hidden from query i (``j > i + offset``)."""
+def causal_hidden(b: OnnxBuilder, x: str, shape: tuple[Dim, ...], offset: Dim, window: int | None = None) -> str:
+    """A bool ``[Sq, Sk]`` tensor, True where key j is hidden from query i (``j > i + offset``, or ``j <= i + offset - window``)."""
     sq, sk = normalize_dim(shape[-2]), normalize_dim(shape[-1])
     offset = normalize_dim(offset)
     if all(isinstance(d, int) for d in (sq, sk, offset)) and sq * sk <= 1 << 24:  # type: ignore[operator]
-        return b.const(hidden_keys(0, sq, sk, offset), "causal_hidden")  # type: ignore[arg-type]
+        return b.const(hidden_keys(0, sq, sk, offset, window), "causal_hidden")  # type: ignore[arg-type]
     zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
     scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
     rows = b.op("Range", [zero, scalar(sq), one], base="rows")
     cols = b.op("Range", [zero, scalar(sk), one], base="cols")
     limit = b.op("Add", [b.op("Unsqueeze", [rows, b.const(np.array([1], np.int64), "axes")]), scalar(offset)])
-    return b.op("Greater", [cols, limit], base="causal_hidden")
+    future = b.op("Greater", [cols, limit], base="causal_hidden")
+    if window is None:
+        return future
+    start = b.op("Sub", [limit, b.const(np.array(window, np.int64), "window")], base="window_start")
+    return b.op("Or", [future, b.op("LessOrEqual", [cols, start], base="before_window")], base="causal_hidden")
 
 
 def _value_info(g: Graph, name: str) -> onnx.ValueInfoProto:

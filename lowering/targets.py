@@ -40,7 +40,14 @@ def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
 
 
 NUMPY_TARGET = Target("numpy", _numpy_policy, description="row-blocked attention kernel, GEMM contractions")
-TORCH_TARGET = Target("torch", lambda g, n, c: None, description="torch scaled_dot_product_attention")
+def _torch_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
+    op: Attention = node.op  # type: ignore[assignment]
+    if op.window is not None or op.softcap is not None:
+        return "scaled_dot_product_attention has no sliding window or softcap"
+    return None
+
+
+TORCH_TARGET = Target("torch", _torch_policy, description="torch scaled_dot_product_attention")
 
 
 def _past_len(graph: Graph, node: Node) -> object:
@@ -53,6 +60,10 @@ def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | No
     op: Attention = node.op  # type: ignore[assignment]
     if opset < 23:
         return f"the Attention op needs opset 23 or later, got opset {opset}"
+    if op.window is not None:
+        return f"the Attention op has no sliding window (window={op.window}); it is kept decomposed, never dropped"
+    if op.softcap is not None:
+        return "softcap is kept decomposed (the fused op's softcap is not verified against graphc's order)"
     if op.may_mask_whole_rows:
         return "rows can be fully masked, and runtimes disagree on what the fused op returns for them"
     if op.causal_offset is not None and normalize_dim(op.causal_offset) != _past_len(graph, node):
@@ -65,6 +76,8 @@ def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) ->
     op: Attention = node.op  # type: ignore[assignment]
     if op.causal_offset is None:
         return "GroupQueryAttention is causal only, and this attention has no causal mask"
+    if op.window is not None or op.softcap is not None:
+        return "a sliding window or softcap is kept decomposed for GroupQueryAttention (not verified against graphc's semantics)"
     if op.has_mask:
         return "GroupQueryAttention takes no user mask"
     if normalize_dim(op.causal_offset) != _past_len(graph, node):

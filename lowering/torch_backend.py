@@ -48,7 +48,10 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     def causal(op: CausalMask, a: list[Any], env: dict[str, int]) -> Any:
         x = a[0]
         sq, sk = x.shape[-2], x.shape[-1]
-        hidden = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(eval_dim(op.offset, env) + 1)
+        offset = eval_dim(op.offset, env)
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(offset + 1)
+        if op.window is not None:
+            hidden |= torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(offset - op.window)
         return x.masked_fill(hidden, float("-inf"))
 
     def attention(op: Attention, a: list[Any], env: dict[str, int]) -> Any:

@@ -277,12 +277,15 @@ def int_graphs(draw: st.DrawFn) -> Case:
 
 @st.composite
 def attention_graphs(draw: st.DrawFn) -> Case:
-    """Attention graphs from the builders: MHA/GQA/MQA, bias, causal or not, core or layer, decode over a cache of any length."""
+    """Attention graphs from the builders: MHA/GQA/MQA, bias, causal or not, sliding window, softcap, core or layer, decode over a cache of any length."""
     n_kv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([1, 2, 4, 8]))
     heads = n_kv * group
-    cfg = AttentionConfig(heads * head_dim, heads, n_kv, head_dim=head_dim, bias=draw(st.booleans()), causal=draw(st.booleans()))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.integers(1, 5))) if causal else None
+    softcap = draw(st.one_of(st.none(), st.sampled_from([0.5, 3.0])))
+    cfg = AttentionConfig(heads * head_dim, heads, n_kv, head_dim=head_dim, bias=draw(st.booleans()), causal=causal, sliding_window=window, softcap=softcap)
     seed = draw(st.integers(0, 1000))
     kind = draw(st.sampled_from(["core", "layer", "decode", "core_cache"]))
     batch, seq, past = draw(st.integers(1, 2)), draw(st.integers(1, 6)), draw(st.integers(0, 6))

@@ -19,8 +19,11 @@ def tiled(h: int, hq: int, hkv: int) -> int:
     return h % hkv
 
 
-def ref_sdpa(q, k, v, causal=False, offset=None, mask=None, scale=None, kv_head_of=consecutive):
-    """softmax(scale * q k^T + masks) v per query head, float64; fully masked rows give zeros."""
+def ref_sdpa(q, k, v, causal=False, offset=None, mask=None, scale=None, kv_head_of=consecutive, window=None, softcap=None):
+    """softmax(masks(softcap(scale * q k^T))) v per query head, float64; fully masked rows give zeros.
+
+    ``window``: query i sees keys i + offset - window < j <= i + offset (Mistral's sliding window).
+    """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -30,11 +33,15 @@ def ref_sdpa(q, k, v, causal=False, offset=None, mask=None, scale=None, kv_head_
     for h in range(hq):
         kv = kv_head_of(h, hq, hkv)
         s = q[:, h] @ k[:, kv].transpose(0, 2, 1) * scale  # [b, sq, sk]
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
         keep = np.ones((b, sq, sk), bool)
         if causal:
             i = np.arange(sq)[:, None]
             j = np.arange(sk)[None, :]
             keep &= (j <= i + offset)[None]
+            if window is not None:
+                keep &= (j > i + offset - window)[None]
         if mask is not None:
             keep &= np.broadcast_to(mask[:, 0], (b, sq, sk))
         for bi in range(b):

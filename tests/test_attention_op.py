@@ -152,7 +152,7 @@ def test_the_reference_is_independent_of_the_kernel_it_checks(monkeypatch):
     ok = compare(g, sizes={"batch": 1, "seq": 8}, backends=["numpy"], repeats=1)
     assert ok.ok and "attention decomposed" in ok.reference
     real = ak.blocked_attention
-    monkeypatch.setattr(ak, "blocked_attention", lambda q, k, v, sq, off, scale, threads=None: real(q, k, v, sq, off, (scale or 1.0) * 1.5, threads))
+    monkeypatch.setattr(ak, "blocked_attention", lambda q, k, v, sq, off, scale, threads=None, **kw: real(q, k, v, sq, off, (scale or 1.0) * 1.5, threads, **kw))
     bad = compare(g, sizes={"batch": 1, "seq": 8}, backends=["numpy"], repeats=1)
     assert not bad.ok and bad.results[0].status == "mismatch" and "FAIL" in str(bad)
 

@@ -156,7 +156,7 @@ CASES: list = [
     pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.kind", "Gelu"))), SerializationError, ["'Gelu'", "Softmax"], id="json-unknown-op"),
     pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs.axis", "1"))), SerializationError, ["nodes[0]", "'axis'", "str"], id="json-string-axis"),
     pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs.axis", 0.5))), SerializationError, ["nodes[0]", "'axis'", "0.5"], id="json-float-axis"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs", {}))), SerializationError, ["takes attributes ['axis']"], id="json-missing-attribute"),
+    pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs", {"axis": -1, "temperature": 2}))), SerializationError, ["takes attributes ['axis']", "temperature"], id="json-unknown-attribute"),
     pytest.param(lambda t: load_graph(_graph_file(t, _set("inputs.0.shape", "ab"))), SerializationError, ["inputs[0]", "'shape'", "array"], id="json-shape-not-list"),
     pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.inputs", ["zz"]))), UndefinedValueError, ["'zz'"], id="json-undefined-input"),
     pytest.param(

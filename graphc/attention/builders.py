@@ -21,7 +21,7 @@ from graphc.dims import Dim, dim_sub, normalize_dim
 from graphc.errors import WeightError
 from graphc.graph import Graph, Value
 from graphc.memory import check_allocation
-from graphc.ops import FLOAT_DTYPES, check_dtype
+from graphc.ops import FLOAT_DTYPES, CausalMask, check_dtype
 
 from .config import AttentionConfig
 
@@ -104,20 +104,24 @@ def attention_core(
     offset: Dim = 0,
     mask: Value | None = None,
 ) -> Value:
-    """Append ``softmax(scale * q k^T [+ masks]) v`` to ``g``; returns ``[B, Hq, Sq, D]``.
+    """Append ``softmax(masks(softcap(scale * q k^T))) v`` to ``g``; returns ``[B, Hq, Sq, D]``.
 
     K/V are repeated to the query heads by ``Repeat`` (axis 1, ``group_size``)
     when ``group_size > 1``.  ``causal`` masks key j for query i when
-    ``j > i + offset``; ``mask`` is a bool value broadcastable to
+    ``j > i + offset`` (and, with ``cfg.sliding_window``, ``j <= i + offset - window``); ``mask`` is a bool value broadcastable to
     ``[B, Hq, Sq, Sk]`` (True keeps a key).
     """
     if cfg.group_size > 1:
         k = g.repeat(k, cfg.group_size, axis=1, name=g.fresh_name("k_rep_BHTD"))
         v = g.repeat(v, cfg.group_size, axis=1, name=g.fresh_name("v_rep_BHTD"))
     s = g.einsum("bhqd,bhkd->bhqk", q, k, name=g.fresh_name("scores_BHST"))
-    s = g.scale(s, cfg.softmax_scale, name=g.fresh_name("scaled_BHST"))
+    if cfg.softcap is None:
+        s = g.scale(s, cfg.softmax_scale, name=g.fresh_name("scaled_BHST"))
+    else:  # softcap * tanh(scale * s / softcap), before any mask
+        s = g.tanh(g.scale(s, cfg.softmax_scale / cfg.softcap, name=g.fresh_name("scaled_BHST")), name=g.fresh_name("tanh_BHST"))
+        s = g.scale(s, cfg.softcap, name=g.fresh_name("capped_BHST"))
     if causal:
-        s = g.causal_mask(s, offset, name=g.fresh_name("causal_BHST"))
+        s = g.add_node(CausalMask(offset, cfg.sliding_window), [s], g.fresh_name("causal_BHST"))
     if mask is not None:
         neg_inf = g.constant(g.fresh_name("neg_inf"), np.array(-np.inf, dtype=s.dtype))
         s = g.where(mask, s, neg_inf, name=g.fresh_name("masked_BHST"))

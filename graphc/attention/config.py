@@ -32,6 +32,9 @@ class AttentionConfig:
     ``head_dim`` defaults to ``d_model // n_heads``; ``scale`` defaults to
     ``head_dim ** -0.5``; ``bias`` adds biases to the four projections.
     ``dropout`` is recorded for fidelity but graphs are built for inference (no dropout).
+    ``sliding_window``: each query sees its last ``sliding_window`` keys (with
+    ``causal``; Mistral, Gemma 2).  ``softcap``: attention logits become
+    ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).
     """
 
     d_model: int
@@ -42,6 +45,8 @@ class AttentionConfig:
     bias: bool = False
     scale: float | None = None
     dropout: float = 0.0
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("d_model", self.d_model)
@@ -67,6 +72,12 @@ class AttentionConfig:
             raise AttentionConfigError(f"scale must be a positive finite number or None, got {self.scale!r}")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout <= 1.0:
             raise AttentionConfigError(f"dropout must be in [0, 1], got {self.dropout!r}")
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+            if not self.causal:
+                raise AttentionConfigError("sliding_window needs causal=True (a left window over past keys)")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf")):
+            raise AttentionConfigError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
 
     # --------------------------------------------------------------- shape
     @property
@@ -152,7 +163,9 @@ class AttentionConfig:
         per_token = self.kv_cache_bytes(1, 1, dtype, n_layers)
         lines = [
             f"{self.kind}: d_model={self.d_model}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.hd}, group_size={self.group_size}",
-            f"  causal={self.causal}, bias={self.bias}, scale={self.softmax_scale:.6g}",
+            f"  causal={self.causal}, bias={self.bias}, scale={self.softmax_scale:.6g}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
+            + (f", softcap={self.softcap:g}" if self.softcap is not None else ""),
             f"  parameters per layer: {self.param_count():,} (with bias {self.param_count(True):,}, without {self.param_count(False):,})",
             f"  KV cache ({dtype}, {n_layers} layer(s)): {per_token:,} bytes/token; {kv / 2**20:,.1f} MiB at batch={batch}, seq={seq_len}",
             f"  KV saving vs MHA: {self.kv_saving_vs_mha():.1%}",

@@ -31,7 +31,7 @@ import numpy as np
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_div, dim_prod
 from graphc.graph import Graph, Node
-from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Where
+from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
@@ -67,6 +67,8 @@ class AttentionMatch:
     presents: tuple[str, str] | None
     out_term: str  # PV output labels, in QK label names
     chain: list[str] = field(default_factory=list)  # values of the chain, softmax first (removed when dead)
+    window: int | None = None
+    softcap: float | None = None
 
 
 def _neg_inf_constant(graph: Graph, name: str) -> bool:
@@ -81,6 +83,8 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
     if rank < 2 or softmax.op.axis % rank != rank - 1:  # type: ignore[attr-defined]
         return None
     scale, offset, mask, mask_kind = 1.0, None, None, "none"
+    window: int | None = None
+    cap: float | None = None  # the softcap c of c * tanh(s / c), once its tanh is passed
     view_for_rows: tuple[Dim, ...] | None = None
     chain = [softmax.name]
     x = softmax.inputs[0]
@@ -91,8 +95,10 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
             return None
         if isinstance(node.op, Einsum):
             break
-        if not isinstance(node.op, (Reshape, Scale, CausalMask, Where, Binary)):
+        if not isinstance(node.op, (Reshape, Scale, CausalMask, Where, Binary, Unary)):
             return None
+        if cap is not None and isinstance(node.op, (CausalMask, Where, Binary)):
+            return Miss(f"mask {node.name!r} acts before the softcap; attention caps first, then masks")
         if not only_reader(graph, x, reader):
             return Miss(f"{x!r} on the scores is read outside the attention chain")
         op = node.op
@@ -102,12 +108,18 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 return Miss(f"view {node.name!r} changes the key axis")
         elif isinstance(op, Scale):  # the walk goes up: scales seen so far act after the masks found further up
             scale *= op.factor
+        elif isinstance(op, Unary):  # c * tanh(s / c): the scales seen since the masks are c
+            if op.fn != "tanh" or cap is not None:
+                return None
+            if scale <= 0:
+                return Miss(f"the scale after {node.name!r} is not a positive softcap")
+            cap, scale = scale, 1.0
         elif isinstance(op, CausalMask):
             if scale <= 0:
                 return Miss(f"a non-positive scale acts after causal mask {node.name!r}")
             if offset is not None:
                 return Miss("two causal masks on one softmax")
-            offset = op.offset
+            offset, window = op.offset, op.window
             view_for_rows = graph.types[node.name].shape
         elif isinstance(op, Where):
             cond, a, b = node.inputs
@@ -220,7 +232,7 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
     return AttentionMatch(
         softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, e, sizes, q_shape, group * rk, scale, offset, mask, mask_kind,
-        past, presents, out_term, chain + [qk.name],
+        past, presents, out_term, chain + [qk.name], window=window, softcap=cap,
     )
 
 
@@ -278,7 +290,8 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv, k_shape[m.k_term.index(m.t)], d), anchor, "BHkvTD")
     v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
     inputs = [q, k, v] + ([m.mask] if m.mask else []) + (list(m.past) if m.past else [])
-    op = Attention(m.scale, m.offset, m.mask_kind, m.past is not None)
+    scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)
+    op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap)
     stem = base.split("_B")[0] if "_B" in base else base
     names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.presents] if m.presents else [])
     outs = graph.add_multi_node(op, inputs, names, before=anchor)
@@ -296,9 +309,11 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
         graph.substitute(present, {present: new})
     for name in m.chain:
         remove_if_dead(graph, name)
-    parts = [f"scale={m.scale:g}", f"group={m.group}"]
+    parts = [f"scale={scale:g}", f"group={m.group}"]
     if m.offset is not None:
-        parts.append(f"causal offset {m.offset}")
+        parts.append(f"causal offset {m.offset}" + (f", window {m.window}" if m.window is not None else ""))
+    if m.softcap is not None:
+        parts.append(f"softcap {m.softcap:g}")
     if m.mask:
         parts.append(f"{m.mask_kind} mask {m.mask!r}")
     if m.past:

@@ -114,10 +114,14 @@ def _match_unit_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
 
 
 def mask_hides_nothing(graph: Graph, node: Node) -> bool:
-    """True when a CausalMask provably hides no key: a static key length Sk and an offset >= Sk - 1."""
-    sk = graph.types[node.inputs[0]].shape[-1]
-    offset = node.op.offset  # type: ignore[attr-defined]
-    return isinstance(sk, int) and isinstance(offset, int) and offset >= sk - 1
+    """True when a CausalMask provably hides no key: a static key length Sk, an offset >= Sk - 1, and no window
+    that hides a key (the last query's window must still reach key 0)."""
+    shape = graph.types[node.inputs[0]].shape
+    sq, sk = shape[-2], shape[-1]
+    offset, window = node.op.offset, node.op.window  # type: ignore[attr-defined]
+    if not (isinstance(sk, int) and isinstance(offset, int) and offset >= sk - 1):
+        return False
+    return window is None or (isinstance(sq, int) and sq - 1 + offset - window < 0)
 
 
 def _match_vacuous_mask(graph: Graph, node: Node, ctx: PassContext) -> object:

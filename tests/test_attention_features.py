@@ -1,0 +1,141 @@
+"""Sliding windows and logit softcap: in the builders' DAG, in the Attention op and on every backend.
+
+Checked against the plain NumPy reference in ``reference.py`` (a per-head loop),
+against torch SDPA with an explicit mask where torch is installed, and between
+every export mode: a window is never dropped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import ref_sdpa
+
+import graphc
+from graphc import AttentionConfig, optimize
+from graphc.errors import AttentionConfigError, ExportError, OpError
+from graphc.optimizer import lower
+from lowering import prepare, random_inputs
+from lowering.onnx_export import export
+from lowering.targets import NUMPY_TARGET, onnx_target
+
+BACKENDS = ("numpy", "onnx-reference", "ort-cpu", "torch")
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+def _cfg(window=None, softcap=None, hq=4, hkv=2):
+    return AttentionConfig(hq * 8, hq, hkv, head_dim=8, sliding_window=window, softcap=softcap)
+
+
+def _available(backend: str) -> bool:
+    from lowering.backends import unavailable_reason
+
+    return unavailable_reason(backend) is None
+
+
+def _check_all(g, feeds, want, sizes, name="attn_BHSD", **modes):
+    for graph in (g, optimize(g, hints=sizes).graph):
+        for backend in BACKENDS:
+            if not _available(backend):
+                continue
+            for attention in (("decomposed", "auto") if backend in ("onnx-reference", "ort-cpu") else (None,)):
+                opts = {"sizes": sizes} | ({"attention": attention} if attention else {})
+                got = prepare(graph, backend, **opts).run(feeds)[name]
+                np.testing.assert_allclose(got, want, **TOL, err_msg=f"{backend} {attention or ''}")
+
+
+@pytest.mark.parametrize("window, softcap", [(3, None), (None, 5.0), (2, 1.5), (1, None)])
+@pytest.mark.parametrize("seq", [1, 7])
+def test_window_and_softcap_prefill_match_the_reference_everywhere(window, softcap, seq):
+    cfg = _cfg(window, softcap)
+    g = graphc.sdpa_graph(cfg)
+    feeds = random_inputs(g, seed=1, batch=2, seq=seq)
+    for k in feeds:
+        feeds[k] *= 3  # large logits, so the softcap matters
+    want = ref_sdpa(feeds["q_BHSD"], feeds["k_BHkvTD"], feeds["v_BHkvTD"], causal=True, window=window, softcap=softcap)
+    _check_all(g, feeds, want, {"batch": 2, "seq": seq})
+
+
+@pytest.mark.parametrize("past", [0, 2, 9])
+def test_window_over_a_kv_cache_decode(past):
+    cfg = _cfg(window=4, softcap=3.0)
+    g = graphc.sdpa_graph(cfg, q_len="seq", kv_len="past_seq+seq")
+    sizes = {"batch": 1, "seq": 2, "past_seq": past}
+    feeds = random_inputs(g, seed=2, **sizes)
+    want = ref_sdpa(feeds["q_BHSD"], feeds["k_BHkvTD"], feeds["v_BHkvTD"], causal=True, window=4, softcap=3.0)
+    _check_all(g, feeds, want, sizes)
+
+
+def test_the_optimizer_recognises_window_and_softcap_as_one_attention():
+    g = graphc.sdpa_graph(_cfg(window=3, softcap=2.0))
+    lowered = lower(optimize(g).graph, NUMPY_TARGET)
+    [node] = [n for n in lowered.nodes.values() if n.op.kind == "Attention"]
+    assert node.op.window == 3 and node.op.softcap == 2.0 and node.op.scale == pytest.approx(8**-0.5)
+
+
+def test_a_mask_before_the_softcap_is_not_fused_as_softcap_then_mask():
+    g = graphc.Graph("mask_then_cap")
+    q, k, v = (g.input(n, [1, 2, 4, 8]) for n in "qkv")
+    s = g.causal_mask(g.scale(g.einsum("bhqd,bhkd->bhqk", q, k), 0.125), 0)
+    s = g.scale(g.tanh(g.scale(s, 0.5)), 2.0)  # tanh(-inf) = -1: not a mask any more
+    g.output(g.einsum("bhqk,bhkd->bhqd", g.softmax(s), v, name="o"))
+    res = optimize(g)
+    assert "Attention" not in lower(res.graph, NUMPY_TARGET).op_counts()
+    feeds = random_inputs(g, seed=0)
+    ref = prepare(g, "numpy", reference=True, compute_dtype="float64").run(feeds)["o"]
+    np.testing.assert_allclose(prepare(res.graph, "numpy").run(feeds)["o"], ref, **TOL)
+
+
+def test_a_sliding_window_survives_every_export_mode():
+    """Exporters that drop sliding windows give wrong numbers silently: graphc keeps it or refuses."""
+    cfg = _cfg(window=2)
+    g = optimize(graphc.sdpa_graph(cfg), hints={"batch": 1, "seq": 128}).graph
+    sizes = {"batch": 1, "seq": 128}
+    feeds = random_inputs(g, seed=3, **sizes)
+    want = ref_sdpa(feeds["q_BHSD"], feeds["k_BHkvTD"], feeds["v_BHkvTD"], causal=True, window=2)
+    full = ref_sdpa(feeds["q_BHSD"], feeds["k_BHkvTD"], feeds["v_BHkvTD"], causal=True)
+    assert np.abs(want - full).max() > 0.1  # the window matters here
+    for mode in ("decomposed", "auto"):
+        got = prepare(g, "ort-cpu", attention=mode, sizes=sizes).run(feeds)["attn_BHSD"]
+        np.testing.assert_allclose(got, want, **TOL, err_msg=mode)
+        ops = {n.op_type for n in export(g, attention=mode, sizes=sizes).graph.node}
+        assert "Attention" not in ops and "GroupQueryAttention" not in ops
+    for mode in ("onnx-attention", "ort-gqa"):
+        with pytest.raises(ExportError, match="window"):
+            export(g, attention=mode, sizes=sizes)
+    assert onnx_target("auto", 23).attention is not None
+
+
+def test_window_and_softcap_are_validated():
+    with pytest.raises(AttentionConfigError, match="sliding_window"):
+        _cfg(window=0)
+    with pytest.raises(AttentionConfigError, match="softcap"):
+        _cfg(softcap=-1.0)
+    with pytest.raises(AttentionConfigError, match="causal"):
+        AttentionConfig(32, 4, 2, head_dim=8, causal=False, sliding_window=4)
+    with pytest.raises(OpError, match="window"):
+        graphc.Attention(0.1, None, window=3)
+    with pytest.raises(OpError, match="softcap"):
+        graphc.Attention(0.1, 0, softcap=0.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    window=st.one_of(st.none(), st.integers(1, 6)),
+    softcap=st.one_of(st.none(), st.sampled_from([0.5, 2.0, 30.0])),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    seq=st.integers(1, 9),
+    past=st.integers(0, 5),
+)
+def test_random_windows_and_caps_on_the_numpy_kernel(window, softcap, hkv, group, seq, past):
+    cfg = _cfg(window, softcap, hq=hkv * group, hkv=hkv)
+    g = graphc.sdpa_graph(cfg, q_len="seq", kv_len="past_seq+seq")
+    sizes = {"batch": 1, "seq": seq, "past_seq": past}
+    feeds = random_inputs(g, seed=seq, **sizes)
+    want = ref_sdpa(feeds["q_BHSD"], feeds["k_BHkvTD"], feeds["v_BHkvTD"], causal=True, window=window, softcap=softcap)
+    lowered = lower(optimize(g, hints=sizes).graph, NUMPY_TARGET, sizes)
+    assert "Attention" in lowered.op_counts()
+    np.testing.assert_allclose(prepare(g, "numpy", sizes=sizes).run(feeds)["attn_BHSD"], want, **TOL)
