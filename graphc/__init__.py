@@ -26,6 +26,7 @@ from .dims import Dim
 from .einsum_spec import parse_einsum
 from .graph import Graph, Node, Value
 from .ops import TensorType
+from .rotary import Positions, Rotary
 from .optimizer import OptimizationReport, graph_cost, optimize
 from .serialize import load_graph, save_graph
 
@@ -40,6 +41,8 @@ __all__ = [
     "TensorType",
     "Attention",
     "decompose_attention",
+    "Positions",
+    "Rotary",
     "Dim",
     "parse_einsum",
     "save_graph",

@@ -50,7 +50,7 @@ __all__ = [
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
 FLOAT_DTYPES = ("float16", "float32", "float64")
-UNARY_FUNCTIONS = ("exp", "neg", "tanh", "sqrt", "reciprocal", "relu", "sigmoid")
+UNARY_FUNCTIONS = ("exp", "neg", "tanh", "sqrt", "reciprocal", "relu", "sigmoid", "cos", "sin", "erf")
 BINARY_FUNCTIONS = ("add", "sub", "mul", "div", "max")
 
 
@@ -520,7 +520,15 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "reciprocal": np.reciprocal,
     "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
     "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "cos": np.cos,
+    "sin": np.sin,
+    "erf": lambda x: _erf(x),
 }
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """The error function in ``x``'s dtype (math.erf per element; NumPy has no ufunc for it)."""
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype) if x.size else x.copy()
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add,
     "sub": np.subtract,

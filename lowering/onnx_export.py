@@ -31,6 +31,7 @@ from graphc.graph import Graph, Node
 from graphc.numerics import contiguous, hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import PassContext, lower
+from graphc.rotary import Positions
 
 from .contraction import plan_matmul
 from .targets import ATTENTION_MODES, onnx_target
@@ -47,7 +48,10 @@ ONNX_DTYPES = {
     "int64": TensorProto.INT64,
     "bool": TensorProto.BOOL,
 }
-_UNARY = {"exp": "Exp", "neg": "Neg", "tanh": "Tanh", "sqrt": "Sqrt", "reciprocal": "Reciprocal", "relu": "Relu", "sigmoid": "Sigmoid"}
+_UNARY = {
+    "exp": "Exp", "neg": "Neg", "tanh": "Tanh", "sqrt": "Sqrt", "reciprocal": "Reciprocal", "relu": "Relu", "sigmoid": "Sigmoid",
+    "cos": "Cos", "sin": "Sin", "erf": "Erf",
+}
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max"}
 
 
@@ -309,6 +313,10 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         b.op("Where", ins, out)
     elif isinstance(op, Scale):
         b.op("Mul", [ins[0], b.const(np.array(op.factor, dtype), "scale")], out)
+    elif isinstance(op, Positions):
+        scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
+        length = g.types[ins[0]].shape[op.axis]
+        b.op("Range", [scalar(op.offset), scalar(dim_add(op.offset, length)), b.const(np.array(1, np.int64), "one")], out)
     elif isinstance(op, CausalMask):
         hidden = causal_hidden(b, ins[0], g.types[ins[0]].shape, op.offset, op.window)
         b.op("Where", [hidden, b.const(np.array(-np.inf, dtype), "neg_inf"), ins[0]], out)

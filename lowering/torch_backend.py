@@ -21,6 +21,7 @@ from graphc.graph import Graph
 from graphc.numerics import contiguous
 from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import lower
+from graphc.rotary import Positions
 
 from .backends import Runner
 from .inputs import check_inputs
@@ -31,7 +32,8 @@ __all__ = ["prepare_torch"]
 
 def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     dtypes = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
-    unary = {"exp": torch.exp, "neg": torch.neg, "tanh": torch.tanh, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal, "relu": torch.relu, "sigmoid": torch.sigmoid}
+    unary = {"exp": torch.exp, "neg": torch.neg, "tanh": torch.tanh, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal, "relu": torch.relu, "sigmoid": torch.sigmoid,
+             "cos": torch.cos, "sin": torch.sin, "erf": torch.erf}
 
     def divide(a: Any, b: Any) -> Any:  # graphc's integer div: truncating, 0 for a zero divisor
         if a.dtype.is_floating_point:
@@ -86,6 +88,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         Where: lambda op, a, env: torch.where(a[0], a[1], a[2]),
         Scale: lambda op, a, env: a[0] * op.factor,
         CausalMask: causal,
+        Positions: lambda op, a, env: torch.arange(a[0].shape[op.axis], device=a[0].device) + eval_dim(op.offset, env),
     }
 
 

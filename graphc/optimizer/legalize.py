@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from graphc.attention_op import Attention, decompose_attention
 from graphc.dims import check_sizes
 from graphc.graph import Graph, Node
+from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention
 from .cleanup import LAYOUT_RULES, dead_code_elimination
@@ -73,11 +74,20 @@ def _match_long_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:
     return SPLIT_RULE.match(graph, node, ctx) if len(node.inputs) > limit else None
 
 
+def _match_rotary(graph: Graph, node: Node, ctx: PassContext) -> object:
+    return node
+
+
+def _rewrite_rotary(graph: Graph, node: Node, ctx: PassContext) -> str:
+    return decompose_rotary(graph, node.name)
+
+
 legalize = RewritePass(
     "legalize",
-    "decompose Attention where the target has no kernel (or its policy says so); split einsums the target cannot run",
+    "decompose Attention where the target has no kernel (or its policy says so), and Rotary everywhere; split einsums the target cannot run",
     [
         Rule("legalize_attention", (Attention,), _match_attention, _rewrite_attention),
+        Rule("decompose_rotary", (Rotary,), _match_rotary, _rewrite_rotary),
         Rule("split_contraction", SPLIT_RULE.ops, _match_long_einsum, SPLIT_RULE.rewrite),
     ],
 )
