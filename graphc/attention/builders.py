@@ -22,6 +22,7 @@ from graphc.errors import WeightError
 from graphc.graph import Graph, Value
 from graphc.memory import check_allocation
 from graphc.ops import FLOAT_DTYPES, CausalMask, check_dtype
+from graphc.rotary import Positions
 
 from .config import AttentionConfig
 
@@ -39,7 +40,7 @@ __all__ = [
 
 
 def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the layer's parameters (biases only when ``cfg.bias``)."""
+    """Names and shapes of the layer's parameters (a bias for each projection where ``cfg.has_bias``)."""
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
     shapes = {
         "q_proj.weight": (q, cfg.d_model),
@@ -47,8 +48,9 @@ def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
         "v_proj.weight": (kv, cfg.d_model),
         "o_proj.weight": (cfg.d_model, q),
     }
-    if cfg.bias:
-        shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (cfg.d_model,)})
+    for proj, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", cfg.d_model)):
+        if cfg.has_bias(proj):
+            shapes[f"{proj}.bias"] = (n,)
     return shapes
 
 
@@ -76,9 +78,9 @@ def _check_weights(cfg: AttentionConfig, weights: Mapping[str, np.ndarray], dtyp
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing:
-        raise WeightError(f"weights are missing {missing}; a layer with bias={cfg.bias} takes {sorted(expected)}")
+        raise WeightError(f"weights are missing {missing}; this config takes {sorted(expected)}")
     if extra:
-        raise WeightError(f"unexpected weights {extra}; a layer with bias={cfg.bias} takes {sorted(expected)}")
+        raise WeightError(f"unexpected weights {extra}; this config takes {sorted(expected)}")
     for name, shape in expected.items():
         arr = weights[name]
         if not isinstance(arr, np.ndarray):
@@ -164,10 +166,19 @@ def _project(g: Graph, x: Value, prefix: str, cfg: AttentionConfig, seq: Dim, ba
     tag = prefix[0]
     heads, h = (cfg.n_heads, "H") if tag == "q" else (cfg.n_kv_heads, "Hkv")
     y = g.einsum("bsm,nm->bsn", x, f"{prefix}.weight", name=g.fresh_name(f"{tag}_BSN"))
-    if cfg.bias:
+    if cfg.has_bias(prefix):
         y = g.add(y, f"{prefix}.bias", name=g.fresh_name(f"{tag}_biased_BSN"))
     y = g.reshape(y, [batch, seq, heads, cfg.hd], name=g.fresh_name(f"{tag}_BS{h}D"))
     return g.transpose(y, [0, 2, 1, 3], name=g.fresh_name(f"{tag}_B{h}SD"))
+
+
+def _rotate(g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim) -> tuple[Value, Value]:
+    """Rotary embedding of ``q`` and ``k`` ``[B, heads, S, D]`` at positions ``offset + 0..S-1`` (when ``cfg.rope``)."""
+    if cfg.rope is None:
+        return q, k
+    positions = g.add_node(Positions(2, offset), [q], g.fresh_name("positions_S"))
+    op = cfg.rope.op()
+    return g.add_node(op, [q, positions], g.fresh_name("q_rot_BHSD")), g.add_node(op, [k, positions], g.fresh_name("k_rot_BHkvSD"))
 
 
 def _project_qkv(g: Graph, cfg: AttentionConfig, x: Value, memory: Value, q_len: Dim, kv_len: Dim, batch: Dim) -> tuple[Value, Value, Value]:
@@ -183,7 +194,7 @@ def _merge_and_project(g: Graph, attn: Value, cfg: AttentionConfig, seq: Dim, ba
     """[B,Hq,S,D] -> [B,S,Hq*D] -> output projection -> [B,S,d_model]."""
     t = g.transpose(attn, [0, 2, 1, 3], name="attn_BSHD")
     m = g.reshape(t, [batch, seq, cfg.n_heads * cfg.hd], name="attn_BSN")
-    if not cfg.bias:
+    if not cfg.has_bias("o_proj"):
         return g.einsum("bsn,mn->bsm", m, "o_proj.weight", name="out_BSM")
     y = g.einsum("bsn,mn->bsm", m, "o_proj.weight", name="proj_BSM")
     return g.add(y, "o_proj.bias", name="out_BSM")
@@ -215,6 +226,7 @@ def attention_layer_graph(
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     q, k, v = _project_qkv(g, cfg, x, x, seq, seq, batch)
+    q, k = _rotate(g, cfg, q, k, offset=0)
     attn = attention_core(g, cfg, q, k, v, cfg.causal, 0)
     g.output(_merge_and_project(g, attn, cfg, seq, batch))
     return g
@@ -263,6 +275,7 @@ def kv_cache_graph(
     past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
+    q, k_new = _rotate(g, cfg, q, k_new, offset=past)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past)

@@ -11,9 +11,39 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from graphc.errors import AttentionConfigError, UnknownNameError
+from graphc.errors import AttentionConfigError, GraphcError, UnknownNameError
+from graphc.rotary import Rotary
 
-__all__ = ["AttentionConfig", "Preset", "PRESETS", "preset", "preset_names", "mha", "mqa", "gqa"]
+__all__ = ["AttentionConfig", "RopeConfig", "PROJECTIONS", "Preset", "PRESETS", "preset", "preset_names", "mha", "mqa", "gqa"]
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of a layer's queries and keys (see :class:`graphc.Rotary` for the fields)."""
+
+    style: str = "half"
+    rotary_dim: int | None = None
+    base: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        try:
+            self.op()
+        except GraphcError as e:
+            raise AttentionConfigError(f"rope: {e}") from None
+
+    def op(self) -> Rotary:
+        """The ``Rotary`` op these settings describe."""
+        return Rotary(
+            self.style, self.rotary_dim, self.base, self.scaling, self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position
+        )
 
 
 def _positive_int(name: str, v: object) -> None:
@@ -34,7 +64,10 @@ class AttentionConfig:
     ``dropout`` is recorded for fidelity but graphs are built for inference (no dropout).
     ``sliding_window``: each query sees its last ``sliding_window`` keys (with
     ``causal``; Mistral, Gemma 2).  ``softcap``: attention logits become
-    ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).
+    ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).  ``rope``:
+    rotary embedding of queries and keys (:class:`RopeConfig`), positions
+    counted from the KV cache's past length.  ``biases``: which projections
+    have a bias, overriding ``bias`` (Qwen2: ``("q_proj", "k_proj", "v_proj")``).
     """
 
     d_model: int
@@ -47,6 +80,8 @@ class AttentionConfig:
     dropout: float = 0.0
     sliding_window: int | None = None
     softcap: float | None = None
+    rope: RopeConfig | None = None
+    biases: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _positive_int("d_model", self.d_model)
@@ -76,6 +111,17 @@ class AttentionConfig:
             _positive_int("sliding_window", self.sliding_window)
             if not self.causal:
                 raise AttentionConfigError("sliding_window needs causal=True (a left window over past keys)")
+        if self.rope is not None and not isinstance(self.rope, RopeConfig):
+            raise AttentionConfigError(f"rope must be a RopeConfig or None, got {type(self.rope).__name__}")
+        if self.rope is not None and self.rope.op().dim(self.hd) > self.hd:
+            raise AttentionConfigError(f"rope.rotary_dim {self.rope.rotary_dim} exceeds head_dim {self.hd}")
+        if self.biases is not None:
+            if isinstance(self.biases, str) or not all(isinstance(p, str) for p in self.biases):
+                raise AttentionConfigError(f"biases must be a tuple of projection names from {PROJECTIONS}, got {self.biases!r}")
+            unknown = sorted(set(self.biases) - set(PROJECTIONS))
+            if unknown:
+                raise AttentionConfigError(f"biases names unknown projection(s) {unknown}; valid: {', '.join(PROJECTIONS)}")
+            object.__setattr__(self, "biases", tuple(p for p in PROJECTIONS if p in self.biases))
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf")):
             raise AttentionConfigError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
 
@@ -122,14 +168,18 @@ class AttentionConfig:
             raise AttentionConfigError(f"query head {query_head} is out of range 0..{self.n_heads - 1}")
         return query_head // self.group_size
 
+    def has_bias(self, projection: str) -> bool:
+        """Whether ``projection`` (``"q_proj"`` ...) has a bias."""
+        return projection in self.biases if self.biases is not None else self.bias
+
     # --------------------------------------------------------------- stats
     def param_count(self, bias: bool | None = None) -> int:
         """Parameters of the four projections; ``bias`` overrides the config's own flag."""
-        use_bias = self.bias if bias is None else bias
         q, kv = self.n_heads * self.hd, self.n_kv_heads * self.hd
         weights = self.d_model * q + 2 * self.d_model * kv + q * self.d_model
-        biases = q + 2 * kv + self.d_model
-        return weights + (biases if use_bias else 0)
+        sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": self.d_model}
+        biases = sum(n for p, n in sizes.items() if (self.has_bias(p) if bias is None else bias))
+        return weights + biases
 
     def kv_cache_bytes(self, batch: int, seq_len: int, dtype: str = "float16", n_layers: int = 1) -> int:
         """Bytes of the K and V cache for ``batch`` sequences of ``seq_len`` tokens over ``n_layers`` layers."""

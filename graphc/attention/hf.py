@@ -1,0 +1,136 @@
+"""Attention configs from transformers model configs (``config.json``), without transformers or the hub.
+
+``attention_config_from_hf(config, layer=0)`` reads the fields a family uses
+for its attention: head counts and head dim, RoPE (``rope_parameters`` as
+transformers 5 writes it, or ``rope_theta`` + ``rope_scaling`` as older
+``config.json`` files do), sliding windows (per layer where a family alternates
+them), logit softcap, the attention scale and which projections have a bias.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError
+
+from .config import AttentionConfig, RopeConfig
+
+__all__ = ["attention_config_from_hf", "read_hf_config", "HF_FAMILIES"]
+
+HF_FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+"""``model_type`` values whose attention graphc builds from a transformers config."""
+
+
+def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
+    """A transformers config as a plain dict: from a dict, a ``config.json`` path, or a ``PretrainedConfig``."""
+    if isinstance(config, (str, Path)):
+        try:
+            doc = json.loads(Path(config).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise SerializationError(f"cannot read config {str(config)!r}: {e.strerror or e}") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise SerializationError(f"{config}: not a JSON config: {e}") from None
+        if not isinstance(doc, dict):
+            raise SerializationError(f"{config}: a config.json holds a JSON object, got {type(doc).__name__}")
+        return doc
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise AttentionConfigError(f"expected a config dict, a config.json path or a transformers config, got {type(config).__name__}")
+
+
+def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
+    if key not in cfg or cfg[key] is None:
+        if default is ...:
+            raise AttentionConfigError(f"config of model_type {cfg.get('model_type')!r} lacks {key!r}")
+        return default
+    v = cfg[key]
+    if isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)) or not isinstance(v, typ):
+        raise AttentionConfigError(f"config field {key!r} must be {typ}, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _rope(cfg: Mapping[str, Any], head_dim: int) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:  # older config.json: rope_theta and rope_scaling
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0)
+    rotary_dim = None if partial == 1.0 else int(head_dim * partial)
+    if kind == "default":
+        return RopeConfig("half", rotary_dim, theta)
+    if kind == "linear":
+        return RopeConfig("half", rotary_dim, theta, "linear", float(params["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            "half",
+            rotary_dim,
+            theta,
+            "llama3",
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
+    raise AttentionConfigError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def _window(cfg: Mapping[str, Any], family: str, layer: int) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    layer_types = cfg.get("layer_types")
+    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        return None
+    if layer_types is not None:
+        if not 0 <= layer < len(layer_types):
+            raise AttentionConfigError(f"layer {layer} is out of range for {len(layer_types)} layer_types")
+        return int(window) if layer_types[layer] == "sliding_attention" else None
+    if family == "qwen2":
+        return int(window) if layer >= int(cfg.get("max_window_layers", 0)) else None
+    if family == "gemma2":
+        return int(window) if layer % 2 == 0 else None  # even layers slide, odd layers are global
+    return int(window)
+
+
+def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer: int = 0) -> AttentionConfig:
+    """The :class:`AttentionConfig` of layer ``layer`` of a transformers model config.
+
+    An unknown ``model_type`` raises :class:`UnknownNameError` listing :data:`HF_FAMILIES`.
+    """
+    cfg = read_hf_config(config)
+    family = cfg.get("model_type")
+    if family not in HF_FAMILIES:
+        raise UnknownNameError("model_type", str(family), HF_FAMILIES)
+    d_model = _get(cfg, "hidden_size", int)
+    heads = _get(cfg, "num_attention_heads", int)
+    kv_heads = _get(cfg, "num_key_value_heads", int, heads)
+    head_dim = _get(cfg, "head_dim", int, d_model // heads if heads else 0)
+    biases: tuple[str, ...] = ()
+    if family == "qwen2":
+        biases = ("q_proj", "k_proj", "v_proj")
+    elif _get(cfg, "attention_bias", bool, False):
+        biases = ("q_proj", "k_proj", "v_proj", "o_proj")
+    scale = None
+    softcap = None
+    if family == "gemma2":
+        scale = float(_get(cfg, "query_pre_attn_scalar", (int, float), head_dim)) ** -0.5
+        softcap = cfg.get("attn_logit_softcapping")
+    return AttentionConfig(
+        d_model,
+        heads,
+        kv_heads,
+        head_dim=head_dim,
+        causal=True,
+        scale=scale,
+        sliding_window=_window(cfg, family, layer),
+        softcap=None if softcap is None else float(softcap),
+        rope=_rope(cfg, head_dim),
+        biases=biases,
+    )

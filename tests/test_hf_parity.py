@@ -1,0 +1,144 @@
+"""Parity with transformers' attention modules, real RoPE included: Llama (Llama 3 RoPE scaling), Mistral (a
+sliding window shorter than the sequence), Qwen2 (q/k/v-only biases), Gemma 2 (softcap, window, query_pre_attn_scalar).
+
+Each family's module is built by transformers from a small random config; graphc builds
+the layer from the same config (``attention_config_from_hf``) and the module's
+``state_dict``, and must agree on numpy and ort-cpu, optimized and not, for a causal
+prefill and for a decode step over transformers' ``DynamicCache``.  The additive mask
+the modules take is written here from the definition (causal, bottom-right aligned,
+window: ``i + P - window < j <= i + P``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+import graphc  # noqa: E402
+from graphc.attention.hf import attention_config_from_hf  # noqa: E402
+from graphc.errors import UnknownNameError  # noqa: E402
+from lowering import prepare  # noqa: E402
+
+SMALL = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "num_hidden_layers": 2,
+         "vocab_size": 64, "max_position_embeddings": 128}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def _family(name: str):
+    from transformers.models.gemma2 import modeling_gemma2 as gemma2
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mistral import modeling_mistral as mistral
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    return {
+        "llama": (transformers.LlamaConfig, llama.LlamaAttention, llama.LlamaRotaryEmbedding, {"rope_parameters": LLAMA3_ROPE}),
+        "mistral": (transformers.MistralConfig, mistral.MistralAttention, mistral.MistralRotaryEmbedding, {"sliding_window": 3}),
+        "qwen2": (transformers.Qwen2Config, qwen2.Qwen2Attention, qwen2.Qwen2RotaryEmbedding, {}),
+        "gemma2": (
+            transformers.Gemma2Config,
+            gemma2.Gemma2Attention,
+            gemma2.Gemma2RotaryEmbedding,
+            {"sliding_window": 3, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 12},
+        ),
+    }[name]
+
+
+def _module(name: str, seed: int = 0):
+    config_cls, attention_cls, rope_cls, extra = _family(name)
+    config = config_cls(**SMALL, **extra, attn_implementation="eager")
+    torch.manual_seed(seed)
+    module = attention_cls(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.3)
+    return config, module, rope_cls(config)
+
+
+def _mask(batch: int, sq: int, past: int, window: int | None) -> torch.Tensor:
+    i = np.arange(sq)[:, None] + past
+    j = np.arange(past + sq)[None, :]
+    keep = j <= i
+    if window is not None:
+        keep &= j > i - window
+    return torch.from_numpy(np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32)).expand(batch, 1, sq, past + sq)
+
+
+def _hf_step(module, rope, x, past: int, cache, window):
+    positions = torch.arange(past, past + x.shape[1])[None].expand(x.shape[0], -1)
+    with torch.no_grad():
+        out, _ = module(x, position_embeddings=rope(x, positions), attention_mask=_mask(x.shape[0], x.shape[1], past, window), past_key_values=cache)
+    return out.numpy()
+
+
+def _weights(module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "gemma2"]
+TOL = {"atol": 1e-4, "rtol": 1e-3}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_from_transformers(family):
+    config, module, _ = _module(family)
+    cfg = attention_config_from_hf(config)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.hd) == (4, 2, 8) and cfg.rope is not None
+    assert cfg.sliding_window == {"mistral": 3, "gemma2": 3}.get(family)
+    assert cfg.softmax_scale == pytest.approx(module.scaling)
+    assert sorted(k for k in module.state_dict() if k.endswith("bias")) == sorted(f"{p}.bias" for p in (cfg.biases or ()))
+    assert attention_config_from_hf(config.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("optimized", [False, True])
+def test_prefill_matches_the_transformers_module(family, optimized):
+    config, module, rope = _module(family)
+    cfg = attention_config_from_hf(config)
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    want = _hf_step(module, rope, x, 0, None, cfg.sliding_window)
+    g = graphc.attention_layer_graph(cfg, weights=_weights(module))
+    if optimized:
+        g = graphc.optimize(g, hints={"batch": 2, "seq": 7}).graph
+    for backend in ("numpy", "ort-cpu"):
+        got = prepare(g, backend, sizes={"batch": 2, "seq": 7}).run({"x_BSM": x.numpy()})["out_BSM"]
+        np.testing.assert_allclose(got, want, **TOL, err_msg=f"{family} {backend}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_decode_over_a_dynamic_cache_matches_the_transformers_module(family, new_tokens):
+    config, module, rope = _module(family)
+    cfg = attention_config_from_hf(config)
+    prefix = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2))
+    step = torch.randn(1, new_tokens, 32, generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache()
+    _hf_step(module, rope, prefix, 0, cache, cfg.sliding_window)
+    past_key, past_value = (t.clone().numpy() for t in (cache.layers[0].keys, cache.layers[0].values))
+    want = _hf_step(module, rope, step, 5, cache, cfg.sliding_window)
+    present = cache.layers[0].keys.numpy()
+    g = graphc.kv_cache_graph(cfg, weights=_weights(module))
+    feeds = {"x_BSM": step.numpy(), "past_key": past_key, "past_value": past_value}
+    sizes = {"batch": 1, "seq": new_tokens, "past_seq": 5}
+    for graph in (g, graphc.optimize(g, hints=sizes).graph):
+        for backend in ("numpy", "ort-cpu"):
+            got = prepare(graph, backend, sizes=sizes).run(feeds)
+            np.testing.assert_allclose(got["out_BSM"], want, **TOL, err_msg=f"{family} {backend}")
+            np.testing.assert_allclose(got["present_key"], present, **TOL, err_msg=f"{family} {backend} present_key")
+
+
+def test_a_window_shorter_than_the_sequence_changes_the_numbers():
+    """The Mistral and Gemma 2 parity cases above would pass by accident if the window hid nothing."""
+    config, module, rope = _module("mistral")
+    x = torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(1))
+    assert np.abs(_hf_step(module, rope, x, 0, None, 3) - _hf_step(module, rope, x, 0, None, None)).max() > 1e-2
+
+
+def test_unknown_model_type_lists_the_supported_ones():
+    with pytest.raises(UnknownNameError, match="model_type 'bert'.*llama, mistral, qwen2, gemma2"):
+        attention_config_from_hf({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 4})
