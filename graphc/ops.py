@@ -527,8 +527,15 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-    """The error function in ``x``'s dtype (math.erf per element; NumPy has no ufunc for it)."""
-    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype) if x.size else x.copy()
+    """The error function in ``x``'s dtype (NumPy has no ufunc for it).
+
+    Abramowitz & Stegun 7.1.26 evaluated in float64: absolute error below 1.5e-7,
+    under float32's resolution near 1, where GELU needs it.
+    """
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return (np.sign(x) * (1.0 - poly * np.exp(-z * z))).astype(x.dtype)
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add,
     "sub": np.subtract,

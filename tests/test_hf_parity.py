@@ -140,5 +140,94 @@ def test_a_window_shorter_than_the_sequence_changes_the_numbers():
 
 
 def test_unknown_model_type_lists_the_supported_ones():
-    with pytest.raises(UnknownNameError, match="model_type 'bert'.*llama, mistral, qwen2, gemma2"):
+    with pytest.raises(UnknownNameError, match="model_type 'bert'.*llama, mistral, qwen2, qwen3, gemma2"):
         attention_config_from_hf({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 4})
+
+
+# ------------------------------------------------------------------ decoder layers and stacks
+
+DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+
+
+def _decoder_family(name: str):
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    title = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}[name]
+    extra = {"llama": {"rope_parameters": LLAMA3_ROPE}, "mistral": {"sliding_window": 3}, "qwen2": {}, "qwen3": {},
+             "gemma2": {"sliding_window": 3, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 12}}[name]
+    config = getattr(transformers, f"{title}Config")(**SMALL, **extra, attn_implementation="eager")
+    return config, getattr(module, f"{title}DecoderLayer"), getattr(module, f"{title}RotaryEmbedding")(config)
+
+
+def _hf_layers(name: str, n_layers: int, seed: int = 0):
+    config, layer_cls, rope = _decoder_family(name)
+    torch.manual_seed(seed)
+    layers = [layer_cls(config, layer_idx=i).eval() for i in range(n_layers)]
+    with torch.no_grad():
+        for layer in layers:
+            for pname, p in layer.named_parameters():
+                if "norm" in pname:
+                    p.copy_((0.0 if name == "gemma2" else 1.0) + 0.1 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 0.2)
+    return config, layers, rope
+
+
+def _hf_stack_step(config, layers, rope, x, past, cache):
+    from graphc.attention.hf import attention_config_from_hf
+
+    positions = torch.arange(past, past + x.shape[1])[None].expand(x.shape[0], -1)
+    emb = rope(x, positions)
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            window = attention_config_from_hf(config, i).sliding_window
+            x = layer(x, attention_mask=_mask(x.shape[0], x.shape[1], past, window), past_key_values=cache, position_embeddings=emb, position_ids=positions)
+            x = x[0] if isinstance(x, tuple) else x
+    return x.numpy()
+
+
+def _stack_weights(layers) -> dict[str, np.ndarray]:
+    return {f"model.layers.{i}.{k}": v.detach().numpy().copy() for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_decoder_stack_prefill_matches_transformers(family, n_layers):
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf
+
+    config, layers, rope = _hf_layers(family, n_layers)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(4))
+    want = _hf_stack_step(config, layers, rope, x, 0, None)
+    g = decoder_stack_graph(decoder_configs_from_hf(config, n_layers), weights=_stack_weights(layers))
+    sizes = {"batch": 2, "seq": 6}
+    for graph in (g, graphc.optimize(g, hints=sizes).graph):
+        for backend in ("numpy", "ort-cpu"):
+            got = prepare(graph, backend, sizes=sizes).run({"x_BSM": x.numpy()})["out_BSM"]
+            np.testing.assert_allclose(got, want, **TOL, err_msg=f"{family} {backend}")
+
+
+@pytest.mark.parametrize("family", DECODERS)
+def test_decoder_stack_decode_over_a_dynamic_cache_matches_transformers(family):
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf
+
+    config, layers, rope = _hf_layers(family, 2)
+    prefix = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(5))
+    step = torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(6))
+    cache = DynamicCache()
+    _hf_stack_step(config, layers, rope, prefix, 0, cache)
+    feeds = {"x_BSM": step.numpy()}
+    for i in range(2):
+        feeds[f"past_key.{i}"] = cache.layers[i].keys.clone().numpy()
+        feeds[f"past_value.{i}"] = cache.layers[i].values.clone().numpy()
+    want = _hf_stack_step(config, layers, rope, step, 5, cache)
+    g = decoder_stack_graph(decoder_configs_from_hf(config, 2), weights=_stack_weights(layers), kv_cache=True)
+    sizes = {"batch": 1, "seq": 1, "past_seq": 5}
+    for graph in (g, graphc.optimize(g, hints=sizes).graph):
+        for backend in ("numpy", "ort-cpu"):
+            got = prepare(graph, backend, sizes=sizes).run(feeds)
+            np.testing.assert_allclose(got["out_BSM"], want, **TOL, err_msg=f"{family} {backend}")
+            for i in range(2):
+                np.testing.assert_allclose(got[f"present_value.{i}"], cache.layers[i].values.numpy(), **TOL, err_msg=f"{family} {backend} layer {i}")

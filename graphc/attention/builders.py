@@ -24,6 +24,8 @@ from graphc.memory import check_allocation
 from graphc.ops import FLOAT_DTYPES, CausalMask, check_dtype
 from graphc.rotary import Positions
 
+from .blocks import rms_norm
+
 from .config import AttentionConfig
 
 __all__ = [
@@ -51,6 +53,8 @@ def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
     for proj, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", cfg.d_model)):
         if cfg.has_bias(proj):
             shapes[f"{proj}.bias"] = (n,)
+    if cfg.qk_norm_eps is not None:
+        shapes.update({"q_norm.weight": (cfg.hd,), "k_norm.weight": (cfg.hd,)})
     return shapes
 
 
@@ -61,9 +65,11 @@ def init_weights(cfg: AttentionConfig, seed: int = 0, dtype: str = "float32") ->
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in shapes.items():
-        std = shape[-1] ** -0.5 if name.endswith("weight") else 0.02
+        std = shape[-1] ** -0.5 if name.endswith("proj.weight") else 0.02
         draw = rng.standard_normal(shape, dtype=np.float64 if dtype == "float64" else np.float32)
         draw *= std
+        if name.endswith("norm.weight"):  # norm gains scatter around 1
+            draw = 1.0 + 5 * draw
         out[name] = draw.astype(dtype, copy=False)
     return out
 
@@ -169,6 +175,8 @@ def _project(g: Graph, x: Value, prefix: str, cfg: AttentionConfig, seq: Dim, ba
     if cfg.has_bias(prefix):
         y = g.add(y, f"{prefix}.bias", name=g.fresh_name(f"{tag}_biased_BSN"))
     y = g.reshape(y, [batch, seq, heads, cfg.hd], name=g.fresh_name(f"{tag}_BS{h}D"))
+    if cfg.qk_norm_eps is not None and tag in "qk":
+        y = rms_norm(g, y, f"{tag}_norm.weight", cfg.qk_norm_eps, cfg.qk_norm_offset, name=g.fresh_name(f"{tag}_normed_BS{h}D"))
     return g.transpose(y, [0, 2, 1, 3], name=g.fresh_name(f"{tag}_B{h}SD"))
 
 

@@ -68,6 +68,9 @@ class AttentionConfig:
     rotary embedding of queries and keys (:class:`RopeConfig`), positions
     counted from the KV cache's past length.  ``biases``: which projections
     have a bias, overriding ``bias`` (Qwen2: ``("q_proj", "k_proj", "v_proj")``).
+    ``qk_norm_eps``: an RMSNorm over each head's queries and keys before RoPE
+    (weights ``q_norm.weight``/``k_norm.weight``; Qwen3, Gemma 3 with
+    ``qk_norm_offset=1``).
     """
 
     d_model: int
@@ -82,6 +85,8 @@ class AttentionConfig:
     softcap: float | None = None
     rope: RopeConfig | None = None
     biases: tuple[str, ...] | None = None
+    qk_norm_eps: float | None = None
+    qk_norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_int("d_model", self.d_model)
@@ -111,6 +116,8 @@ class AttentionConfig:
             _positive_int("sliding_window", self.sliding_window)
             if not self.causal:
                 raise AttentionConfigError("sliding_window needs causal=True (a left window over past keys)")
+        if self.qk_norm_eps is not None and (isinstance(self.qk_norm_eps, bool) or not isinstance(self.qk_norm_eps, (int, float)) or not 0 <= self.qk_norm_eps < 1):
+            raise AttentionConfigError(f"qk_norm_eps must be a small number >= 0 or None, got {self.qk_norm_eps!r}")
         if self.rope is not None and not isinstance(self.rope, RopeConfig):
             raise AttentionConfigError(f"rope must be a RopeConfig or None, got {type(self.rope).__name__}")
         if self.rope is not None and self.rope.op().dim(self.hd) > self.hd:

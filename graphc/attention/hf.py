@@ -17,10 +17,11 @@ from typing import Any
 from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError
 
 from .config import AttentionConfig, RopeConfig
+from .decoder import DecoderConfig
 
-__all__ = ["attention_config_from_hf", "read_hf_config", "HF_FAMILIES"]
+__all__ = ["attention_config_from_hf", "decoder_config_from_hf", "decoder_configs_from_hf", "read_hf_config", "HF_FAMILIES", "HF_ACTIVATIONS"]
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 """``model_type`` values whose attention graphc builds from a transformers config."""
 
 
@@ -86,13 +87,13 @@ def _window(cfg: Mapping[str, Any], family: str, layer: int) -> int | None:
     if window is None:
         return None
     layer_types = cfg.get("layer_types")
-    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None
     if layer_types is not None:
         if not 0 <= layer < len(layer_types):
             raise AttentionConfigError(f"layer {layer} is out of range for {len(layer_types)} layer_types")
         return int(window) if layer_types[layer] == "sliding_attention" else None
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         return int(window) if layer >= int(cfg.get("max_window_layers", 0)) else None
     if family == "gemma2":
         return int(window) if layer % 2 == 0 else None  # even layers slide, odd layers are global
@@ -119,9 +120,12 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
         biases = ("q_proj", "k_proj", "v_proj", "o_proj")
     scale = None
     softcap = None
+    qk_norm = None
     if family == "gemma2":
         scale = float(_get(cfg, "query_pre_attn_scalar", (int, float), head_dim)) ** -0.5
         softcap = cfg.get("attn_logit_softcapping")
+    if family == "qwen3":
+        qk_norm = float(_get(cfg, "rms_norm_eps", (int, float), 1e-6))
     return AttentionConfig(
         d_model,
         heads,
@@ -133,4 +137,40 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
         softcap=None if softcap is None else float(softcap),
         rope=_rope(cfg, head_dim),
         biases=biases,
+        qk_norm_eps=qk_norm,
     )
+
+
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
+"""transformers' ``hidden_act`` names and graphc's activation for each."""
+
+
+def decoder_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer: int = 0) -> DecoderConfig:
+    """The :class:`DecoderConfig` of layer ``layer`` (norms, MLP and attention) of a transformers model config."""
+    cfg = read_hf_config(config)
+    attention = attention_config_from_hf(cfg, layer)
+    family = cfg["model_type"]
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in HF_ACTIVATIONS:
+        raise UnknownNameError("hidden_act", str(act), tuple(HF_ACTIVATIONS))
+    return DecoderConfig(
+        attention,
+        _get(cfg, "intermediate_size", int),
+        mlp="gated",
+        activation=HF_ACTIVATIONS[act],
+        norm="rms",
+        norm_eps=float(_get(cfg, "rms_norm_eps", (int, float), 1e-6)),
+        norm_offset=1.0 if family == "gemma2" else 0.0,
+        sandwich_norms=family == "gemma2",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+    )
+
+
+def decoder_configs_from_hf(config: Mapping[str, Any] | str | Path | Any, n_layers: int | None = None) -> list[DecoderConfig]:
+    """One :class:`DecoderConfig` per layer (``num_hidden_layers``, or the first ``n_layers``): windows may alternate."""
+    cfg = read_hf_config(config)
+    total = int(_get(cfg, "num_hidden_layers", int))
+    n = total if n_layers is None else n_layers
+    if not 1 <= n <= total:
+        raise AttentionConfigError(f"n_layers must be in 1..{total} (num_hidden_layers), got {n}")
+    return [decoder_config_from_hf(cfg, i) for i in range(n)]
