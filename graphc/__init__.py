@@ -5,7 +5,7 @@ nodes, optimize them (above all: GQA's KV-head repeat becomes a grouped einsum),
 and run them on NumPy, the ONNX reference evaluator or onnxruntime.
 """
 
-from . import errors, memory
+from . import errors, memory, weights
 from .attention_op import Attention, decompose_attention
 from .attention import (
     PRESETS,
@@ -35,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "errors",
     "memory",
+    "weights",
     "Graph",
     "Node",
     "Value",

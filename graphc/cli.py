@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import os
 import sys
 import time
@@ -55,6 +57,9 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src = p.add_argument_group("graph")
     src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
     src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
+    src.add_argument("--hf-config", metavar="FILE", help="a transformers config.json: a decoder stack of that model (llama, mistral, qwen2, qwen3, gemma2)")
+    src.add_argument("--weights", metavar="PATH", help="with --hf-config: a .safetensors file or a directory of them (memory-mapped; default random)")
+    src.add_argument("--layers", type=int, default=None, help="layers of the stack (--hf-config: default all; info: default the preset's)")
     src.add_argument("--heads", type=int, help="custom config: query heads")
     src.add_argument("--kv-heads", type=int, help="custom config: KV heads (default: --heads)")
     src.add_argument("--head-dim", type=int, help="custom config: head dim (default: d_model / heads)")
@@ -80,6 +85,10 @@ def _at_least(flag: str, value: int | float | None, least: int | float, most: in
 
 
 def _config(args: argparse.Namespace) -> AttentionConfig:
+    if args.hf_config:
+        from .attention.hf import attention_config_from_hf
+
+        return attention_config_from_hf(args.hf_config)
     custom = [f for f, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model)) if v is not None]
     if args.preset and custom:
         raise UsageError(f"give either --preset or a custom config ({', '.join(custom)}), not both")
@@ -111,6 +120,10 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
         seq = 1 if args.decode else 512
     for flag, v, least in (("--batch", batch, 1), ("--seq", seq, 1), ("--past", args.past, 0), ("--seed", args.seed, 0)):
         _at_least(flag, v, least)
+    if args.weights and not args.hf_config:
+        raise UsageError("--weights needs --hf-config (the model config the weights belong to)")
+    if args.hf_config:
+        return _hf_stack(args), ({"batch": batch, "seq": seq, "past_seq": args.past} if args.decode else {"batch": batch, "seq": seq})
     if args.graph:
         g = load_graph(args.graph)
         symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
@@ -122,6 +135,23 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
         return g, {"batch": batch, "seq": seq, "past_seq": args.past}
     g = sdpa_graph(cfg) if args.core else attention_layer_graph(cfg, seed=args.seed)
     return g, {"batch": batch, "seq": seq}
+
+
+def _hf_stack(args: argparse.Namespace) -> Graph:
+    """The decoder stack of ``--hf-config`` (first ``--layers`` layers) with ``--weights`` or seeded random weights."""
+    from .attention.decoder import decoder_stack_graph
+    from .attention.hf import decoder_configs_from_hf
+    from .weights import load_weights
+
+    _at_least("--layers", args.layers, 1)
+    if args.core:
+        raise UsageError("--core builds one attention core; with --hf-config the graph is the decoder stack")
+    cfgs = decoder_configs_from_hf(args.hf_config, args.layers)
+    weights = None
+    if args.weights:
+        weights = load_weights(args.weights, dtype="float32")
+        weights = {k: v for k, v in weights.items() if k.startswith("model.layers.") or k == "model.norm.weight"}
+    return decoder_stack_graph(cfgs, weights=weights, kv_cache=args.decode, seed=args.seed, final_norm=bool(weights and "model.norm.weight" in weights))
 
 
 def _write(path: str | None, data: str | bytes) -> None:
@@ -273,6 +303,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     layers = args.layers or (PRESETS[args.preset].n_layers if args.preset else 1)
     if args.preset:
         print(f"{args.preset}: {PRESETS[args.preset].description}, {layers} layers")
+    if args.hf_config:
+        from .attention.decoder import decoder_weight_shapes
+        from .attention.hf import decoder_configs_from_hf
+
+        cfgs = decoder_configs_from_hf(args.hf_config, args.layers)
+        layers = len(cfgs)
+        params = sum(int(np.prod(s)) for c in cfgs for s in decoder_weight_shapes(c).values())
+        windows = sorted({c.attention.sliding_window for c in cfgs}, key=lambda w: (w is None, w or 0))
+        print(f"{args.hf_config}: {layers} decoder layers, {params:,} parameters in them (no embeddings), MLP {cfgs[0].mlp} {cfgs[0].activation}, "
+              f"intermediate {cfgs[0].intermediate_size}, windows {windows}")
     print(cfg.summary(batch=args.batch, seq_len=seq, dtype=args.dtype, n_layers=layers))
     total = cfg.kv_cache_bytes(args.batch, seq, args.dtype, layers)
     mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, seq, args.dtype, layers)
@@ -335,7 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")
     _add_graph_args(i)
     i.add_argument("--dtype", default="float16", choices=DTYPES, help="KV-cache dtype (default float16)")
-    i.add_argument("--layers", type=int, default=None, help="layers (default: the preset's)")
     i.set_defaults(func=cmd_info)
     return p
 

@@ -231,3 +231,96 @@ def test_decoder_stack_decode_over_a_dynamic_cache_matches_transformers(family):
             np.testing.assert_allclose(got["out_BSM"], want, **TOL, err_msg=f"{family} {backend}")
             for i in range(2):
                 np.testing.assert_allclose(got[f"present_value.{i}"], cache.layers[i].values.numpy(), **TOL, err_msg=f"{family} {backend} layer {i}")
+
+
+# ------------------------------------------------------------------ weights from files
+
+
+def _mistral_model(tmp_path, n_layers=2):
+    config = transformers.MistralConfig(**{**SMALL, "num_hidden_layers": n_layers}, sliding_window=3)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    return config, model, path
+
+
+def test_safetensors_weights_give_the_state_dicts_numbers(tmp_path):
+    from safetensors.torch import save_file
+
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf
+    from graphc.weights import load_weights
+
+    config, model, config_path = _mistral_model(tmp_path)
+    state = model.state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    from_file = load_weights(tmp_path / "model.safetensors")
+    assert isinstance(from_file["model.layers.0.self_attn.q_proj.weight"], np.memmap)  # mapped, not read
+    cfgs = decoder_configs_from_hf(config_path)
+    x = np.random.default_rng(0).standard_normal((1, 6, 32)).astype(np.float32)
+    outs = []
+    for weights in (load_weights(state), from_file, load_weights(tmp_path)):
+        g = decoder_stack_graph(cfgs, weights={k: v for k, v in weights.items() if k.startswith("model.")}, final_norm=True)
+        assert isinstance(g.initializers["model.layers.1.self_attn.k_proj.weight"], np.ndarray)
+        outs.append(prepare(g, "ort-cpu").run({"x_BSM": x})["out_BSM"])
+    with torch.no_grad():
+        want = model.model(inputs_embeds=torch.from_numpy(x)).last_hidden_state.numpy()  # transformers builds its own masks here
+    for got in outs:
+        np.testing.assert_allclose(got, want, **TOL)
+    mapped = decoder_stack_graph(cfgs, weights={k: v for k, v in from_file.items() if k.startswith("model.")}, final_norm=True)
+    assert np.shares_memory(mapped.initializers["model.layers.0.mlp.up_proj.weight"], from_file["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "missing ['mlp.up_proj.weight']"),
+        (lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((31, 32), np.float32)}), "'self_attn.q_proj.weight' is float32[31, 32], expected float32[32, 32]"),
+        (lambda w: w.update({"model.layers.0.mlp.gate_proj.weight": np.zeros((64, 32), np.float16)}), "'mlp.gate_proj.weight' is float16[64, 32], expected float32"),
+        (lambda w: w.update({"model.layers.0.mlp.gate_projection.weight": np.zeros(2, np.float32)}), "unexpected ['mlp.gate_projection.weight']"),
+    ],
+)
+def test_a_wrong_weight_is_named(tmp_path, change, fragment):
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf
+    from graphc.errors import WeightError
+    from graphc.weights import load_weights
+
+    config, model, config_path = _mistral_model(tmp_path)
+    weights = {k: v for k, v in load_weights(model.state_dict()).items() if k.startswith("model.layers.")}
+    change(weights)
+    with pytest.raises(WeightError) as info:
+        decoder_stack_graph(decoder_configs_from_hf(config_path), weights=weights)
+    assert fragment in str(info.value)
+
+
+def test_bad_safetensors_files_are_named(tmp_path):
+    from graphc.errors import SerializationError
+    from graphc.weights import load_weights
+
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(SerializationError, match="junk.safetensors: not a safetensors file"):
+        load_weights(tmp_path / "junk.safetensors")
+    with pytest.raises(SerializationError, match="cannot read weights file"):
+        load_weights(tmp_path / "missing.safetensors")
+
+
+def test_cli_compares_a_transformers_config_and_weights(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from graphc.cli import main
+
+    config, model, config_path = _mistral_model(tmp_path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+    assert main(["compare", "--hf-config", str(config_path), "--weights", str(tmp_path), "--seq", "8", "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
+    assert "decoder_stack_2" in capsys.readouterr().out
+    assert main(["compare", "--hf-config", str(config_path), "--decode", "--past", "5", "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
+    assert main(["info", "--hf-config", str(config_path)]) == 0
+    assert "2 decoder layers" in capsys.readouterr().out
+    assert main(["export", "--hf-config", str(config_path), "--weights", str(tmp_path / "model.safetensors"), "-o", str(tmp_path / "m.onnx")]) == 0
+    assert main(["compare", "--weights", str(tmp_path), "--preset", "mistral-7b"]) == 2

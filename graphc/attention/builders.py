@@ -214,7 +214,7 @@ def _add_weights(g: Graph, cfg: AttentionConfig, weights: Mapping[str, np.ndarra
         weights = init_weights(cfg, seed, dtype)
     _check_weights(cfg, weights, dtype)
     for wname in weight_shapes(cfg):
-        g.constant(wname, weights[wname])
+        g.add_initializer(wname, weights[wname], copy=False)  # read-only arrays (memory maps) are shared, not copied
 
 
 def attention_layer_graph(
