@@ -36,7 +36,7 @@ from graphc.rotary import Positions
 from .contraction import plan_matmul
 from .targets import ATTENTION_MODES, onnx_target
 
-__all__ = ["export", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES"]
+__all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES"]
 
 DEFAULT_OPSET = 23
 MIN_OPSET = 18
@@ -64,6 +64,7 @@ class OnnxBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self._names: set[str] = set(graph.types)
         self._dim_cache: dict[Dim, str] = {}
+        self.may_carry_neg_inf = may_carry_neg_inf(graph)
         self.symbol_source: dict[str, tuple[str, int]] = {}
         for name in graph.inputs:
             for axis, d in enumerate(graph.types[name].shape):
@@ -232,42 +233,40 @@ def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
     b.op("Transpose", [y], node.name, perm=[0, 2, 1, 3])
 
 
-def _may_mask_whole_rows(g: Graph, value: str) -> bool:
-    """True unless every path into a softmax provably leaves a finite entry in each row.
+def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
+    """For every value: can a row of it be all ``-inf`` (so that a softmax over it needs the NaN guard)?
 
-    A row can be all ``-inf`` when a boolean mask, a causal mask with a
-    negative offset, a constant holding a non-finite entry (an additive mask,
-    or a mask the optimizer folded) or a user tensor reaches the softmax.  Every
-    op is followed back, contractions included (a ``-inf`` survives a
-    transposing einsum or a product with a positive weight); only user tensors
-    that reach the softmax through a contraction (queries and keys) are taken
-    to be finite, and a softmax's own result is finite.
+    ``-inf`` enters through a boolean mask, a causal mask with a negative
+    offset, a constant holding a non-finite entry (an additive mask, or one the
+    optimizer folded) or a user tensor, and survives every op but a softmax (or
+    an attention) — contractions included (a transposing einsum, or a product
+    with a positive weight).  User tensors that reach a value only through a
+    contraction (queries and keys) are taken to be finite.  One pass in
+    topological order; each constant is scanned once.
     """
-    stack: list[tuple[str, bool]] = [(value, False)]
-    seen: set[tuple[str, bool]] = set()
-    while stack:
-        v, contracted = stack.pop()
-        if (v, contracted) in seen:
-            continue
-        seen.add((v, contracted))
-        if v in g.initializers:
-            arr = g.initializers[v]
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                return True
-            continue
-        node = g.producer(v)
-        if node is None:
-            if v in g.inputs and not contracted:
-                return True  # a user tensor (an additive mask) may carry -inf
-            continue
+    from_any: dict[str, bool] = {}  # counting user tensors
+    from_const: dict[str, bool] = {}  # counting constants and masks only
+    finite_arrays: dict[int, bool] = {}
+    for name in g.inputs:
+        from_any[name], from_const[name] = True, False
+    for name, arr in g.initializers.items():
+        if id(arr) not in finite_arrays:
+            finite_arrays[id(arr)] = arr.dtype.kind != "f" or bool(np.isfinite(arr).all())
+        from_any[name] = from_const[name] = not finite_arrays[id(arr)]
+    for node in g.topological_order():
         op = node.op
-        if isinstance(op, Where) or (isinstance(op, CausalMask) and not op.offset_is_nonnegative):
-            return True
         if isinstance(op, (Softmax, Attention)):
-            continue
-        through = contracted or (isinstance(op, Einsum) and len(node.inputs) > 1)
-        stack.extend((i, through) for i in node.inputs)
-    return False
+            flags = (False, False)
+        elif isinstance(op, Where) or (isinstance(op, CausalMask) and not op.offset_is_nonnegative):
+            flags = (True, True)
+        elif isinstance(op, Einsum) and len(node.inputs) > 1:
+            c = any(from_const.get(i, False) for i in node.inputs)
+            flags = (c, c)
+        else:
+            flags = (any(from_any.get(i, False) for i in node.inputs), any(from_const.get(i, False) for i in node.inputs))
+        for out in node.outputs:
+            from_any[out], from_const[out] = flags
+    return from_any
 
 
 def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
@@ -293,7 +292,7 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         e = b.op("Expand", [u, b.const(reps, "reps")], base=f"{out}_e")
         b.reshape(e, g.types[out].shape, out)
     elif isinstance(op, Softmax):
-        if _may_mask_whole_rows(g, ins[0]):
+        if b.may_carry_neg_inf[ins[0]]:
             y = b.op("Softmax", ins, base=f"{out}_raw", axis=op.axis)
             zero = b.const(np.zeros((), dtype), "zero")
             b.op("Where", [b.op("IsNaN", [y]), zero, y], out)

@@ -301,6 +301,8 @@ def attention_stack_graph(
     dtype: str = "float32",
     tie_weights: bool = False,
     name: str | None = None,
+    kv_cache: bool = False,
+    past: Dim = "past_seq",
 ) -> Graph:
     """``n_layers`` attention layers in a row, each inlined from :func:`attention_layer_graph` with :meth:`Graph.call`.
 
@@ -308,6 +310,8 @@ def attention_stack_graph(
     gives one mapping per layer, else layer ``i`` draws random weights with seed
     ``seed + i``.  ``tie_weights`` builds one layer and shares its (read-only)
     arrays across all layers, as compile-time benchmarks do to stay small.
+    With ``kv_cache`` each layer is a :func:`kv_cache_graph` step: inputs
+    ``past_key.{i}``/``past_value.{i}``, outputs ``present_key.{i}``/``present_value.{i}``.
     """
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
         raise WeightError(f"n_layers must be a positive int, got {n_layers!r}")
@@ -317,10 +321,26 @@ def attention_stack_graph(
         check_allocation(n_layers * weight_bytes(cfg, dtype), f"the weights of {n_layers} {cfg.kind} layers in {dtype}")
     g = Graph(name or f"attention_stack_{cfg.kind.lower()}_{n_layers}")
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
-    shared = attention_layer_graph(cfg, batch, seq, seed=seed, dtype=dtype) if tie_weights and weights is None else None
+
+    def build(layer_weights: Mapping[str, np.ndarray] | None, layer_seed: int) -> Graph:
+        if kv_cache:
+            return kv_cache_graph(cfg, batch, seq, past, weights=layer_weights, seed=layer_seed, dtype=dtype)
+        return attention_layer_graph(cfg, batch, seq, weights=layer_weights, seed=layer_seed, dtype=dtype)
+
+    shared = build(None, seed) if tie_weights and weights is None else None
+    presents = []
     for i in range(n_layers):
-        layer = shared or attention_layer_graph(cfg, batch, seq, weights=None if weights is None else weights[i], seed=seed + i, dtype=dtype)
-        x = g.call(layer, {"x_BSM": x}, prefix=f"layers.{i}.")["out_BSM"]
+        layer = shared or build(None if weights is None else weights[i], seed + i)
+        bindings: dict[str, Value] = {"x_BSM": x}
+        if kv_cache:
+            for kind in ("key", "value"):
+                bindings[f"past_{kind}"] = g.input(f"past_{kind}.{i}", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
+        outs = g.call(layer, bindings, prefix=f"layers.{i}.")
+        x = outs["out_BSM"]
+        presents += [(outs[f"present_{kind}"], f"present_{kind}.{i}") for kind in ("key", "value")] if kv_cache else []
     g.rename_value(x.name, "out_BSM")
     g.output("out_BSM")
+    for value, new in presents:
+        g.rename_value(value.name, new)
+        g.output(new)
     return g

@@ -260,16 +260,38 @@ class Preset:
     description: str
 
 
+_ROPE_1E4 = RopeConfig(base=10000.0)
+_LLAMA31_ROPE = RopeConfig(base=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("llama2-7b", AttentionConfig(4096, 32, 32), 32, "Llama 2 7B (MHA)"),
-        Preset("llama2-70b", AttentionConfig(8192, 64, 8), 80, "Llama 2 70B (GQA, 8 groups of 8)"),
-        Preset("llama3-8b", AttentionConfig(4096, 32, 8), 32, "Llama 3 8B (GQA, 8 groups of 4)"),
-        Preset("llama3-70b", AttentionConfig(8192, 64, 8), 80, "Llama 3 70B (GQA, 8 groups of 8)"),
-        Preset("mistral-7b", AttentionConfig(4096, 32, 8), 32, "Mistral 7B (GQA, 8 groups of 4)"),
-        Preset("falcon-7b", AttentionConfig(4544, 71, 1, head_dim=64), 32, "Falcon 7B (MQA, 71 query heads)"),
-        Preset("falcon-40b", AttentionConfig(8192, 128, 8, head_dim=64), 60, "Falcon 40B (GQA, 8 groups of 16)"),
+        Preset("llama2-7b", AttentionConfig(4096, 32, 32, rope=_ROPE_1E4), 32, "Llama 2 7B (MHA)"),
+        Preset("llama2-70b", AttentionConfig(8192, 64, 8, rope=_ROPE_1E4), 80, "Llama 2 70B (GQA, 8 groups of 8)"),
+        Preset("llama3-8b", AttentionConfig(4096, 32, 8, rope=RopeConfig(base=500000.0)), 32, "Llama 3 8B (GQA, 8 groups of 4)"),
+        Preset("llama3.1-8b", AttentionConfig(4096, 32, 8, rope=_LLAMA31_ROPE), 32, "Llama 3.1 8B (GQA, 8 groups of 4; RoPE with Llama 3 scaling)"),
+        Preset("llama3-70b", AttentionConfig(8192, 64, 8, rope=RopeConfig(base=500000.0)), 80, "Llama 3 70B (GQA, 8 groups of 8)"),
+        Preset("mistral-7b", AttentionConfig(4096, 32, 8, rope=RopeConfig(base=1000000.0)), 32, "Mistral 7B v0.3 (GQA, 8 groups of 4; no sliding window)"),
+        Preset(
+            "mistral-7b-v0.1",
+            AttentionConfig(4096, 32, 8, rope=_ROPE_1E4, sliding_window=4096),
+            32,
+            "Mistral 7B v0.1 (GQA, 8 groups of 4; 4096-token sliding window)",
+        ),
+        Preset(
+            "qwen2-7b",
+            AttentionConfig(3584, 28, 4, head_dim=128, rope=RopeConfig(base=1000000.0), biases=("q_proj", "k_proj", "v_proj")),
+            28,
+            "Qwen2 7B (GQA, 4 groups of 7; q/k/v biases)",
+        ),
+        Preset(
+            "gemma2-9b",
+            AttentionConfig(3584, 16, 8, head_dim=256, scale=256**-0.5, rope=_ROPE_1E4, sliding_window=4096, softcap=50.0),
+            42,
+            "Gemma 2 9B, a sliding layer (GQA, 8 groups of 2; 4096-token window, softcap 50; odd layers are global)",
+        ),
+        Preset("falcon-7b", AttentionConfig(4544, 71, 1, head_dim=64, rope=_ROPE_1E4), 32, "Falcon 7B (MQA, 71 query heads)"),
+        Preset("falcon-40b", AttentionConfig(8192, 128, 8, head_dim=64, rope=_ROPE_1E4), 60, "Falcon 40B (GQA, 8 groups of 16)"),
     )
 }
 
