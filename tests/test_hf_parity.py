@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 import graphc  # noqa: E402
+from graphc.attention.config import PROJECTIONS  # noqa: E402
 from graphc.attention.hf import attention_config_from_hf  # noqa: E402
 from graphc.errors import UnknownNameError  # noqa: E402
 from lowering import prepare  # noqa: E402
@@ -91,7 +92,7 @@ def test_config_from_transformers(family):
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.hd) == (4, 2, 8) and cfg.rope is not None
     assert cfg.sliding_window == {"mistral": 3, "gemma2": 3}.get(family)
     assert cfg.softmax_scale == pytest.approx(module.scaling)
-    assert sorted(k for k in module.state_dict() if k.endswith("bias")) == sorted(f"{p}.bias" for p in (cfg.biases or ()))
+    assert sorted(k for k in module.state_dict() if k.endswith("bias")) == sorted(f"{p}.bias" for p in PROJECTIONS if cfg.has_bias(p))
     assert attention_config_from_hf(config.to_dict()) == cfg
 
 
@@ -324,3 +325,34 @@ def test_cli_compares_a_transformers_config_and_weights(tmp_path, capsys):
     assert "2 decoder layers" in capsys.readouterr().out
     assert main(["export", "--hf-config", str(config_path), "--weights", str(tmp_path / "model.safetensors"), "-o", str(tmp_path / "m.onnx")]) == 0
     assert main(["compare", "--weights", str(tmp_path), "--preset", "mistral-7b"]) == 2
+
+
+def test_hf_decoder_example_runs(capsys, monkeypatch):
+    import os
+    import runpy
+
+    monkeypatch.setattr("sys.argv", ["hf_decoder.py"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runpy.run_path(os.path.join(root, "examples", "hf_decoder.py"), run_name="__main__")
+    assert "all backends agree" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "preset, config",
+    [
+        ("llama3.1-8b", {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192}}),
+        ("mistral-7b-v0.1", {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 10000.0,
+                             "sliding_window": 4096}),
+        ("mistral-7b", {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 1000000.0,
+                        "sliding_window": None}),
+        ("qwen2-7b", {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
+                      "use_sliding_window": False, "sliding_window": 131072}),
+        ("gemma2-9b", {"model_type": "gemma2", "hidden_size": 3584, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                       "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "sliding_window": 4096, "rope_theta": 10000.0}),
+    ],
+)
+def test_presets_match_the_published_config_json(preset, config):
+    """The config.json fields as the models publish them (written out here; nothing is downloaded)."""
+    assert attention_config_from_hf(config) == graphc.preset(preset)

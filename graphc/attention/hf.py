@@ -113,11 +113,12 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
     heads = _get(cfg, "num_attention_heads", int)
     kv_heads = _get(cfg, "num_key_value_heads", int, heads)
     head_dim = _get(cfg, "head_dim", int, d_model // heads if heads else 0)
-    biases: tuple[str, ...] = ()
+    biases: tuple[str, ...] | None = None  # None: all four projections follow `bias`
+    bias = False
     if family == "qwen2":
         biases = ("q_proj", "k_proj", "v_proj")
     elif _get(cfg, "attention_bias", bool, False):
-        biases = ("q_proj", "k_proj", "v_proj", "o_proj")
+        bias = True
     scale = None
     softcap = None
     qk_norm = None
@@ -132,6 +133,7 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
         kv_heads,
         head_dim=head_dim,
         causal=True,
+        bias=bias,
         scale=scale,
         sliding_window=_window(cfg, family, layer),
         softcap=None if softcap is None else float(softcap),
