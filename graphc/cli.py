@@ -123,21 +123,22 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     if args.weights and not args.hf_config:
         raise UsageError("--weights needs --hf-config (the model config the weights belong to)")
     if args.hf_config:
-        return _hf_stack(args), ({"batch": batch, "seq": seq, "past_seq": args.past} if args.decode else {"batch": batch, "seq": seq})
+        return _hf_stack(args, getattr(args, "dtype", "float32")), ({"batch": batch, "seq": seq, "past_seq": args.past} if args.decode else {"batch": batch, "seq": seq})
     if args.graph:
         g = load_graph(args.graph)
         symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
         defaults = {"batch": batch, "seq": seq, "past_seq": args.past, "q_len": seq, "kv_len": seq}
         return g, {s: defaults.get(s, seq) for s in symbols}
     cfg = _config(args)
+    dtype = getattr(args, "dtype", "float32")
     if args.decode:
-        g = kv_cache_graph(cfg, seed=args.seed) if not args.core else sdpa_graph(cfg, q_len="seq", kv_len="past_seq+seq")
+        g = kv_cache_graph(cfg, seed=args.seed, dtype=dtype) if not args.core else sdpa_graph(cfg, q_len="seq", kv_len="past_seq+seq", dtype=dtype)
         return g, {"batch": batch, "seq": seq, "past_seq": args.past}
-    g = sdpa_graph(cfg) if args.core else attention_layer_graph(cfg, seed=args.seed)
+    g = sdpa_graph(cfg, dtype=dtype) if args.core else attention_layer_graph(cfg, seed=args.seed, dtype=dtype)
     return g, {"batch": batch, "seq": seq}
 
 
-def _hf_stack(args: argparse.Namespace) -> Graph:
+def _hf_stack(args: argparse.Namespace, dtype: str = "float32") -> Graph:
     """The decoder stack of ``--hf-config`` (first ``--layers`` layers) with ``--weights`` or seeded random weights."""
     from .attention.decoder import decoder_stack_graph
     from .attention.hf import decoder_configs_from_hf
@@ -149,9 +150,10 @@ def _hf_stack(args: argparse.Namespace) -> Graph:
     cfgs = decoder_configs_from_hf(args.hf_config, args.layers)
     weights = None
     if args.weights:
-        weights = load_weights(args.weights, dtype="float32")
+        weights = load_weights(args.weights, dtype=dtype)  # a copy only when the file's dtype differs
         weights = {k: v for k, v in weights.items() if k.startswith("model.layers.") or k == "model.norm.weight"}
-    return decoder_stack_graph(cfgs, weights=weights, kv_cache=args.decode, seed=args.seed, final_norm=bool(weights and "model.norm.weight" in weights))
+    final = bool(weights and "model.norm.weight" in weights)
+    return decoder_stack_graph(cfgs, weights=weights, kv_cache=args.decode, seed=args.seed, dtype=dtype, final_norm=final)
 
 
 def _write(path: str | None, data: str | bytes) -> None:
@@ -338,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated (default {','.join(DEFAULT_BACKENDS)})")
     c.add_argument("--no-optimize", action="store_true", help="run the unoptimized graph on every backend")
     c.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up (default 5)")
-    c.add_argument("--atol", type=float, default=1e-4)
-    c.add_argument("--rtol", type=float, default=1e-3)
+    c.add_argument("--atol", type=float, default=None, help="absolute tolerance (default per output dtype: 1e-4 float32, 1e-3 float16, 1e-2 bfloat16)")
+    c.add_argument("--rtol", type=float, default=None, help="relative tolerance (default per output dtype: 1e-3 float32, 4e-3 float16, 3e-2 bfloat16)")
+    c.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"), help="storage dtype of weights and inputs (computed in float32)")
     c.add_argument("--attention", default="auto", choices=ATTENTION_MODES, help="how ONNX backends get attention (default auto: per attention, with the run's sizes)")
     c.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
+import ml_dtypes  # noqa: F401 - registers the bfloat16 dtype with NumPy
 import numpy as np
 
 from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
@@ -24,6 +25,7 @@ from .numerics import causal_mask, safe_softmax
 __all__ = [
     "DTYPES",
     "FLOAT_DTYPES",
+    "LOW_PRECISION_DTYPES",
     "TensorType",
     "Op",
     "Einsum",
@@ -48,8 +50,10 @@ __all__ = [
     "integer_divide",
 ]
 
-DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
-FLOAT_DTYPES = ("float16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+LOW_PRECISION_DTYPES = ("float16", "bfloat16")
+"""Storage dtypes whose values every backend computes with in float32 (see :mod:`graphc.optimizer.precision`)."""
 UNARY_FUNCTIONS = ("exp", "neg", "tanh", "sqrt", "reciprocal", "relu", "sigmoid", "cos", "sin", "erf")
 BINARY_FUNCTIONS = ("add", "sub", "mul", "div", "max")
 

@@ -134,5 +134,5 @@ def load_weights(
         out = {k: v for k, v in out.items() if k.startswith(prefix)}
     if dtype is not None:
         target = np.dtype(check_dtype(dtype))
-        out = {k: (v.astype(target) if v.dtype.kind == "f" or v.dtype == bfloat16 else v) for k, v in out.items()}
+        out = {k: (v.astype(target) if (v.dtype.kind == "f" or v.dtype == bfloat16) and v.dtype != target else v) for k, v in out.items()}
     return out

@@ -29,7 +29,7 @@ from graphc.memory import check_allocation, graph_run_bytes
 from .backends import backend_names, get_backend, prepare
 from .inputs import format_sizes, check_inputs, random_inputs, symbol_bindings
 
-__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS"]
+__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS", "TOLERANCES", "default_tolerance"]
 
 DEFAULT_BACKENDS = ("numpy", "onnx-reference", "ort-cpu", "ort-cuda", "torch")
 MAX_REPEATS = 10_000
@@ -119,6 +119,17 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
 
+TOLERANCES = {"float64": (1e-4, 1e-3), "float32": (1e-4, 1e-3), "float16": (1e-3, 4e-3), "bfloat16": (1e-2, 3e-2)}
+"""Default ``(atol, rtol)`` per output dtype: float32 runs against the float64 reference, and low-precision
+outputs carry their own rounding (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16) on top."""
+
+
+def default_tolerance(graph: Graph) -> tuple[float, float]:
+    """The loosest :data:`TOLERANCES` entry among the graph's float outputs (float32's when there are none)."""
+    tols = [TOLERANCES[graph.types[o].dtype] for o in graph.outputs if graph.types[o].dtype in TOLERANCES]
+    return (max(t[0] for t in tols), max(t[1] for t in tols)) if tols else TOLERANCES["float32"]
+
+
 def _errors(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], atol: float, rtol: float) -> tuple[float, float, str, bool]:
     worst_abs, worst_rel, worst, ok = 0.0, 0.0, "", True
     for name, ref in want.items():
@@ -154,8 +165,8 @@ def compare(
     backends: Sequence[str] = DEFAULT_BACKENDS,
     optimize: bool = True,
     repeats: int = 5,
-    atol: float = 1e-4,
-    rtol: float = 1e-3,
+    atol: float | None = None,
+    rtol: float | None = None,
     seed: int = 0,
     sizes: Mapping[str, int] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -167,6 +178,7 @@ def compare(
     ``inputs`` default to seeded random arrays with symbolic dims sized by
     ``sizes``; ``options`` maps a backend name to its options (for example
     ``{"ort-cpu": {"threads": 2}}``); ``hints`` size dims for the optimizer.
+    ``atol``/``rtol`` default per output dtype (:data:`TOLERANCES`).
     ``progress`` is called with a line of text at each step (with each
     backend's elapsed time when it finishes).  The float64 reference run is
     checked against the memory cap (:mod:`graphc.memory`) before anything is
@@ -174,6 +186,9 @@ def compare(
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
         raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
+    default_atol, default_rtol = default_tolerance(graph)
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
     for what, tol in (("atol", atol), ("rtol", rtol)):
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0 or tol == float("inf"):
             raise GraphcError(f"{what} must be a finite number >= 0, got {tol!r}")

@@ -103,8 +103,8 @@ def random_inputs(graph: Graph, seed: int = 0, **sizes: int) -> dict[str, np.nda
             out[name] = rng.random(shape, dtype=np.float32) < 0.8
         elif t.dtype.startswith("int"):
             out[name] = rng.integers(0, 10, shape, dtype=t.dtype)
-        elif t.dtype == "float16":
-            out[name] = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+        elif t.dtype in ("float16", "bfloat16"):
+            out[name] = rng.standard_normal(shape, dtype=np.float32).astype(t.dtype)
         else:
             out[name] = rng.standard_normal(shape, dtype=t.dtype)
     return out

@@ -42,6 +42,7 @@ DEFAULT_OPSET = 23
 MIN_OPSET = 18
 ONNX_DTYPES = {
     "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
     "float32": TensorProto.FLOAT,
     "float64": TensorProto.DOUBLE,
     "int32": TensorProto.INT32,

@@ -23,6 +23,7 @@ from graphc.dims import Shape, eval_shape
 from graphc.errors import BackendError
 from graphc.graph import Graph
 from graphc.ops import Einsum
+from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
 
@@ -103,13 +104,17 @@ def prepare_ort(
 ) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
     """Export ``graph`` and build its session; returns the provider description and the run function."""
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
-    model = export(graph, opset, attention, sizes).SerializeToString()
+    bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
+    bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
+    model = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes).SerializeToString()
     sessions = _Sessions(name, graph, model, provider, threads, isolate)
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
 
     def run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         basic = static_empty or (bool(shapes) and has_empty_contraction(shapes, check_inputs(graph, inputs)))
-        return dict(zip(sessions.outputs, sessions.session(basic)(inputs)))
+        feeds = {k: (v.astype(np.float32) if k in bf16_in else v) for k, v in inputs.items()}  # exact: bfloat16 is a float32 prefix
+        outs = dict(zip(sessions.outputs, sessions.session(basic)(feeds)))
+        return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
     return sessions.description, run

@@ -31,7 +31,7 @@ __all__ = ["prepare_torch"]
 
 
 def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
-    dtypes = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
     unary = {"exp": torch.exp, "neg": torch.neg, "tanh": torch.tanh, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal, "relu": torch.relu, "sigmoid": torch.sigmoid,
              "cos": torch.cos, "sin": torch.sin, "erf": torch.erf}
 
@@ -92,6 +92,19 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     }
 
 
+def _to_torch(torch: Any, arr: np.ndarray) -> Any:
+    """``torch.from_numpy``, plus bfloat16 (ml_dtypes), which torch cannot take directly: same bits, viewed."""
+    if str(arr.dtype) == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _to_numpy(torch: Any, t: Any) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view("bfloat16")
+    return t.numpy()
+
+
 def prepare_torch(graph: Graph, device: str | None = None, threads: int | None = None, sizes: Any = None) -> Runner:
     """A runner interpreting ``graph`` (lowered for torch) on ``device`` (default: CUDA when available, else CPU)."""
     import torch
@@ -102,12 +115,12 @@ def prepare_torch(graph: Graph, device: str | None = None, threads: int | None =
         torch.set_num_threads(threads)
     kernels = _kernels(torch)
     order = lowered.topological_order()
-    weights = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in lowered.initializers.items()}
+    weights = {k: _to_torch(torch, np.array(v)).to(dev) for k, v in lowered.initializers.items()}
 
     def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env_dims = check_inputs(graph, inputs)
         env: dict[str, Any] = dict(weights)
-        env.update({k: torch.from_numpy(contiguous(v)).to(dev) for k, v in inputs.items()})
+        env.update({k: _to_torch(torch, contiguous(v)).to(dev) for k, v in inputs.items()})
         with torch.no_grad():
             for node in order:
                 try:
@@ -117,6 +130,6 @@ def prepare_torch(graph: Graph, device: str | None = None, threads: int | None =
                     raise ExecutionError(f"torch backend: node {node.name!r} ({node.op}) failed: {type(e).__name__}: {e}", node.name) from e
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return {o: env[o].cpu().numpy() for o in graph.outputs}
+        return {o: _to_numpy(torch, env[o].cpu()) for o in graph.outputs}
 
     return Runner("torch", f"torch {torch.__version__} {dev}", graph, fn)

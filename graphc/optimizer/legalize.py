@@ -26,6 +26,7 @@ from .attention import fuse_attention
 from .cleanup import LAYOUT_RULES, dead_code_elimination
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule
 from .planning import SPLIT_RULE
+from .precision import has_low_precision, promote_low_precision
 
 __all__ = ["Target", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
 
@@ -113,7 +114,7 @@ def lower(
     ctx = ctx or PassContext()
     ctx.hints = {**dict(ctx.hints), **check_sizes(sizes, "sizes")}
     ctx.target = target
-    work = graph.copy()
+    work = promote_low_precision(graph) if has_low_precision(graph) else graph.copy()
     PassManager(LOWERING_STAGES, verify=verify).run(work, ctx)
     work.verify()
     return work
