@@ -141,7 +141,7 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
 def _hf_stack(args: argparse.Namespace, dtype: str = "float32") -> Graph:
     """The decoder stack of ``--hf-config`` (first ``--layers`` layers) with ``--weights`` or seeded random weights."""
     from .attention.decoder import decoder_stack_graph
-    from .attention.hf import decoder_configs_from_hf
+    from .attention.hf import decoder_configs_from_hf, decoder_weights_from_hf
     from .weights import load_weights
 
     _at_least("--layers", args.layers, 1)
@@ -150,8 +150,8 @@ def _hf_stack(args: argparse.Namespace, dtype: str = "float32") -> Graph:
     cfgs = decoder_configs_from_hf(args.hf_config, args.layers)
     weights = None
     if args.weights:
-        weights = load_weights(args.weights, dtype=dtype)  # a copy only when the file's dtype differs
-        weights = {k: v for k, v in weights.items() if k.startswith("model.layers.") or k == "model.norm.weight"}
+        weights = decoder_weights_from_hf(load_weights(args.weights, dtype=dtype), args.hf_config)  # a copy only when the dtype differs
+        weights = {k: v for k, v in weights.items() if k.startswith(("model.layers.", "model.norm."))}
     final = bool(weights and "model.norm.weight" in weights)
     return decoder_stack_graph(cfgs, weights=weights, kv_cache=args.decode, seed=args.seed, dtype=dtype, final_norm=final)
 

@@ -141,7 +141,7 @@ def test_a_window_shorter_than_the_sequence_changes_the_numbers():
 
 
 def test_unknown_model_type_lists_the_supported_ones():
-    with pytest.raises(UnknownNameError, match="model_type 'bert'.*llama, mistral, qwen2, qwen3, gemma2"):
+    with pytest.raises(UnknownNameError, match="model_type 'bert'.*llama, mistral, qwen2, qwen3, gemma2, falcon"):
         attention_config_from_hf({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 4})
 
 
@@ -392,3 +392,66 @@ def test_low_precision_decoder_stack_matches_transformers(family, dtype):
         got = got.astype(np.float32)
         assert np.abs(got - want).max() <= tol * scale, (backend, np.abs(got - want).max() / scale)
         assert np.abs(got - want32).max() <= np.abs(want - want32).max() + tol * scale / 4  # no further from float32 than transformers
+
+
+# ------------------------------------------------------------------ Falcon: fused QKV, parallel attention and MLP
+
+FALCONS = {
+    "falcon-7b-style": {"multi_query": True, "new_decoder_architecture": False, "parallel_attn": True, "bias": False},
+    "falcon-40b-style": {"new_decoder_architecture": True, "num_kv_heads": 2, "parallel_attn": True, "bias": False},
+    "falcon-mha-sequential": {"multi_query": False, "new_decoder_architecture": False, "parallel_attn": False, "bias": True},
+}
+
+
+def _falcon(kind: str, n_layers: int = 2):
+    from transformers.models.falcon import modeling_falcon as falcon
+
+    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=n_layers, vocab_size=64, ffn_hidden_size=64,
+                                       **FALCONS[kind], attn_implementation="eager")
+    torch.manual_seed(0)
+    layers = [falcon.FalconDecoderLayer(config, layer_idx=i).eval() for i in range(n_layers)]
+    with torch.no_grad():
+        for layer in layers:
+            for name, p in layer.named_parameters():
+                p.copy_((1.0 if "ln" in name or "layernorm" in name else 0.0) * (name.endswith("weight")) + 0.2 * torch.randn_like(p))
+    return config, layers, falcon.FalconRotaryEmbedding(config)
+
+
+def _falcon_step(layers, rope, x, past, cache):
+    positions = torch.arange(past, past + x.shape[1])[None].expand(x.shape[0], -1)
+    emb = rope(x, positions)
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x, alibi=None, attention_mask=_mask(x.shape[0], x.shape[1], past, None), position_ids=positions, layer_past=cache,
+                      position_embeddings=emb)[0]
+    return x.numpy()
+
+
+@pytest.mark.parametrize("kind", sorted(FALCONS))
+def test_falcon_stack_matches_transformers(kind):
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf, decoder_weights_from_hf
+
+    config, layers, rope = _falcon(kind)
+    hf_weights = {f"transformer.h.{i}.{k}": v.detach().numpy() for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
+    weights = decoder_weights_from_hf(hf_weights, config)
+    cfgs = decoder_configs_from_hf(config)
+    assert cfgs[0].attention.n_kv_heads == {"falcon-7b-style": 1, "falcon-40b-style": 2, "falcon-mha-sequential": 4}[kind]
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(7))
+    want = _falcon_step(layers, rope, x, 0, None)
+    g = decoder_stack_graph(cfgs, weights=weights)
+    for graph in (g, graphc.optimize(g, hints={"batch": 2, "seq": 6}).graph):
+        for backend in ("numpy", "ort-cpu"):
+            np.testing.assert_allclose(prepare(graph, backend).run({"x_BSM": x.numpy()})["out_BSM"], want, **TOL, err_msg=f"{kind} {backend}")
+    # decode one token over transformers' cache (the new architecture caches K/V repeated to every query head)
+    prefix, step = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(8)), torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(9))
+    cache = DynamicCache()
+    _falcon_step(layers, rope, prefix, 0, cache)
+    group = cfgs[0].attention.n_heads // cfgs[0].attention.n_kv_heads if FALCONS[kind]["new_decoder_architecture"] else 1
+    feeds = {"x_BSM": step.numpy()}
+    for i in range(2):
+        feeds[f"past_key.{i}"] = cache.layers[i].keys[:, ::group].clone().numpy()
+        feeds[f"past_value.{i}"] = cache.layers[i].values[:, ::group].clone().numpy()
+    want = _falcon_step(layers, rope, step, 5, cache)
+    dec = decoder_stack_graph(cfgs, weights=weights, kv_cache=True)
+    np.testing.assert_allclose(prepare(dec, "ort-cpu").run(feeds)["out_BSM"], want, **TOL, err_msg=f"{kind} decode")

@@ -44,7 +44,10 @@ class DecoderConfig:
     GeGLU with ``gelu_tanh``) or ``"plain"`` (``down(act(up(x)))``).  ``norm``:
     ``"rms"`` or ``"layer"``; ``norm_offset`` 1 applies RMSNorm weights as
     ``1 + w`` (Gemma).  ``sandwich_norms`` adds the norms after attention and
-    after the MLP (Gemma 2/3).
+    after the MLP (Gemma 2/3).  ``parallel``: attention and MLP both read the
+    normed input and add to one residual, ``x + attn(n1(x)) + mlp(n2(x))``
+    (Falcon; ``parallel_norms=1`` shares one norm, 2 gives the MLP
+    ``post_attention_layernorm``).
     """
 
     attention: AttentionConfig
@@ -56,6 +59,8 @@ class DecoderConfig:
     norm_offset: float = 0.0
     sandwich_norms: bool = False
     mlp_bias: bool = False
+    parallel: bool = False
+    parallel_norms: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionConfig):
@@ -67,9 +72,13 @@ class DecoderConfig:
                 raise AttentionConfigError(f"{field} must be one of {valid}, got {value!r}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 <= self.norm_eps < 1:
             raise AttentionConfigError(f"norm_eps must be a small number >= 0, got {self.norm_eps!r}")
+        if self.parallel_norms not in (1, 2) or (self.parallel and self.sandwich_norms):
+            raise AttentionConfigError(f"parallel_norms must be 1 or 2 (and parallel layers have no sandwich norms), got {self.parallel_norms!r}")
 
 
 def _norm_names(cfg: DecoderConfig) -> list[str]:
+    if cfg.parallel:
+        return ["input_layernorm"] + (["post_attention_layernorm"] if cfg.parallel_norms == 2 else [])
     names = ["input_layernorm", "post_attention_layernorm"]
     if cfg.sandwich_norms:
         names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -162,15 +171,19 @@ def decoder_layer_graph(
         layer = attention_layer_graph(cfg.attention, batch, seq, weights=attn_weights, dtype=dtype)
         outs = g.call(layer, {"x_BSM": h}, prefix="self_attn.")
     a = outs["out_BSM"]
-    if cfg.sandwich_norms:
-        a = _norm(g, cfg, a, "post_attention_layernorm")
-    h = g.add(x, a, name=g.fresh_name("residual_attn_BSM"))
-    m = _norm(g, cfg, h, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
     mlp = gated_mlp if cfg.mlp == "gated" else plain_mlp
-    m = mlp(g, m, "mlp.", cfg.activation, cfg.mlp_bias)
-    if cfg.sandwich_norms:
-        m = _norm(g, cfg, m, "post_feedforward_layernorm")
-    g.add(h, m, name="out_BSM")
+    if cfg.parallel:  # x + attn(n1(x)) + mlp(n2(x))
+        m = mlp(g, h if cfg.parallel_norms == 1 else _norm(g, cfg, x, "post_attention_layernorm"), "mlp.", cfg.activation, cfg.mlp_bias)
+        g.add(g.add(x, a, name=g.fresh_name("residual_attn_BSM")), m, name="out_BSM")
+    else:
+        if cfg.sandwich_norms:
+            a = _norm(g, cfg, a, "post_attention_layernorm")
+        h = g.add(x, a, name=g.fresh_name("residual_attn_BSM"))
+        m = _norm(g, cfg, h, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
+        m = mlp(g, m, "mlp.", cfg.activation, cfg.mlp_bias)
+        if cfg.sandwich_norms:
+            m = _norm(g, cfg, m, "post_feedforward_layernorm")
+        g.add(h, m, name="out_BSM")
     g.output("out_BSM")
     if kv_cache:
         for kind in ("key", "value"):
@@ -228,9 +241,11 @@ def decoder_stack_graph(
         if kv_cache:
             presents += [(outs["present_key"], f"present_key.{i}"), (outs["present_value"], f"present_value.{i}")]
     if final_norm:
-        if weights is None or "model.norm.weight" not in weights:
-            raise WeightError("final_norm needs 'model.norm.weight' in weights")
-        g.add_initializer("model.norm.weight", weights["model.norm.weight"], copy=False)
+        names = ["model.norm.weight"] + (["model.norm.bias"] if layers[-1].norm == "layer" else [])
+        if weights is None or any(n not in weights for n in names):
+            raise WeightError(f"final_norm needs {names} in weights")
+        for n in names:
+            g.add_initializer(n, weights[n], copy=False)
         x = _norm(g, layers[-1], x, "model.norm")
     g.rename_value(x.name, "out_BSM")
     g.output("out_BSM")

@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError
+from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError, WeightError
 
 from .config import AttentionConfig, RopeConfig
 from .decoder import DecoderConfig
 
-__all__ = ["attention_config_from_hf", "decoder_config_from_hf", "decoder_configs_from_hf", "read_hf_config", "HF_FAMILIES", "HF_ACTIVATIONS"]
+__all__ = ["attention_config_from_hf", "decoder_config_from_hf", "decoder_weights_from_hf", "decoder_configs_from_hf", "read_hf_config", "HF_FAMILIES", "HF_ACTIVATIONS"]
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "falcon")
 """``model_type`` values whose attention graphc builds from a transformers config."""
 
 
@@ -112,12 +112,16 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
     d_model = _get(cfg, "hidden_size", int)
     heads = _get(cfg, "num_attention_heads", int)
     kv_heads = _get(cfg, "num_key_value_heads", int, heads)
+    if family == "falcon":
+        if cfg.get("alibi"):
+            raise AttentionConfigError("Falcon with alibi=True is not supported yet (ALiBi biases); rotary Falcon models are")
+        kv_heads = _get(cfg, "num_kv_heads", int, heads) if cfg.get("new_decoder_architecture") else (1 if cfg.get("multi_query", True) else heads)
     head_dim = _get(cfg, "head_dim", int, d_model // heads if heads else 0)
     biases: tuple[str, ...] | None = None  # None: all four projections follow `bias`
     bias = False
     if family == "qwen2":
         biases = ("q_proj", "k_proj", "v_proj")
-    elif _get(cfg, "attention_bias", bool, False):
+    elif _get(cfg, "attention_bias", bool, False) or (family == "falcon" and _get(cfg, "bias", bool, False)):
         bias = True
     scale = None
     softcap = None
@@ -152,6 +156,20 @@ def decoder_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer: 
     cfg = read_hf_config(config)
     attention = attention_config_from_hf(cfg, layer)
     family = cfg["model_type"]
+    if family == "falcon":
+        new_arch = bool(cfg.get("new_decoder_architecture"))
+        norms = cfg.get("num_ln_in_parallel_attn") or (2 if new_arch else 1)
+        return DecoderConfig(
+            attention,
+            _get(cfg, "ffn_hidden_size", int, 4 * attention.d_model),
+            mlp="plain",
+            activation=HF_ACTIVATIONS[cfg.get("activation") or "gelu"],
+            norm="layer",
+            norm_eps=float(_get(cfg, "layer_norm_epsilon", (int, float), 1e-5)),
+            mlp_bias=bool(cfg.get("bias", False)),
+            parallel=new_arch or bool(cfg.get("parallel_attn", True)),
+            parallel_norms=int(norms) if new_arch else 1,
+        )
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if act not in HF_ACTIVATIONS:
         raise UnknownNameError("hidden_act", str(act), tuple(HF_ACTIVATIONS))
@@ -176,3 +194,53 @@ def decoder_configs_from_hf(config: Mapping[str, Any] | str | Path | Any, n_laye
     if not 1 <= n <= total:
         raise AttentionConfigError(f"n_layers must be in 1..{total} (num_hidden_layers), got {n}")
     return [decoder_config_from_hf(cfg, i) for i in range(n)]
+
+
+def decoder_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
+    """A checkpoint's tensors under graphc's decoder names (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+
+    Llama-like families already use those names and pass through.  Falcon's
+    ``transformer.h.{i}.self_attention.query_key_value`` is split into q/k/v in
+    its layout (per-head ``[q, k, v]`` for MHA; all queries then one key and one
+    value for multi-query; per KV group ``[queries..., key, value]`` for the
+    new decoder architecture), ``dense``/``dense_h_to_4h``/``dense_4h_to_h``
+    become ``o_proj``/``mlp.up_proj``/``mlp.down_proj``, ``ln_attn``/``ln_mlp``
+    become ``input_layernorm``/``post_attention_layernorm`` and ``ln_f`` is ``model.norm``.
+    """
+    cfg = read_hf_config(config)
+    if cfg.get("model_type") != "falcon":
+        return dict(weights)
+    attention = attention_config_from_hf(cfg)
+    heads, kv, hd = attention.n_heads, attention.n_kv_heads, attention.hd
+    group = heads // kv
+    new_arch = bool(cfg.get("new_decoder_architecture"))
+    rename = {"self_attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj", "mlp.dense_4h_to_h": "mlp.down_proj",
+              "ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm", "input_layernorm": "input_layernorm",
+              "post_attention_layernorm": "post_attention_layernorm"}
+    out: dict[str, Any] = {}
+    for name, arr in weights.items():
+        if name.startswith("transformer.ln_f."):
+            out["model.norm." + name.split(".")[-1]] = arr
+            continue
+        if not name.startswith("transformer.h."):
+            continue
+        layer, rest = name[len("transformer.h.") :].split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        prefix = f"model.layers.{layer}."
+        if module == "self_attention.query_key_value":
+            rows = arr.reshape(-1, hd, *arr.shape[1:])  # one row block per head slot
+            if new_arch:
+                slots = rows.reshape(kv, group + 2, hd, *arr.shape[1:])
+                parts = (slots[:, :group], slots[:, group], slots[:, group + 1])
+            elif kv == 1:
+                parts = (rows[:heads], rows[heads], rows[heads + 1])
+            else:
+                slots = rows.reshape(heads, 3, hd, *arr.shape[1:])
+                parts = (slots[:, 0], slots[:, 1], slots[:, 2])
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[f"{prefix}self_attn.{proj}.{kind}"] = part.reshape(-1, *arr.shape[1:])
+        elif module in rename:
+            out[f"{prefix}{rename[module]}.{kind}"] = arr
+        else:
+            raise WeightError(f"tensor {name!r}: no graphc name for Falcon module {module!r}")
+    return out
