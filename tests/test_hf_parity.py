@@ -455,3 +455,35 @@ def test_falcon_stack_matches_transformers(kind):
     want = _falcon_step(layers, rope, step, 5, cache)
     dec = decoder_stack_graph(cfgs, weights=weights, kv_cache=True)
     np.testing.assert_allclose(prepare(dec, "ort-cpu").run(feeds)["out_BSM"], want, **TOL, err_msg=f"{kind} decode")
+
+
+# ------------------------------------------------------------------ padding masks
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("per_query", [False, True])
+def test_padded_batch_matches_transformers(kind, per_query):
+    """Left-padded batch: keys at padding positions are hidden in every row; pad query rows are not compared."""
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf
+
+    config, layers, rope = _hf_layers("llama", 2)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(10))
+    pad = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)  # sequence 0 is left-padded by two tokens
+    positions = torch.arange(6)[None].expand(2, -1)
+    causal = np.tril(np.ones((6, 6), bool))
+    keep = causal[None] & pad[:, None, :]
+    hf_mask = torch.from_numpy(np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32))[:, None]
+    with torch.no_grad():
+        h, emb = x, rope(x, positions)
+        for layer in layers:
+            h = layer(h, attention_mask=hf_mask, position_embeddings=emb, position_ids=positions)
+            h = h[0] if isinstance(h, tuple) else h
+    want = h.numpy()
+    mask = np.broadcast_to(pad[:, None, None, :], (2, 1, 6 if per_query else 1, 6)).copy()
+    if kind == "additive":
+        mask = np.where(mask, 0.0, -np.inf).astype(np.float32)
+    g = decoder_stack_graph(decoder_configs_from_hf(config, 2), weights=_stack_weights(layers), mask=kind, mask_per_query=per_query)
+    for graph in (g, graphc.optimize(g).graph):
+        for backend in ("numpy", "ort-cpu", "onnx-reference"):
+            got = prepare(graph, backend).run({"x_BSM": x.numpy(), "attn_mask": mask})["out_BSM"]
+            np.testing.assert_allclose(got[pad], want[pad], **TOL, err_msg=backend)

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphc.dims import Dim, dim_sub, normalize_dim
+from graphc.dims import Dim, dim_add, dim_sub, normalize_dim
 from graphc.errors import WeightError
 from graphc.graph import Graph, Value
 from graphc.memory import check_allocation
@@ -116,8 +116,8 @@ def attention_core(
 
     K/V are repeated to the query heads by ``Repeat`` (axis 1, ``group_size``)
     when ``group_size > 1``.  ``causal`` masks key j for query i when
-    ``j > i + offset`` (and, with ``cfg.sliding_window``, ``j <= i + offset - window``); ``mask`` is a bool value broadcastable to
-    ``[B, Hq, Sq, Sk]`` (True keeps a key).
+    ``j > i + offset`` (and, with ``cfg.sliding_window``, ``j <= i + offset - window``); ``mask`` is a value broadcastable to
+    ``[B, Hq, Sq, Sk]``: bool (True keeps a key) or float (added to the scores).
     """
     if cfg.group_size > 1:
         k = g.repeat(k, cfg.group_size, axis=1, name=g.fresh_name("k_rep_BHTD"))
@@ -130,9 +130,11 @@ def attention_core(
         s = g.scale(s, cfg.softcap, name=g.fresh_name("capped_BHST"))
     if causal:
         s = g.add_node(CausalMask(offset, cfg.sliding_window), [s], g.fresh_name("causal_BHST"))
-    if mask is not None:
+    if mask is not None and mask.type.dtype == "bool":
         neg_inf = g.constant(g.fresh_name("neg_inf"), np.array(-np.inf, dtype=s.dtype))
         s = g.where(mask, s, neg_inf, name=g.fresh_name("masked_BHST"))
+    elif mask is not None:  # additive: 0 keeps a key, -inf (or a large negative number) hides it
+        s = g.add(s, mask, name=g.fresh_name("masked_BHST"))
     p = g.softmax(s, axis=-1, name=g.fresh_name("probs_BHST"))
     return g.einsum("bhqk,bhkd->bhqd", p, v, name=g.fresh_name("attn_BHSD"))
 
@@ -180,6 +182,18 @@ def _project(g: Graph, x: Value, prefix: str, cfg: AttentionConfig, seq: Dim, ba
     return g.transpose(y, [0, 2, 1, 3], name=g.fresh_name(f"{tag}_B{h}SD"))
 
 
+MASK_INPUTS = ("none", "bool", "additive")
+
+
+def _mask_input(g: Graph, kind: str, per_query: bool, batch: Dim, q_len: Dim, kv_len: Dim, dtype: str) -> Value | None:
+    """The ``attn_mask`` input of a layer (``None`` for ``kind="none"``)."""
+    if kind not in MASK_INPUTS:
+        raise WeightError(f"mask must be one of {MASK_INPUTS}, got {kind!r}")
+    if kind == "none":
+        return None
+    return g.input("attn_mask", [batch, 1, q_len if per_query else 1, kv_len], "bool" if kind == "bool" else dtype)
+
+
 def _rotate(g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim) -> tuple[Value, Value]:
     """Rotary embedding of ``q`` and ``k`` ``[B, heads, S, D]`` at positions ``offset + 0..S-1`` (when ``cfg.rope``)."""
     if cfg.rope is None:
@@ -225,17 +239,23 @@ def attention_layer_graph(
     seed: int = 0,
     dtype: str = "float32",
     name: str | None = None,
+    mask: str = "none",
+    mask_per_query: bool = True,
 ) -> Graph:
     """A full self-attention layer: ``x [B,S,d_model]`` -> Q/K/V projections -> core -> output projection.
 
     ``weights`` (see :func:`weight_shapes`) default to :func:`init_weights` with ``seed``.
+    ``mask``: ``"bool"`` (True keeps a key) or ``"additive"`` adds an input
+    ``attn_mask`` of ``[B, 1, S, S]`` (``[B, 1, 1, S]``, a padding mask, with
+    ``mask_per_query=False``), applied with the causal mask.
     """
     g = Graph(name or f"attention_{cfg.kind.lower()}")
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
+    m = _mask_input(g, mask, mask_per_query, batch, seq, seq, dtype)
     q, k, v = _project_qkv(g, cfg, x, x, seq, seq, batch)
     q, k = _rotate(g, cfg, q, k, offset=0)
-    attn = attention_core(g, cfg, q, k, v, cfg.causal, 0)
+    attn = attention_core(g, cfg, q, k, v, cfg.causal, 0, m)
     g.output(_merge_and_project(g, attn, cfg, seq, batch))
     return g
 
@@ -270,8 +290,13 @@ def kv_cache_graph(
     seed: int = 0,
     dtype: str = "float32",
     name: str | None = None,
+    mask: str = "none",
+    mask_per_query: bool = True,
 ) -> Graph:
     """One step of a layer with a KV cache (prefill when ``past`` is 0, decode when ``seq`` is 1).
+
+    ``mask``/``mask_per_query`` add an ``attn_mask`` input over all ``past + seq`` keys
+    (see :func:`attention_layer_graph`).
 
     Inputs ``x [B,S,d_model]``, ``past_key``/``past_value [B,Hkv,P,D]``; outputs
     ``out_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
@@ -282,11 +307,12 @@ def kv_cache_graph(
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
+    m = _mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq), dtype)
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
     q, k_new = _rotate(g, cfg, q, k_new, offset=past)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
-    attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past)
+    attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past, mask=m)
     g.output(_merge_and_project(g, attn, cfg, seq, batch), k, v)
     return g
 

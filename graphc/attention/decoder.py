@@ -151,8 +151,13 @@ def decoder_layer_graph(
     seed: int = 0,
     dtype: str = "float32",
     name: str | None = None,
+    mask: str = "none",
+    mask_per_query: bool = True,
 ) -> Graph:
-    """One decoder layer: ``x_BSM`` -> ``out_BSM`` (with ``kv_cache``: also ``past_key``/``past_value`` in, ``present_*`` out)."""
+    """One decoder layer: ``x_BSM`` -> ``out_BSM`` (with ``kv_cache``: also ``past_key``/``past_value`` in, ``present_*`` out).
+
+    ``mask``/``mask_per_query``: an ``attn_mask`` input as :func:`~graphc.attention.attention_layer_graph` takes it.
+    """
     weights = init_decoder_weights(cfg, seed, dtype) if weights is None else weights
     _check(cfg, weights, dtype)
     g = Graph(name or "decoder_layer")
@@ -162,14 +167,19 @@ def decoder_layer_graph(
     x = g.input("x_BSM", [batch, seq, cfg.attention.d_model], dtype)
     attn_weights = {n[len("self_attn.") :]: a for n, a in weights.items() if n.startswith("self_attn.")}
     h = _norm(g, cfg, x, "input_layernorm")
+    masking = {"mask": mask, "mask_per_query": mask_per_query}
     if kv_cache:
-        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype)
+        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, **masking)
         pk = g.input("past_key", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         pv = g.input("past_value", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
-        outs = g.call(layer, {"x_BSM": h, "past_key": pk, "past_value": pv}, prefix="self_attn.")
+        bindings: dict[str, Value] = {"x_BSM": h, "past_key": pk, "past_value": pv}
     else:
-        layer = attention_layer_graph(cfg.attention, batch, seq, weights=attn_weights, dtype=dtype)
-        outs = g.call(layer, {"x_BSM": h}, prefix="self_attn.")
+        layer = attention_layer_graph(cfg.attention, batch, seq, weights=attn_weights, dtype=dtype, **masking)
+        bindings = {"x_BSM": h}
+    if "attn_mask" in layer.inputs:
+        t = layer.types["attn_mask"]
+        bindings["attn_mask"] = g.input("attn_mask", list(t.shape), t.dtype)
+    outs = g.call(layer, bindings, prefix="self_attn.")
     a = outs["out_BSM"]
     mlp = gated_mlp if cfg.mlp == "gated" else plain_mlp
     if cfg.parallel:  # x + attn(n1(x)) + mlp(n2(x))
@@ -204,12 +214,15 @@ def decoder_stack_graph(
     dtype: str = "float32",
     final_norm: bool = False,
     name: str | None = None,
+    mask: str = "none",
+    mask_per_query: bool = True,
 ) -> Graph:
     """``n_layers`` decoder layers in a row (one config for all, or one per layer: Gemma 2 alternates windows).
 
     ``weights`` is one mapping with transformers' names (``model.layers.{i}.self_attn.q_proj.weight`` ...,
     and ``model.norm.weight`` with ``final_norm``), as a model's ``state_dict`` has them; default random.
     With ``kv_cache`` layer i takes ``past_key.{i}``/``past_value.{i}`` and returns ``present_key.{i}``/``present_value.{i}``.
+    ``mask``/``mask_per_query``: one ``attn_mask`` input that every layer applies (a padding mask, say).
     """
     layers = [cfgs] * (n_layers or 1) if isinstance(cfgs, DecoderConfig) else list(cfgs)
     if n_layers is not None and len(layers) != n_layers:
@@ -231,8 +244,12 @@ def decoder_stack_graph(
             layer_weights = {n[len(prefix) :]: a for n, a in weights.items() if n.startswith(prefix)}
             if not layer_weights:
                 raise WeightError(f"no weights start with {prefix!r}; expected transformers' names such as {prefix}self_attn.q_proj.weight")
-        layer = decoder_layer_graph(cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype)
+        layer = decoder_layer_graph(cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype, mask=mask, mask_per_query=mask_per_query)
         bindings: dict[str, Value | str] = {"x_BSM": x}
+        if "attn_mask" in layer.inputs:
+            if "attn_mask" not in g.types:
+                g.input("attn_mask", list(layer.types["attn_mask"].shape), layer.types["attn_mask"].dtype)
+            bindings["attn_mask"] = "attn_mask"
         if kv_cache:
             for kind in ("key", "value"):
                 bindings[f"past_{kind}"] = g.input(f"past_{kind}.{i}", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
