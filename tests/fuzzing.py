@@ -285,7 +285,8 @@ def attention_graphs(draw: st.DrawFn) -> Case:
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 5))) if causal else None
     softcap = draw(st.one_of(st.none(), st.sampled_from([0.5, 3.0])))
-    cfg = AttentionConfig(heads * head_dim, heads, n_kv, head_dim=head_dim, bias=draw(st.booleans()), causal=causal, sliding_window=window, softcap=softcap)
+    cfg = AttentionConfig(heads * head_dim, heads, n_kv, head_dim=head_dim, bias=draw(st.booleans()), causal=causal, sliding_window=window, softcap=softcap,
+                          alibi=draw(st.booleans()))
     seed = draw(st.integers(0, 1000))
     kind = draw(st.sampled_from(["core", "layer", "decode", "core_cache"]))
     batch, seq, past = draw(st.integers(1, 2)), draw(st.integers(1, 6)), draw(st.integers(0, 6))

@@ -139,3 +139,34 @@ def test_random_windows_and_caps_on_the_numpy_kernel(window, softcap, hkv, group
     lowered = lower(optimize(g, hints=sizes).graph, NUMPY_TARGET, sizes)
     assert "Attention" in lowered.op_counts()
     np.testing.assert_allclose(prepare(g, "numpy", sizes=sizes).run(feeds)["attn_BHSD"], want, **TOL)
+
+
+def test_alibi_slopes_match_bloom():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from graphc.attention.config import alibi_slopes
+
+    for heads in (4, 6, 12, 16):
+        alibi = build_alibi_tensor(torch.ones(1, 5), heads, torch.float32).reshape(heads, 5)  # slope_h * j
+        np.testing.assert_allclose(alibi_slopes(heads)[:, None] * np.arange(5), alibi.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("past", [0, 3])
+def test_alibi_matches_a_plain_reference_everywhere(past):
+    from graphc.attention.config import alibi_slopes
+
+    cfg = AttentionConfig(48, 6, 2, head_dim=8, alibi=True)
+    g = graphc.sdpa_graph(cfg, q_len="seq", kv_len="past_seq+seq")
+    sizes = {"batch": 2, "seq": 4, "past_seq": past}
+    feeds = random_inputs(g, seed=5, **sizes)
+    q, k, v = (feeds[n].astype(np.float64) for n in ("q_BHSD", "k_BHkvTD", "v_BHkvTD"))
+    sk = k.shape[2]
+    bias = alibi_slopes(6)[:, None, None] * np.arange(sk)[None, None, :]  # [H, 1, Sk]
+    kr, vr = np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", q, kr) * 8**-0.5 + bias
+    s = np.where(np.arange(sk)[None, :] > np.arange(4)[:, None] + past, -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vr)
+    _check_all(g, feeds, want, sizes)

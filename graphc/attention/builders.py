@@ -26,7 +26,7 @@ from graphc.rotary import Positions
 
 from .blocks import rms_norm
 
-from .config import AttentionConfig
+from .config import AttentionConfig, alibi_slopes
 
 __all__ = [
     "weight_shapes",
@@ -128,6 +128,14 @@ def attention_core(
     else:  # softcap * tanh(scale * s / softcap), before any mask
         s = g.tanh(g.scale(s, cfg.softmax_scale / cfg.softcap, name=g.fresh_name("scaled_BHST")), name=g.fresh_name("tanh_BHST"))
         s = g.scale(s, cfg.softcap, name=g.fresh_name("capped_BHST"))
+    if cfg.alibi:  # slope_h * j on the scaled scores, [1, H, 1, Sk], keys counted over past and new
+        keys = g.cast(g.add_node(Positions(2, 0), [k], g.fresh_name("key_positions_T")), "float32", name=g.fresh_name("key_positions_f32"))
+        slopes = g.constant(g.fresh_name("alibi_slopes"), alibi_slopes(cfg.n_heads))
+        bias = g.einsum("h,t->ht", slopes, keys, name=g.fresh_name("alibi_HT"))
+        if s.type.dtype != "float32":
+            bias = g.cast(bias, s.type.dtype, name=g.fresh_name("alibi_cast"))
+        bias = g.reshape(bias, [1, cfg.n_heads, 1, k.type.shape[2]], name=g.fresh_name("alibi_1H1T"))
+        s = g.add(s, bias, name=g.fresh_name("alibi_BHST"))
     if causal:
         s = g.add_node(CausalMask(offset, cfg.sliding_window), [s], g.fresh_name("causal_BHST"))
     if mask is not None and mask.type.dtype == "bool":

@@ -14,7 +14,7 @@ import numpy as np
 from graphc.errors import AttentionConfigError, GraphcError, UnknownNameError
 from graphc.rotary import Rotary
 
-__all__ = ["AttentionConfig", "RopeConfig", "PROJECTIONS", "Preset", "PRESETS", "preset", "preset_names", "mha", "mqa", "gqa"]
+__all__ = ["AttentionConfig", "RopeConfig", "alibi_slopes", "PROJECTIONS", "Preset", "PRESETS", "preset", "preset_names", "mha", "mqa", "gqa"]
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -46,6 +46,18 @@ class RopeConfig:
         )
 
 
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes (the geometric sequence of the paper, interleaved for a non-power-of-two head count, as BLOOM and MPT)."""
+    closest = 2 ** int(np.floor(np.log2(n_heads)))
+    base = 2.0 ** (-(2.0 ** -(np.log2(closest) - 3)))
+    slopes = base ** np.arange(1, closest + 1)
+    if closest != n_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(np.log2(2 * closest) - 3)))
+        remaining = min(closest, n_heads - closest)
+        slopes = np.concatenate([slopes, extra_base ** np.arange(1, 1 + 2 * remaining, 2)])
+    return slopes.astype(np.float32)
+
+
 def _positive_int(name: str, v: object) -> None:
     if not isinstance(v, int) or isinstance(v, bool):
         raise AttentionConfigError(f"{name} must be an int, got {type(v).__name__} {v!r}")
@@ -70,7 +82,9 @@ class AttentionConfig:
     have a bias, overriding ``bias`` (Qwen2: ``("q_proj", "k_proj", "v_proj")``).
     ``qk_norm_eps``: an RMSNorm over each head's queries and keys before RoPE
     (weights ``q_norm.weight``/``k_norm.weight``; Qwen3, Gemma 3 with
-    ``qk_norm_offset=1``).
+    ``qk_norm_offset=1``).  ``alibi``: ALiBi, ``slope_h * j`` added to the
+    scaled scores of head ``h`` for key ``j`` (:func:`alibi_slopes`; the
+    per-row constant of the ``slope * (j - i)`` form cancels in the softmax).
     """
 
     d_model: int
@@ -87,6 +101,7 @@ class AttentionConfig:
     biases: tuple[str, ...] | None = None
     qk_norm_eps: float | None = None
     qk_norm_offset: float = 0.0
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("d_model", self.d_model)
@@ -118,6 +133,8 @@ class AttentionConfig:
                 raise AttentionConfigError("sliding_window needs causal=True (a left window over past keys)")
         if self.qk_norm_eps is not None and (isinstance(self.qk_norm_eps, bool) or not isinstance(self.qk_norm_eps, (int, float)) or not 0 <= self.qk_norm_eps < 1):
             raise AttentionConfigError(f"qk_norm_eps must be a small number >= 0 or None, got {self.qk_norm_eps!r}")
+        if not isinstance(self.alibi, bool):
+            raise AttentionConfigError(f"alibi must be a bool, got {self.alibi!r}")
         if self.rope is not None and not isinstance(self.rope, RopeConfig):
             raise AttentionConfigError(f"rope must be a RopeConfig or None, got {type(self.rope).__name__}")
         if self.rope is not None and self.rope.op().dim(self.hd) > self.hd:
