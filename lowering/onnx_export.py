@@ -201,9 +201,10 @@ def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
     past = ins[3 + op.has_mask :] if op.kv_cache else []
     if mode != "ort-gqa":
         inputs = ins[:3] + ([mask or ""] if (mask or past) else []) + past
-        b.nodes.append(
-            helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), is_causal=int(op.causal_offset is not None), scale=op.scale)
-        )
+        attrs: dict[str, object] = {"is_causal": int(op.causal_offset is not None), "scale": op.scale}
+        if op.softcap is not None:  # the op caps before masking, as graphc does (checked in the tests)
+            attrs["softcap"] = op.softcap
+        b.nodes.append(helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), **attrs))
         return
     q, k, v = ins[:3]
     batch, n_heads, sq, head_dim = g.types[q].shape

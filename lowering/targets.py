@@ -62,8 +62,6 @@ def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | No
         return f"the Attention op needs opset 23 or later, got opset {opset}"
     if op.window is not None:
         return f"the Attention op has no sliding window (window={op.window}); it is kept decomposed, never dropped"
-    if op.softcap is not None:
-        return "softcap is kept decomposed (the fused op's softcap is not verified against graphc's order)"
     if op.may_mask_whole_rows:
         return "rows can be fully masked, and runtimes disagree on what the fused op returns for them"
     if op.causal_offset is not None and normalize_dim(op.causal_offset) != _past_len(graph, node):

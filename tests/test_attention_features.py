@@ -170,3 +170,24 @@ def test_alibi_matches_a_plain_reference_everywhere(past):
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), vr)
     _check_all(g, feeds, want, sizes)
+
+
+@pytest.mark.parametrize("kind", ["core", "cache"])
+def test_softcap_rides_on_the_fused_onnx_attention_op(kind):
+    """ONNX's Attention op (opset 23) caps before masking, as graphc does: auto fuses it (prefill sizes) and the numbers hold."""
+    cfg = _cfg(softcap=2.0)
+    if kind == "core":
+        g, sizes, out = graphc.sdpa_graph(cfg), {"batch": 1, "seq": 128}, "attn_BHSD"
+    else:
+        g, sizes, out = graphc.kv_cache_graph(cfg), {"batch": 1, "seq": 64, "past_seq": 5}, "out_BSM"
+    opt = optimize(g, hints=sizes).graph
+    model = export(opt, attention="auto", sizes=sizes)
+    [att] = [n for n in model.graph.node if n.op_type == "Attention"]
+    assert any(a.name == "softcap" and a.f == 2.0 for a in att.attribute)
+    feeds = random_inputs(g, seed=6, **sizes)
+    for k in feeds:
+        feeds[k] *= 3
+    want = prepare(g, "numpy", reference=True, compute_dtype="float64", sizes=sizes).run(feeds)[out]
+    for backend in ("onnx-reference", "ort-cpu"):
+        got = prepare(opt, backend, attention="onnx-attention", sizes=sizes).run(feeds)[out]
+        np.testing.assert_allclose(got, want, **TOL, err_msg=backend)
