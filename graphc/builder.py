@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .dims import Dim
-from .ops import Binary, CausalMask, Cast, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from .ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 
 if TYPE_CHECKING:
     from .graph import Value, ValueLike
@@ -131,6 +131,10 @@ class GraphBuilder:
     def maximum(self, a: ValueLike, b: ValueLike, name: str | None = None) -> Value:
         """Broadcasting elementwise maximum."""
         return self.binary("max", a, b, name)
+
+    def compare(self, fn: str, a: ValueLike, b: ValueLike, name: str | None = None) -> Value:
+        """Broadcasting comparison ``fn`` (``"less"``, ``"less_equal"``, ``"greater"``, ``"greater_equal"``, ``"equal"``): a bool value."""
+        return self.add_node(Compare(fn), [a, b], name)
 
     def where(self, cond: ValueLike, x: ValueLike, y: ValueLike, name: str | None = None) -> Value:
         """``cond ? x : y`` with broadcasting; ``cond`` is a bool tensor."""

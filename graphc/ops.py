@@ -37,6 +37,8 @@ __all__ = [
     "Cast",
     "Unary",
     "Binary",
+    "Compare",
+    "COMPARE_FUNCTIONS",
     "Where",
     "Scale",
     "CausalMask",
@@ -425,6 +427,34 @@ class Binary(Op):
         return _BINARY[self.fn](args[0], args[1])
 
 
+COMPARE_FUNCTIONS = ("less", "less_equal", "greater", "greater_equal", "equal")
+
+
+@dataclass(frozen=True)
+class Compare(Op):
+    """Elementwise comparison ``fn`` (one of :data:`COMPARE_FUNCTIONS`) of two numeric tensors with broadcasting; the result is bool."""
+
+    fn: str
+    arity: ClassVar[int | None] = 2
+
+    def __post_init__(self) -> None:
+        if _str_attr("Compare", "fn", self.fn) not in COMPARE_FUNCTIONS:
+            raise UnknownNameError("comparison", self.fn, COMPARE_FUNCTIONS)
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        _same_dtype(f"Compare {self.fn}", ins)
+        _numeric(f"Compare {self.fn}", ins)
+        return TensorType(broadcast_shapes(ins[0].shape, ins[1].shape, f"Compare {self.fn}"), "bool")
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return _COMPARE[self.fn](args[0], args[1])
+
+
+_COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "less": np.less, "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal, "equal": np.equal,
+}
+
+
 @dataclass(frozen=True)
 class Where(Op):
     """``where(cond, x, y)`` with broadcasting; ``cond`` is bool (a user attention mask: True = keep)."""
@@ -550,7 +580,7 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 
 OP_TYPES: dict[str, type[Op]] = {
     cls.__name__: cls
-    for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Where, Scale, CausalMask)
+    for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Compare, Where, Scale, CausalMask)
 }
 """Every op kind by name (the loader's registry); :func:`register_op` adds one."""
 

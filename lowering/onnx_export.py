@@ -29,7 +29,7 @@ from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous, hidden_keys
-from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import PassContext, lower
 from graphc.rotary import Positions
 
@@ -53,6 +53,7 @@ _UNARY = {
     "exp": "Exp", "neg": "Neg", "tanh": "Tanh", "sqrt": "Sqrt", "reciprocal": "Reciprocal", "relu": "Relu", "sigmoid": "Sigmoid",
     "cos": "Cos", "sin": "Sin", "erf": "Erf",
 }
+_COMPARE = {"less": "Less", "less_equal": "LessOrEqual", "greater": "Greater", "greater_equal": "GreaterOrEqual", "equal": "Equal"}
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max"}
 
 
@@ -310,6 +311,11 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         _integer_divide(b, ins, out, dtype)
     elif isinstance(op, Binary):
         b.op(_BINARY[op.fn], ins, out)
+    elif isinstance(op, Compare):
+        b.op(_COMPARE[op.fn], ins, out)
+    elif isinstance(op, Where) and dtype == "bool":  # onnxruntime has no bool Where: (c and x) or (not c and y)
+        c, x, y = ins
+        b.op("Or", [b.op("And", [c, x], base=f"{out}_then"), b.op("And", [b.op("Not", [c], base=f"{out}_not"), y], base=f"{out}_else")], out)
     elif isinstance(op, Where):
         b.op("Where", ins, out)
     elif isinstance(op, Scale):

@@ -19,7 +19,7 @@ from graphc.dims import eval_dim, eval_shape
 from graphc.errors import ExecutionError
 from graphc.graph import Graph
 from graphc.numerics import contiguous
-from graphc.ops import Binary, CausalMask, Cast, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import lower
 from graphc.rotary import Positions
 
@@ -42,6 +42,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         q = torch.div(a, torch.where(zero, torch.ones_like(b), b), rounding_mode="trunc")
         return torch.where(zero, torch.zeros_like(q), q)
 
+    compare = {"less": torch.lt, "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "equal": torch.eq}
     binary = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": divide, "max": torch.maximum}
 
     def softmax(op: Softmax, a: list[Any], env: dict[str, int]) -> Any:
@@ -86,6 +87,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         Unary: lambda op, a, env: unary[op.fn](a[0]),
         Binary: lambda op, a, env: binary[op.fn](a[0], a[1]),
         Where: lambda op, a, env: torch.where(a[0], a[1], a[2]),
+        Compare: lambda op, a, env: compare[op.fn](a[0], a[1]),
         Scale: lambda op, a, env: a[0] * op.factor,
         CausalMask: causal,
         Positions: lambda op, a, env: torch.arange(a[0].shape[op.axis], device=a[0].device) + eval_dim(op.offset, env),

@@ -487,3 +487,52 @@ def test_padded_batch_matches_transformers(kind, per_query):
         for backend in ("numpy", "ort-cpu", "onnx-reference"):
             got = prepare(graph, backend).run({"x_BSM": x.numpy(), "attn_mask": mask})["out_BSM"]
             np.testing.assert_allclose(got[pad], want[pad], **TOL, err_msg=backend)
+
+
+# ------------------------------------------------------------------ ragged caches (past_lengths)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_ragged_caches_decode_like_each_sequence_alone(family, new_tokens):
+    """A batch of caches of lengths 2 and 6, right-padded with garbage: each row equals transformers' run of that sequence alone."""
+    config, module, rope = _module(family)
+    cfg = attention_config_from_hf(config)
+    lengths, padded = [2, 6], 6
+    rng = np.random.default_rng(11)
+    past_k = rng.standard_normal((2, 2, padded, 8)).astype(np.float32) * 50  # padding slots hold garbage
+    past_v = rng.standard_normal((2, 2, padded, 8)).astype(np.float32) * 50
+    step = torch.randn(2, new_tokens, 32, generator=torch.Generator().manual_seed(12))
+    wants, presents = [], []
+    for b, n in enumerate(lengths):
+        cache = DynamicCache()
+        prefix = torch.randn(1, n, 32, generator=torch.Generator().manual_seed(20 + b))
+        _hf_step(module, rope, prefix, 0, cache, cfg.sliding_window)
+        past_k[b, :, :n] = cache.layers[0].keys[0].numpy()
+        past_v[b, :, :n] = cache.layers[0].values[0].numpy()
+        wants.append(_hf_step(module, rope, step[b : b + 1], n, cache, cfg.sliding_window)[0])
+        presents.append(cache.layers[0].keys[0, :, n:].numpy())  # the new keys, after RoPE at positions n..
+    g = graphc.kv_cache_graph(cfg, weights=_weights(module), past_lengths=True)
+    feeds = {"x_BSM": step.numpy(), "past_key": past_k, "past_value": past_v, "past_lengths": np.array(lengths, np.int64)}
+    sizes = {"batch": 2, "seq": new_tokens, "past_seq": padded}
+    for graph in (g, graphc.optimize(g, hints=sizes).graph):
+        for backend in ("numpy", "ort-cpu", "onnx-reference"):
+            got = prepare(graph, backend, sizes=sizes).run(feeds)
+            np.testing.assert_allclose(got["out_BSM"], np.stack(wants), **TOL, err_msg=f"{family} {backend}")
+            for b in range(2):
+                np.testing.assert_allclose(got["present_key"][b, :, padded:], presents[b], **TOL, err_msg=f"{family} {backend} new keys")
+
+
+def test_stack_with_equal_past_lengths_equals_the_plain_stack():
+    from graphc.attention.decoder import decoder_stack_graph
+    from graphc.attention.hf import decoder_configs_from_hf
+
+    config, layers, rope = _hf_layers("mistral", 2)
+    cfgs, weights = decoder_configs_from_hf(config, 2), _stack_weights(layers)
+    plain = decoder_stack_graph(cfgs, weights=weights, kv_cache=True)
+    ragged = decoder_stack_graph(cfgs, weights=weights, kv_cache=True, past_lengths=True)
+    feeds = __import__("lowering").random_inputs(plain, seed=3, batch=2, seq=2, past_seq=5)
+    want = prepare(plain, "ort-cpu").run(feeds)
+    got = prepare(ragged, "ort-cpu").run({**feeds, "past_lengths": np.array([5, 5], np.int64)})
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=name)

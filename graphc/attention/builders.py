@@ -202,11 +202,57 @@ def _mask_input(g: Graph, kind: str, per_query: bool, batch: Dim, q_len: Dim, kv
     return g.input("attn_mask", [batch, 1, q_len if per_query else 1, kv_len], "bool" if kind == "bool" else dtype)
 
 
-def _rotate(g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim) -> tuple[Value, Value]:
-    """Rotary embedding of ``q`` and ``k`` ``[B, heads, S, D]`` at positions ``offset + 0..S-1`` (when ``cfg.rope``)."""
+def _past_length_mask(g: Graph, cfg: AttentionConfig, q: Value, past_k: Value, k_new: Value, past_lengths: Value, user: Value | None) -> Value:
+    """Bool ``[B, 1, Sq, P+Sq]`` for right-padded caches: sequence b's first ``P_b`` cache slots are its past, the
+    other past slots are padding, and its new tokens (slots ``P..P+Sq-1``) are tokens ``P_b..P_b+Sq-1``.
+
+    A key is visible when it is valid and, by token position, causal (and inside the window) for the query.
+    """
+    batch = q.type.shape[0]
+    lengths = g.reshape(past_lengths, [batch, 1], name=g.fresh_name("past_lengths_B1"))
+    past_slots = g.reshape(g.add_node(Positions(2, 0), [past_k], g.fresh_name("past_slot_P")), [1, past_k.type.shape[2]], name=g.fresh_name("past_slot_1P"))
+    new_index = g.reshape(g.add_node(Positions(2, 0), [k_new], g.fresh_name("new_index_S")), [1, k_new.type.shape[2]], name=g.fresh_name("new_index_1S"))
+    new_tokens = g.add(lengths, new_index, name=g.fresh_name("new_token_BS"))  # P_b + i
+    zero = g.constant(g.fresh_name("zero"), np.array(0, np.int64))
+    past_tokens = g.add(past_slots, g.mul(lengths, zero), name=g.fresh_name("past_token_BP"))  # slot j is token j, per batch
+    token = g.concat([past_tokens, new_tokens], axis=1, name=g.fresh_name("key_token_BT"))
+    valid = g.concat(
+        [g.compare("less", past_slots, lengths, name=g.fresh_name("past_valid_BP")), g.compare("greater_equal", new_tokens, zero, name=g.fresh_name("new_valid_BS"))],
+        axis=1,
+        name=g.fresh_name("key_valid_BT"),
+    )
+    sk = token.type.shape[1]
+    token = g.reshape(token, [batch, 1, 1, sk], name=g.fresh_name("key_token_B11T"))
+    keep = g.reshape(valid, [batch, 1, 1, sk], name=g.fresh_name("key_valid_B11T"))
+    if cfg.causal:
+        query = g.reshape(new_tokens, [batch, 1, q.type.shape[2], 1], name=g.fresh_name("query_token_B1S1"))
+        keep = _both(g, keep, g.compare("less_equal", token, query, name=g.fresh_name("causal_keep_B1ST")))
+        if cfg.sliding_window is not None:
+            start = g.sub(query, g.constant(g.fresh_name("window"), np.array(cfg.sliding_window, np.int64)), name=g.fresh_name("window_start_B1S1"))
+            keep = _both(g, keep, g.compare("greater", token, start, name=g.fresh_name("window_keep_B1ST")))
+    return _both(g, keep, user)
+
+
+def _both(g: Graph, a: Value, b: Value | None) -> Value:
+    """``a and b`` for bool values (``a`` alone when ``b`` is None)."""
+    if b is None:
+        return a
+    return g.where(a, b, g.constant(g.fresh_name("false"), np.array(False)), name=g.fresh_name("keep_both"))
+
+
+def _rotate(g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim, lengths: Value | None = None) -> tuple[Value, Value]:
+    """Rotary embedding of ``q`` and ``k`` ``[B, heads, S, D]`` at positions ``offset + 0..S-1`` (when ``cfg.rope``).
+
+    With ``lengths`` (each sequence's past length ``P_b``) the new tokens of sequence b sit at ``P_b + 0..S-1``.
+    """
     if cfg.rope is None:
         return q, k
-    positions = g.add_node(Positions(2, offset), [q], g.fresh_name("positions_S"))
+    if lengths is None:
+        positions = g.add_node(Positions(2, offset), [q], g.fresh_name("positions_S"))
+    else:
+        sq, batch = q.type.shape[2], q.type.shape[0]
+        index = g.reshape(g.add_node(Positions(2, 0), [q], g.fresh_name("new_index_S")), [1, sq], name=g.fresh_name("new_index_1S"))
+        positions = g.add(g.reshape(lengths, [batch, 1], name=g.fresh_name("past_lengths_B1")), index, name=g.fresh_name("positions_BS"))
     op = cfg.rope.op()
     return g.add_node(op, [q, positions], g.fresh_name("q_rot_BHSD")), g.add_node(op, [k, positions], g.fresh_name("k_rot_BHkvSD"))
 
@@ -300,11 +346,17 @@ def kv_cache_graph(
     name: str | None = None,
     mask: str = "none",
     mask_per_query: bool = True,
+    past_lengths: bool = False,
 ) -> Graph:
     """One step of a layer with a KV cache (prefill when ``past`` is 0, decode when ``seq`` is 1).
 
     ``mask``/``mask_per_query`` add an ``attn_mask`` input over all ``past + seq`` keys
-    (see :func:`attention_layer_graph`).
+    (see :func:`attention_layer_graph`).  ``past_lengths`` adds an int64 input
+    ``past_lengths [B]`` for a batch of caches of different lengths, each
+    right-padded to ``past``: sequence b's past is its first ``P_b`` cache
+    slots, its new tokens are tokens ``P_b..P_b+seq-1`` (RoPE positions
+    included), padding slots are hidden, and the causal mask and window follow
+    token positions, so ragged caches decode in one step.
 
     Inputs ``x [B,S,d_model]``, ``past_key``/``past_value [B,Hkv,P,D]``; outputs
     ``out_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
@@ -316,11 +368,16 @@ def kv_cache_graph(
     past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     m = _mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq), dtype)
+    lengths = g.input("past_lengths", [batch], "int64") if past_lengths else None
+    if lengths is not None and mask == "additive":
+        raise WeightError("past_lengths combines with a bool mask, not an additive one")
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
-    q, k_new = _rotate(g, cfg, q, k_new, offset=past)
+    q, k_new = _rotate(g, cfg, q, k_new, offset=past, lengths=lengths)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
-    attn = attention_core(g, cfg, q, k, v, cfg.causal, offset=past, mask=m)
+    if lengths is not None:
+        m = _past_length_mask(g, cfg, q, past_k, k_new, lengths, m)
+    attn = attention_core(g, cfg, q, k, v, cfg.causal and lengths is None, offset=past, mask=m)
     g.output(_merge_and_project(g, attn, cfg, seq, batch), k, v)
     return g
 

@@ -153,10 +153,12 @@ def decoder_layer_graph(
     name: str | None = None,
     mask: str = "none",
     mask_per_query: bool = True,
+    past_lengths: bool = False,
 ) -> Graph:
     """One decoder layer: ``x_BSM`` -> ``out_BSM`` (with ``kv_cache``: also ``past_key``/``past_value`` in, ``present_*`` out).
 
-    ``mask``/``mask_per_query``: an ``attn_mask`` input as :func:`~graphc.attention.attention_layer_graph` takes it.
+    ``mask``/``mask_per_query``: an ``attn_mask`` input as :func:`~graphc.attention.attention_layer_graph` takes it;
+    ``past_lengths`` (with ``kv_cache``): ragged caches, as :func:`~graphc.attention.kv_cache_graph` takes them.
     """
     weights = init_decoder_weights(cfg, seed, dtype) if weights is None else weights
     _check(cfg, weights, dtype)
@@ -169,16 +171,17 @@ def decoder_layer_graph(
     h = _norm(g, cfg, x, "input_layernorm")
     masking = {"mask": mask, "mask_per_query": mask_per_query}
     if kv_cache:
-        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, **masking)
+        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, **masking)
         pk = g.input("past_key", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         pv = g.input("past_value", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         bindings: dict[str, Value] = {"x_BSM": h, "past_key": pk, "past_value": pv}
     else:
         layer = attention_layer_graph(cfg.attention, batch, seq, weights=attn_weights, dtype=dtype, **masking)
         bindings = {"x_BSM": h}
-    if "attn_mask" in layer.inputs:
-        t = layer.types["attn_mask"]
-        bindings["attn_mask"] = g.input("attn_mask", list(t.shape), t.dtype)
+    for shared in ("attn_mask", "past_lengths"):
+        if shared in layer.inputs:
+            t = layer.types[shared]
+            bindings[shared] = g.input(shared, list(t.shape), t.dtype)
     outs = g.call(layer, bindings, prefix="self_attn.")
     a = outs["out_BSM"]
     mlp = gated_mlp if cfg.mlp == "gated" else plain_mlp
@@ -216,13 +219,15 @@ def decoder_stack_graph(
     name: str | None = None,
     mask: str = "none",
     mask_per_query: bool = True,
+    past_lengths: bool = False,
 ) -> Graph:
     """``n_layers`` decoder layers in a row (one config for all, or one per layer: Gemma 2 alternates windows).
 
     ``weights`` is one mapping with transformers' names (``model.layers.{i}.self_attn.q_proj.weight`` ...,
     and ``model.norm.weight`` with ``final_norm``), as a model's ``state_dict`` has them; default random.
     With ``kv_cache`` layer i takes ``past_key.{i}``/``past_value.{i}`` and returns ``present_key.{i}``/``present_value.{i}``.
-    ``mask``/``mask_per_query``: one ``attn_mask`` input that every layer applies (a padding mask, say).
+    ``mask``/``mask_per_query``: one ``attn_mask`` input that every layer applies (a padding mask, say);
+    ``past_lengths`` (with ``kv_cache``): one ``past_lengths [B]`` input for ragged caches.
     """
     layers = [cfgs] * (n_layers or 1) if isinstance(cfgs, DecoderConfig) else list(cfgs)
     if n_layers is not None and len(layers) != n_layers:
@@ -244,12 +249,15 @@ def decoder_stack_graph(
             layer_weights = {n[len(prefix) :]: a for n, a in weights.items() if n.startswith(prefix)}
             if not layer_weights:
                 raise WeightError(f"no weights start with {prefix!r}; expected transformers' names such as {prefix}self_attn.q_proj.weight")
-        layer = decoder_layer_graph(cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype, mask=mask, mask_per_query=mask_per_query)
+        layer = decoder_layer_graph(
+            cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype, mask=mask, mask_per_query=mask_per_query, past_lengths=past_lengths
+        )
         bindings: dict[str, Value | str] = {"x_BSM": x}
-        if "attn_mask" in layer.inputs:
-            if "attn_mask" not in g.types:
-                g.input("attn_mask", list(layer.types["attn_mask"].shape), layer.types["attn_mask"].dtype)
-            bindings["attn_mask"] = "attn_mask"
+        for shared in ("attn_mask", "past_lengths"):
+            if shared in layer.inputs:
+                if shared not in g.types:
+                    g.input(shared, list(layer.types[shared].shape), layer.types[shared].dtype)
+                bindings[shared] = shared
         if kv_cache:
             for kind in ("key", "value"):
                 bindings[f"past_{kind}"] = g.input(f"past_{kind}.{i}", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
