@@ -191,3 +191,23 @@ def test_softcap_rides_on_the_fused_onnx_attention_op(kind):
     for backend in ("onnx-reference", "ort-cpu"):
         got = prepare(opt, backend, attention="onnx-attention", sizes=sizes).run(feeds)[out]
         np.testing.assert_allclose(got, want, **TOL, err_msg=backend)
+
+
+@pytest.mark.parametrize("left, right", [(2, 1), (1, 0), (3, 4)])
+def test_a_band_for_non_causal_attention(left, right):
+    """Non-causal, query i sees keys i - left < j <= i + right: a reference written from that definition."""
+    cfg = AttentionConfig(32, 4, 2, head_dim=8, causal=False, sliding_window=left, right_window=right)
+    g = graphc.sdpa_graph(cfg)
+    feeds = random_inputs(g, seed=9, batch=1, seq=7)
+    q, k, v = (feeds[n].astype(np.float64) for n in ("q_BHSD", "k_BHkvTD", "v_BHkvTD"))
+    i, j = np.arange(7)[:, None], np.arange(7)[None, :]
+    visible = (j > i - left) & (j <= i + right)
+    s = np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, 2, axis=1)) * 8**-0.5
+    s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), np.repeat(v, 2, axis=1))
+    _check_all(g, feeds, want, {"batch": 1, "seq": 7})
+    with pytest.raises(AttentionConfigError, match="right_window"):
+        AttentionConfig(32, 4, 2, head_dim=8, causal=True, sliding_window=2, right_window=1)
+    with pytest.raises(AttentionConfigError, match="needs right_window"):
+        AttentionConfig(32, 4, 2, head_dim=8, causal=False, sliding_window=2)

@@ -138,6 +138,9 @@ def attention_core(
         s = g.add(s, bias, name=g.fresh_name("alibi_BHST"))
     if causal:
         s = g.add_node(CausalMask(offset, cfg.sliding_window), [s], g.fresh_name("causal_BHST"))
+    elif cfg.right_window is not None and cfg.sliding_window is not None:  # a band: a causal mask shifted right by R, widened by R
+        band = CausalMask(dim_add(offset, cfg.right_window), cfg.sliding_window + cfg.right_window)
+        s = g.add_node(band, [s], g.fresh_name("band_BHST"))
     if mask is not None and mask.type.dtype == "bool":
         neg_inf = g.constant(g.fresh_name("neg_inf"), np.array(-np.inf, dtype=s.dtype))
         s = g.where(mask, s, neg_inf, name=g.fresh_name("masked_BHST"))

@@ -75,7 +75,9 @@ class AttentionConfig:
     ``head_dim ** -0.5``; ``bias`` adds biases to the four projections.
     ``dropout`` is recorded for fidelity but graphs are built for inference (no dropout).
     ``sliding_window``: each query sees its last ``sliding_window`` keys (with
-    ``causal``; Mistral, Gemma 2).  ``softcap``: attention logits become
+    ``causal``; Mistral, Gemma 2).  Non-causal attention can be banded instead:
+    ``sliding_window=W, right_window=R`` shows query i the keys
+    ``i + o - W < j <= i + o + R`` (``o`` the cache offset).  ``softcap``: attention logits become
     ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).  ``rope``:
     rotary embedding of queries and keys (:class:`RopeConfig`), positions
     counted from the KV cache's past length.  ``biases``: which projections
@@ -97,6 +99,7 @@ class AttentionConfig:
     dropout: float = 0.0
     sliding_window: int | None = None
     softcap: float | None = None
+    right_window: int | None = None
     rope: RopeConfig | None = None
     biases: tuple[str, ...] | None = None
     qk_norm_eps: float | None = None
@@ -129,8 +132,13 @@ class AttentionConfig:
             raise AttentionConfigError(f"dropout must be in [0, 1], got {self.dropout!r}")
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)
-            if not self.causal:
-                raise AttentionConfigError("sliding_window needs causal=True (a left window over past keys)")
+            if not self.causal and self.right_window is None:
+                raise AttentionConfigError("a non-causal sliding_window needs right_window too (a band of keys around each query)")
+        if self.right_window is not None:
+            if isinstance(self.right_window, bool) or not isinstance(self.right_window, int) or self.right_window < 0:
+                raise AttentionConfigError(f"right_window must be an int >= 0, got {self.right_window!r}")
+            if self.causal or self.sliding_window is None:
+                raise AttentionConfigError("right_window is for non-causal attention with a sliding_window (a band of keys around each query)")
         if self.qk_norm_eps is not None and (isinstance(self.qk_norm_eps, bool) or not isinstance(self.qk_norm_eps, (int, float)) or not 0 <= self.qk_norm_eps < 1):
             raise AttentionConfigError(f"qk_norm_eps must be a small number >= 0 or None, got {self.qk_norm_eps!r}")
         if not isinstance(self.alibi, bool):
@@ -239,6 +247,7 @@ class AttentionConfig:
             f"{self.kind}: d_model={self.d_model}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.hd}, group_size={self.group_size}",
             f"  causal={self.causal}, bias={self.bias}, scale={self.softmax_scale:.6g}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
+            + (f", right_window={self.right_window}" if self.right_window is not None else "")
             + (f", softcap={self.softcap:g}" if self.softcap is not None else ""),
             f"  parameters per layer: {self.param_count():,} (with bias {self.param_count(True):,}, without {self.param_count(False):,})",
             f"  KV cache ({dtype}, {n_layers} layer(s)): {per_token:,} bytes/token; {kv / 2**20:,.1f} MiB at batch={batch}, seq={seq_len}",
