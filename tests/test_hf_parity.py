@@ -275,6 +275,9 @@ def test_safetensors_weights_give_the_state_dicts_numbers(tmp_path):
         np.testing.assert_allclose(got, want, **TOL)
     mapped = decoder_stack_graph(cfgs, weights={k: v for k, v in from_file.items() if k.startswith("model.")}, final_norm=True)
     assert np.shares_memory(mapped.initializers["model.layers.0.mlp.up_proj.weight"], from_file["model.layers.0.mlp.up_proj.weight"])
+    optimized = graphc.optimize(mapped, hints={"batch": 1, "seq": 64}).graph  # the maps stay mapped through the optimizer
+    big = {n: a for n, a in optimized.initializers.items() if a.size > 256}
+    assert big and all(any(np.shares_memory(a, m) for m in from_file.values()) for a in big.values())
 
 
 @pytest.mark.parametrize(
@@ -536,3 +539,18 @@ def test_stack_with_equal_past_lengths_equals_the_plain_stack():
     got = prepare(ragged, "ort-cpu").run({**feeds, "past_lengths": np.array([5, 5], np.int64)})
     for name in want:
         np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=name)
+
+
+def test_position_ids_input_drives_rope():
+    """Explicit position ids (here: a sequence continuing at 40) give transformers' numbers for those positions."""
+    config, module, rope = _module("llama")
+    cfg = attention_config_from_hf(config)
+    x = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(13))
+    positions = torch.tensor([[40, 41, 42]])
+    with torch.no_grad():
+        want, _ = module(x, position_embeddings=rope(x, positions), attention_mask=_mask(1, 3, 0, None))
+    g = graphc.kv_cache_graph(cfg, weights=_weights(module), position_ids=True)
+    feeds = {"x_BSM": x.numpy(), "past_key": np.zeros((1, 2, 0, 8), np.float32), "past_value": np.zeros((1, 2, 0, 8), np.float32),
+             "position_ids": positions.numpy()}
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(prepare(g, backend).run(feeds)["out_BSM"], want.numpy(), **TOL, err_msg=backend)

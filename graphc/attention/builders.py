@@ -243,14 +243,18 @@ def _both(g: Graph, a: Value, b: Value | None) -> Value:
     return g.where(a, b, g.constant(g.fresh_name("false"), np.array(False)), name=g.fresh_name("keep_both"))
 
 
-def _rotate(g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim, lengths: Value | None = None) -> tuple[Value, Value]:
+def _rotate(
+    g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim, lengths: Value | None = None, positions: Value | None = None
+) -> tuple[Value, Value]:
     """Rotary embedding of ``q`` and ``k`` ``[B, heads, S, D]`` at positions ``offset + 0..S-1`` (when ``cfg.rope``).
 
     With ``lengths`` (each sequence's past length ``P_b``) the new tokens of sequence b sit at ``P_b + 0..S-1``.
     """
     if cfg.rope is None:
         return q, k
-    if lengths is None:
+    if positions is not None:
+        pass  # given by the caller ([B, S] position ids)
+    elif lengths is None:
         positions = g.add_node(Positions(2, offset), [q], g.fresh_name("positions_S"))
     else:
         sq, batch = q.type.shape[2], q.type.shape[0]
@@ -350,6 +354,7 @@ def kv_cache_graph(
     mask: str = "none",
     mask_per_query: bool = True,
     past_lengths: bool = False,
+    position_ids: bool = False,
 ) -> Graph:
     """One step of a layer with a KV cache (prefill when ``past`` is 0, decode when ``seq`` is 1).
 
@@ -359,7 +364,9 @@ def kv_cache_graph(
     right-padded to ``past``: sequence b's past is its first ``P_b`` cache
     slots, its new tokens are tokens ``P_b..P_b+seq-1`` (RoPE positions
     included), padding slots are hidden, and the causal mask and window follow
-    token positions, so ragged caches decode in one step.
+    token positions, so ragged caches decode in one step.  ``position_ids`` adds
+    an int64 input ``position_ids [B, seq]`` that RoPE uses instead (the causal
+    mask still follows cache slots).
 
     Inputs ``x [B,S,d_model]``, ``past_key``/``past_value [B,Hkv,P,D]``; outputs
     ``out_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
@@ -374,8 +381,9 @@ def kv_cache_graph(
     lengths = g.input("past_lengths", [batch], "int64") if past_lengths else None
     if lengths is not None and mask == "additive":
         raise WeightError("past_lengths combines with a bool mask, not an additive one")
+    positions = g.input("position_ids", [batch, seq], "int64") if position_ids else None
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
-    q, k_new = _rotate(g, cfg, q, k_new, offset=past, lengths=lengths)
+    q, k_new = _rotate(g, cfg, q, k_new, offset=past, lengths=lengths, positions=positions)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     if lengths is not None:

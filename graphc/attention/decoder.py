@@ -154,11 +154,13 @@ def decoder_layer_graph(
     mask: str = "none",
     mask_per_query: bool = True,
     past_lengths: bool = False,
+    position_ids: bool = False,
 ) -> Graph:
     """One decoder layer: ``x_BSM`` -> ``out_BSM`` (with ``kv_cache``: also ``past_key``/``past_value`` in, ``present_*`` out).
 
     ``mask``/``mask_per_query``: an ``attn_mask`` input as :func:`~graphc.attention.attention_layer_graph` takes it;
-    ``past_lengths`` (with ``kv_cache``): ragged caches, as :func:`~graphc.attention.kv_cache_graph` takes them.
+    ``past_lengths``/``position_ids`` (with ``kv_cache``): ragged caches and explicit RoPE positions, as
+    :func:`~graphc.attention.kv_cache_graph` takes them.
     """
     weights = init_decoder_weights(cfg, seed, dtype) if weights is None else weights
     _check(cfg, weights, dtype)
@@ -171,14 +173,14 @@ def decoder_layer_graph(
     h = _norm(g, cfg, x, "input_layernorm")
     masking = {"mask": mask, "mask_per_query": mask_per_query}
     if kv_cache:
-        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, **masking)
+        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, position_ids=position_ids, **masking)
         pk = g.input("past_key", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         pv = g.input("past_value", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         bindings: dict[str, Value] = {"x_BSM": h, "past_key": pk, "past_value": pv}
     else:
         layer = attention_layer_graph(cfg.attention, batch, seq, weights=attn_weights, dtype=dtype, **masking)
         bindings = {"x_BSM": h}
-    for shared in ("attn_mask", "past_lengths"):
+    for shared in ("attn_mask", "past_lengths", "position_ids"):
         if shared in layer.inputs:
             t = layer.types[shared]
             bindings[shared] = g.input(shared, list(t.shape), t.dtype)
@@ -220,6 +222,7 @@ def decoder_stack_graph(
     mask: str = "none",
     mask_per_query: bool = True,
     past_lengths: bool = False,
+    position_ids: bool = False,
 ) -> Graph:
     """``n_layers`` decoder layers in a row (one config for all, or one per layer: Gemma 2 alternates windows).
 
@@ -227,7 +230,7 @@ def decoder_stack_graph(
     and ``model.norm.weight`` with ``final_norm``), as a model's ``state_dict`` has them; default random.
     With ``kv_cache`` layer i takes ``past_key.{i}``/``past_value.{i}`` and returns ``present_key.{i}``/``present_value.{i}``.
     ``mask``/``mask_per_query``: one ``attn_mask`` input that every layer applies (a padding mask, say);
-    ``past_lengths`` (with ``kv_cache``): one ``past_lengths [B]`` input for ragged caches.
+    ``past_lengths``/``position_ids`` (with ``kv_cache``): one input each, shared by every layer.
     """
     layers = [cfgs] * (n_layers or 1) if isinstance(cfgs, DecoderConfig) else list(cfgs)
     if n_layers is not None and len(layers) != n_layers:
@@ -250,10 +253,11 @@ def decoder_stack_graph(
             if not layer_weights:
                 raise WeightError(f"no weights start with {prefix!r}; expected transformers' names such as {prefix}self_attn.q_proj.weight")
         layer = decoder_layer_graph(
-            cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype, mask=mask, mask_per_query=mask_per_query, past_lengths=past_lengths
+            cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype, mask=mask, mask_per_query=mask_per_query, past_lengths=past_lengths,
+            position_ids=position_ids,
         )
         bindings: dict[str, Value | str] = {"x_BSM": x}
-        for shared in ("attn_mask", "past_lengths"):
+        for shared in ("attn_mask", "past_lengths", "position_ids"):
             if shared in layer.inputs:
                 if shared not in g.types:
                     g.input(shared, list(layer.types[shared].shape), layer.types[shared].dtype)
