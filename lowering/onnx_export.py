@@ -230,6 +230,8 @@ def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
             num_heads=int(n_heads),
             kv_num_heads=int(n_kv),
             scale=op.scale,
+            **({"softcap": op.softcap} if op.softcap is not None else {}),
+            **({"local_window_size": op.window} if op.window is not None else {}),  # the same window: keys i+P-W < j <= i+P
         )
     )
     y = b.reshape(packed, [batch, sq, n_heads, head_dim])

@@ -74,8 +74,6 @@ def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) ->
     op: Attention = node.op  # type: ignore[assignment]
     if op.causal_offset is None:
         return "GroupQueryAttention is causal only, and this attention has no causal mask"
-    if op.window is not None or op.softcap is not None:
-        return "a sliding window or softcap is kept decomposed for GroupQueryAttention (not verified against graphc's semantics)"
     if op.has_mask:
         return "GroupQueryAttention takes no user mask"
     if normalize_dim(op.causal_offset) != _past_len(graph, node):

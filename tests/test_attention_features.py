@@ -102,9 +102,13 @@ def test_a_sliding_window_survives_every_export_mode():
         np.testing.assert_allclose(got, want, **TOL, err_msg=mode)
         ops = {n.op_type for n in export(g, attention=mode, sizes=sizes).graph.node}
         assert "Attention" not in ops and "GroupQueryAttention" not in ops
-    for mode in ("onnx-attention", "ort-gqa"):
-        with pytest.raises(ExportError, match="window"):
-            export(g, attention=mode, sizes=sizes)
+    with pytest.raises(ExportError, match="window"):
+        export(g, attention="onnx-attention", sizes=sizes)
+    gqa = export(g, attention="ort-gqa", sizes=sizes)  # onnxruntime's GroupQueryAttention carries it as local_window_size
+    [node] = [n for n in gqa.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [a.i for a in node.attribute if a.name == "local_window_size"] == [2]
+    got = prepare(g, "ort-cpu", attention="ort-gqa", sizes=sizes).run(feeds)["attn_BHSD"]
+    np.testing.assert_allclose(got, want, **TOL, err_msg="ort-gqa")
     assert onnx_target("auto", 23).attention is not None
 
 
@@ -211,3 +215,19 @@ def test_a_band_for_non_causal_attention(left, right):
         AttentionConfig(32, 4, 2, head_dim=8, causal=True, sliding_window=2, right_window=1)
     with pytest.raises(AttentionConfigError, match="needs right_window"):
         AttentionConfig(32, 4, 2, head_dim=8, causal=False, sliding_window=2)
+
+
+@pytest.mark.parametrize("past", [0, 6])
+def test_window_and_softcap_ride_on_onnxruntime_gqa(past):
+    """GroupQueryAttention's local_window_size is graphc's window and its softcap caps before masking: fused, same numbers."""
+    cfg = _cfg(window=3, softcap=2.0)
+    g = graphc.kv_cache_graph(cfg)
+    sizes = {"batch": 1, "seq": 1 if past else 5, "past_seq": past}
+    opt = optimize(g, hints=sizes).graph
+    feeds = random_inputs(g, seed=8, **sizes)
+    for k in feeds:
+        feeds[k] *= 3
+    want = prepare(g, "numpy", reference=True, compute_dtype="float64", sizes=sizes).run(feeds)
+    got = prepare(opt, "ort-cpu", attention="ort-gqa", sizes=sizes).run(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=name)
