@@ -36,11 +36,13 @@ def _family(name: str):
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     return {
         "llama": (transformers.LlamaConfig, llama.LlamaAttention, llama.LlamaRotaryEmbedding, {"rope_parameters": LLAMA3_ROPE}),
         "mistral": (transformers.MistralConfig, mistral.MistralAttention, mistral.MistralRotaryEmbedding, {"sliding_window": 3}),
         "qwen2": (transformers.Qwen2Config, qwen2.Qwen2Attention, qwen2.Qwen2RotaryEmbedding, {}),
+        "qwen3": (transformers.Qwen3Config, qwen3.Qwen3Attention, qwen3.Qwen3RotaryEmbedding, {}),
         "gemma2": (
             transformers.Gemma2Config,
             gemma2.Gemma2Attention,
@@ -56,8 +58,8 @@ def _module(name: str, seed: int = 0):
     torch.manual_seed(seed)
     module = attention_cls(config, layer_idx=0).eval()
     with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0.0, 0.3)
+        for pname, p in module.named_parameters():
+            p.normal_(1.0 if "norm" in pname else 0.0, 0.3)
     return config, module, rope_cls(config)
 
 
@@ -81,7 +83,7 @@ def _weights(module) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gemma2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
 TOL = {"atol": 1e-4, "rtol": 1e-3}
 
 
@@ -554,3 +556,25 @@ def test_position_ids_input_drives_rope():
              "position_ids": positions.numpy()}
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(prepare(g, backend).run(feeds)["out_BSM"], want.numpy(), **TOL, err_msg=backend)
+
+
+@pytest.mark.parametrize("kind", sorted(FALCONS))
+def test_falcon_attention_module_matches_transformers(kind):
+    """FalconAttention alone (fused QKV split by decoder_weights_from_hf), prefill and decode."""
+    from transformers.models.falcon import modeling_falcon as falcon
+
+    from graphc.attention.hf import decoder_weights_from_hf
+
+    config, layers, rope = _falcon(kind, 1)
+    module = layers[0].self_attention
+    mapped = decoder_weights_from_hf({f"transformer.h.0.self_attention.{k}": v.detach().numpy() for k, v in module.state_dict().items()}, config)
+    weights = {k[len("model.layers.0.self_attn.") :]: v for k, v in mapped.items()}
+    cfg = attention_config_from_hf(config)
+    x = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(14))
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        want = module(x, alibi=None, attention_mask=_mask(1, 5, 0, None), position_ids=positions, position_embeddings=rope(x, positions))[0]
+    g = graphc.attention_layer_graph(cfg, weights=weights)
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(prepare(g, backend).run({"x_BSM": x.numpy()})["out_BSM"], want.numpy(), **TOL, err_msg=f"{kind} {backend}")
+    assert isinstance(module, falcon.FalconAttention)
