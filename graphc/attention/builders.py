@@ -260,7 +260,7 @@ def _rotate(
         sq, batch = q.type.shape[2], q.type.shape[0]
         index = g.reshape(g.add_node(Positions(2, 0), [q], g.fresh_name("new_index_S")), [1, sq], name=g.fresh_name("new_index_1S"))
         positions = g.add(g.reshape(lengths, [batch, 1], name=g.fresh_name("past_lengths_B1")), index, name=g.fresh_name("positions_BS"))
-    op = cfg.rope.op()
+    op = cfg.rope
     return g.add_node(op, [q, positions], g.fresh_name("q_rot_BHSD")), g.add_node(op, [k, positions], g.fresh_name("k_rot_BHkvSD"))
 
 

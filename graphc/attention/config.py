@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from graphc.errors import AttentionConfigError, GraphcError, UnknownNameError
+from graphc.errors import AttentionConfigError, UnknownNameError
 from graphc.rotary import Rotary
 
 __all__ = ["AttentionConfig", "RopeConfig", "alibi_slopes", "PROJECTIONS", "Preset", "PRESETS", "preset", "preset_names", "mha", "mqa", "gqa"]
@@ -20,30 +20,8 @@ __all__ = ["AttentionConfig", "RopeConfig", "alibi_slopes", "PROJECTIONS", "Pres
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding of a layer's queries and keys (see :class:`graphc.Rotary` for the fields)."""
-
-    style: str = "half"
-    rotary_dim: int | None = None
-    base: float = 10000.0
-    scaling: str = "none"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    def __post_init__(self) -> None:
-        try:
-            self.op()
-        except GraphcError as e:
-            raise AttentionConfigError(f"rope: {e}") from None
-
-    def op(self) -> Rotary:
-        """The ``Rotary`` op these settings describe."""
-        return Rotary(
-            self.style, self.rotary_dim, self.base, self.scaling, self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position
-        )
+RopeConfig = Rotary
+"""A layer's rotary embedding: the :class:`graphc.Rotary` op's settings (style, rotary_dim, base, scaling ...)."""
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:
@@ -144,8 +122,8 @@ class AttentionConfig:
         if not isinstance(self.alibi, bool):
             raise AttentionConfigError(f"alibi must be a bool, got {self.alibi!r}")
         if self.rope is not None and not isinstance(self.rope, RopeConfig):
-            raise AttentionConfigError(f"rope must be a RopeConfig or None, got {type(self.rope).__name__}")
-        if self.rope is not None and self.rope.op().dim(self.hd) > self.hd:
+            raise AttentionConfigError(f"rope must be a RopeConfig (graphc.Rotary) or None, got {type(self.rope).__name__}")
+        if self.rope is not None and self.rope.dim(self.hd) > self.hd:
             raise AttentionConfigError(f"rope.rotary_dim {self.rope.rotary_dim} exceeds head_dim {self.hd}")
         if self.biases is not None:
             if isinstance(self.biases, str) or not all(isinstance(p, str) for p in self.biases):
