@@ -244,9 +244,19 @@ def _both(g: Graph, a: Value, b: Value | None) -> Value:
 
 
 def _rotate(
-    g: Graph, cfg: AttentionConfig, q: Value, k: Value, offset: Dim, lengths: Value | None = None, positions: Value | None = None
+    g: Graph,
+    cfg: AttentionConfig,
+    x: Value,
+    q: Value,
+    k: Value,
+    offset: Dim,
+    lengths: Value | None = None,
+    positions: Value | None = None,
 ) -> tuple[Value, Value]:
     """Rotary embedding of ``q`` and ``k`` ``[B, heads, S, D]`` at positions ``offset + 0..S-1`` (when ``cfg.rope``).
+
+    Positions are counted over the layer input ``x [B, S, M]``, so Q and K keep a single reader each
+    (the optimizer moves the attention scale through the rotation into a projection weight).
 
     With ``lengths`` (each sequence's past length ``P_b``) the new tokens of sequence b sit at ``P_b + 0..S-1``.
     """
@@ -255,10 +265,10 @@ def _rotate(
     if positions is not None:
         pass  # given by the caller ([B, S] position ids)
     elif lengths is None:
-        positions = g.add_node(Positions(2, offset), [q], g.fresh_name("positions_S"))
+        positions = g.add_node(Positions(1, offset), [x], g.fresh_name("positions_S"))
     else:
         sq, batch = q.type.shape[2], q.type.shape[0]
-        index = g.reshape(g.add_node(Positions(2, 0), [q], g.fresh_name("new_index_S")), [1, sq], name=g.fresh_name("new_index_1S"))
+        index = g.reshape(g.add_node(Positions(1, 0), [x], g.fresh_name("new_index_S")), [1, sq], name=g.fresh_name("new_index_1S"))
         positions = g.add(g.reshape(lengths, [batch, 1], name=g.fresh_name("past_lengths_B1")), index, name=g.fresh_name("positions_BS"))
     op = cfg.rope
     return g.add_node(op, [q, positions], g.fresh_name("q_rot_BHSD")), g.add_node(op, [k, positions], g.fresh_name("k_rot_BHkvSD"))
@@ -315,7 +325,7 @@ def attention_layer_graph(
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     m = _mask_input(g, mask, mask_per_query, batch, seq, seq, dtype)
     q, k, v = _project_qkv(g, cfg, x, x, seq, seq, batch)
-    q, k = _rotate(g, cfg, q, k, offset=0)
+    q, k = _rotate(g, cfg, x, q, k, offset=0)
     attn = attention_core(g, cfg, q, k, v, cfg.causal, 0, m)
     g.output(_merge_and_project(g, attn, cfg, seq, batch))
     return g
@@ -383,7 +393,7 @@ def kv_cache_graph(
         raise WeightError("past_lengths combines with a bool mask, not an additive one")
     positions = g.input("position_ids", [batch, seq], "int64") if position_ids else None
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
-    q, k_new = _rotate(g, cfg, q, k_new, offset=past, lengths=lengths, positions=positions)
+    q, k_new = _rotate(g, cfg, x, q, k_new, offset=past, lengths=lengths, positions=positions)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     if lengths is not None:

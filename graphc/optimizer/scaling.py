@@ -4,7 +4,8 @@
 initializer operand when there is one (constant folding then bakes the scale
 into the weight), else the smallest operand, and only when that is smaller
 than the einsum's result.  Together with the layout hoisting rule this carries
-the scale from the scores to ``q_proj.weight`` (and ``q_proj.bias``).
+the scale from the scores to ``q_proj.weight`` (and ``q_proj.bias``), through
+a rotary embedding too (it is linear in the rotated tensor).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from graphc.dims import dim_is_nonnegative, dim_prod, dim_sub
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, Einsum, Scale
+from graphc.rotary import Rotary
 
 from .cleanup import only_reader, remove_if_dead
 from .grouping import HOIST_RULE
@@ -95,7 +97,24 @@ def _rewrite_scale_over_bias(graph: Graph, m: tuple[Node, Node], ctx: PassContex
     return f"scale distributed over both terms of {add.name!r}"
 
 
+def _match_scale_through_rotary(graph: Graph, node: Node, ctx: PassContext) -> object:
+    rot = graph.producer(node.inputs[0])
+    if rot is None or not isinstance(rot.op, Rotary):
+        return None
+    return (node, rot) if only_reader(graph, rot.name, node.name) else Miss(f"{rot.name!r} has other readers")
+
+
+def _rewrite_scale_through_rotary(graph: Graph, m: tuple[Node, Node], ctx: PassContext) -> str:
+    node, rot = m  # Rotary is linear in x: scale(rotary(x)) = rotary(scale(x))
+    x, positions = rot.inputs
+    scaled = graph.insert_before(rot.name, node.op, [x], f"{x}_scaled")
+    graph.redefine(node.name, rot.op, [scaled.name, positions])
+    remove_if_dead(graph, rot.name)
+    return f"moved Scale above Rotary {rot.name!r}"
+
+
 SCALE_RULES = (
+    Rule("scale_through_rotary", (Scale,), _match_scale_through_rotary, _rewrite_scale_through_rotary),
     Rule("merge_scales", (Scale,), _match_scale_of_scale, _rewrite_scale_of_scale),
     Rule("scale_into_einsum_operand", (Scale,), _match_scale_into_einsum, _rewrite_scale_into_einsum),
     Rule("scale_over_bias", (Scale,), _match_scale_over_bias, _rewrite_scale_over_bias),
