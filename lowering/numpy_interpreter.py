@@ -4,7 +4,9 @@ Each node runs through a kernel table: an op type maps to a fast kernel where
 the interpreter has one (``Einsum`` as batched GEMMs, a last-axis ``Softmax``
 blocked on a thread pool, ``Attention`` as the row-blocked kernel), and every
 other op falls back to its own reference semantics (``op.evaluate_all``).
-Values are dropped after their last reader, and a failing node is re-raised as
+Nodes that read only weights (the float32 casts a low-precision graph's
+weights get) run once when the interpreter is built.  Values are dropped
+after their last reader, and a failing node is re-raised as
 :class:`~graphc.errors.ExecutionError` naming the node and its op, with the
 original exception as ``__cause__``.
 
@@ -70,7 +72,8 @@ class NumpyInterpreter:
         self.compute_dtype = compute_dtype
         self.threads = threads
         self.kernels = REFERENCE_KERNELS if reference else FAST_KERNELS
-        self.order = graph.topological_order()
+        self._weights = {k: self._cast(v) for k, v in graph.initializers.items()}
+        self.order = self._precompute_constants(graph.topological_order())
         last: dict[str, int] = {}
         for idx, node in enumerate(self.order):
             for name in node.inputs:
@@ -79,7 +82,21 @@ class NumpyInterpreter:
         for name, idx in last.items():
             if not graph.is_output(name):
                 self._free_after[idx].append(name)
-        self._weights = {k: self._cast(v) for k, v in graph.initializers.items()}
+
+    def _precompute_constants(self, order: list[Any]) -> list[Any]:
+        """Run once, here, the nodes that read only weights (the float32 casts of low-precision weights); return the rest."""
+        rest = []
+        for node in order:
+            if node.inputs and all(i in self._weights for i in node.inputs) and not any(self.graph.is_output(o) for o in node.outputs):
+                try:
+                    results = self._run_node(node.op, [self._weights[i] for i in node.inputs], {})
+                except Exception:  # noqa: BLE001 - e.g. a symbol bound only at run time: run it then, with the usual error
+                    rest.append(node)
+                    continue
+                self._weights.update(zip(node.outputs, results))
+            else:
+                rest.append(node)
+        return rest
 
     def _cast(self, arr: np.ndarray) -> np.ndarray:
         if self.compute_dtype and str(arr.dtype) in FLOAT_DTYPES:
