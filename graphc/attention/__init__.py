@@ -1,4 +1,4 @@
-"""Attention layers as graphc graphs: configs, presets, statistics and builders."""
+"""Attention layers and decoder stacks as graphc graphs: configs, presets, statistics, builders, transformers configs."""
 
 from .builders import (
     attention_core,
@@ -10,10 +10,22 @@ from .builders import (
     sdpa_graph,
     weight_shapes,
 )
-from .config import PRESETS, AttentionConfig, Preset, gqa, mha, mqa, preset, preset_names
+from .config import PRESETS, AttentionConfig, Preset, RopeConfig, alibi_slopes, gqa, mha, mqa, preset, preset_names
+from .decoder import DecoderConfig, decoder_layer_graph, decoder_stack_graph, decoder_weight_shapes
+from .hf import attention_config_from_hf, decoder_config_from_hf, decoder_configs_from_hf, decoder_weights_from_hf
 
 __all__ = [
     "AttentionConfig",
+    "RopeConfig",
+    "alibi_slopes",
+    "DecoderConfig",
+    "decoder_layer_graph",
+    "decoder_stack_graph",
+    "decoder_weight_shapes",
+    "attention_config_from_hf",
+    "decoder_config_from_hf",
+    "decoder_configs_from_hf",
+    "decoder_weights_from_hf",
     "Preset",
     "PRESETS",
     "preset",
