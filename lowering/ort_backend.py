@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from graphc.dims import Shape, eval_shape
+from graphc.dims import Shape, eval_shape, is_static
 from graphc.errors import BackendError
 from graphc.graph import Graph
 from graphc.ops import Einsum
@@ -110,9 +110,10 @@ def prepare_ort(
     sessions = _Sessions(name, graph, model, provider, threads, isolate)
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
+    symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
 
     def run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        basic = static_empty or (bool(shapes) and has_empty_contraction(shapes, check_inputs(graph, inputs)))
+        basic = static_empty or (bool(symbolic) and has_empty_contraction(symbolic, check_inputs(graph, inputs)))
         feeds = {k: (v.astype(np.float32) if k in bf16_in else v) for k, v in inputs.items()}  # exact: bfloat16 is a float32 prefix
         outs = dict(zip(sessions.outputs, sessions.session(basic)(feeds)))
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}

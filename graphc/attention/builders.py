@@ -262,11 +262,9 @@ def _rotate(
     """
     if cfg.rope is None:
         return q, k
-    if positions is not None:
-        pass  # given by the caller ([B, S] position ids)
-    elif lengths is None:
+    if positions is None and lengths is None:
         positions = g.add_node(Positions(1, offset), [x], g.fresh_name("positions_S"))
-    else:
+    elif positions is None:
         sq, batch = q.type.shape[2], q.type.shape[0]
         index = g.reshape(g.add_node(Positions(1, 0), [x], g.fresh_name("new_index_S")), [1, sq], name=g.fresh_name("new_index_1S"))
         positions = g.add(g.reshape(lengths, [batch, 1], name=g.fresh_name("past_lengths_B1")), index, name=g.fresh_name("positions_BS"))
@@ -440,19 +438,31 @@ def attention_stack_graph(
         return attention_layer_graph(cfg, batch, seq, weights=layer_weights, seed=layer_seed, dtype=dtype)
 
     shared = build(None, seed) if tie_weights and weights is None else None
-    presents = []
+    presents: list[tuple[Value, str]] = []
     for i in range(n_layers):
         layer = shared or build(None if weights is None else weights[i], seed + i)
-        bindings: dict[str, Value] = {"x_BSM": x}
-        if kv_cache:
-            for kind in ("key", "value"):
-                bindings[f"past_{kind}"] = g.input(f"past_{kind}.{i}", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
+        bindings: dict[str, Value | str] = {"x_BSM": x, **(layer_cache_inputs(g, i, cfg, batch, past, dtype) if kv_cache else {})}
         outs = g.call(layer, bindings, prefix=f"layers.{i}.")
         x = outs["out_BSM"]
-        presents += [(outs[f"present_{kind}"], f"present_{kind}.{i}") for kind in ("key", "value")] if kv_cache else []
+        presents += layer_presents(outs, i) if kv_cache else []
+    name_stack_outputs(g, x, presents)
+    return g
+
+
+def layer_cache_inputs(g: Graph, i: int, cfg: AttentionConfig, batch: Dim, past: Dim, dtype: str) -> dict[str, Value | str]:
+    """A stack's ``past_key.{i}``/``past_value.{i}`` inputs for layer ``i``, keyed by the layer graph's input names."""
+    return {f"past_{kind}": g.input(f"past_{kind}.{i}", [batch, cfg.n_kv_heads, past, cfg.hd], dtype) for kind in ("key", "value")}
+
+
+def layer_presents(outs: Mapping[str, Value], i: int) -> list[tuple[Value, str]]:
+    """Layer ``i``'s ``present_key``/``present_value`` and the names the stack gives them."""
+    return [(outs[f"present_{kind}"], f"present_{kind}.{i}") for kind in ("key", "value")]
+
+
+def name_stack_outputs(g: Graph, x: Value, presents: Sequence[tuple[Value, str]]) -> None:
+    """Name a stack's last hidden state ``out_BSM`` and its caches ``present_*.{i}``, and make them the outputs."""
     g.rename_value(x.name, "out_BSM")
     g.output("out_BSM")
     for value, new in presents:
         g.rename_value(value.name, new)
         g.output(new)
-    return g

@@ -27,7 +27,7 @@ from graphc.memory import check_allocation
 from graphc.ops import check_dtype
 
 from .blocks import ACTIVATIONS, gated_mlp, layer_norm, plain_mlp, rms_norm
-from .builders import attention_layer_graph, kv_cache_graph, weight_shapes
+from .builders import attention_layer_graph, kv_cache_graph, layer_cache_inputs, layer_presents, name_stack_outputs, weight_shapes
 from .config import AttentionConfig
 
 __all__ = ["DecoderConfig", "decoder_weight_shapes", "decoder_layer_graph", "decoder_stack_graph", "init_decoder_weights", "MLP_KINDS", "NORM_KINDS"]
@@ -243,7 +243,7 @@ def decoder_stack_graph(
     g = Graph(name or f"decoder_stack_{len(layers)}")
     d = layers[0].attention.d_model
     x = g.input("x_BSM", [batch, seq, d], dtype)
-    presents = []
+    presents: list[tuple[Value, str]] = []
     for i, cfg in enumerate(layers):
         prefix = f"model.layers.{i}."
         if weights is None:
@@ -263,12 +263,10 @@ def decoder_stack_graph(
                     g.input(shared, list(layer.types[shared].shape), layer.types[shared].dtype)
                 bindings[shared] = shared
         if kv_cache:
-            for kind in ("key", "value"):
-                bindings[f"past_{kind}"] = g.input(f"past_{kind}.{i}", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
+            bindings.update(layer_cache_inputs(g, i, cfg.attention, batch, past, dtype))
         outs = g.call(layer, bindings, prefix=prefix)
         x = outs["out_BSM"]
-        if kv_cache:
-            presents += [(outs["present_key"], f"present_key.{i}"), (outs["present_value"], f"present_value.{i}")]
+        presents += layer_presents(outs, i) if kv_cache else []
     if final_norm:
         names = ["model.norm.weight"] + (["model.norm.bias"] if layers[-1].norm == "layer" else [])
         if weights is None or any(n not in weights for n in names):
@@ -276,10 +274,6 @@ def decoder_stack_graph(
         for n in names:
             g.add_initializer(n, weights[n], copy=False)
         x = _norm(g, layers[-1], x, "model.norm")
-    g.rename_value(x.name, "out_BSM")
-    g.output("out_BSM")
-    for value, new in presents:
-        g.rename_value(value.name, new)
-        g.output(new)
+    name_stack_outputs(g, x, presents)
     return g
 
