@@ -231,3 +231,26 @@ def test_window_and_softcap_ride_on_onnxruntime_gqa(past):
     got = prepare(opt, "ort-cpu", attention="ort-gqa", sizes=sizes).run(feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 6, 4, 5), (2, 6, 4, 5), (2, 1, 1, 5), (4, 5)])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_broadcast_from_batch_and_head_axes(mask_shape, kind):
+    """A mask of [B or 1, H or 1, Sq, Sk] (or [Sq, Sk]) on grouped heads: per-head masks must reach the right query head."""
+    g = graphc.Graph("masked")
+    q, k, v = g.input("q", [2, 6, 4, 8]), g.input("k", [2, 2, 5, 8]), g.input("v", [2, 2, 5, 8])
+    m = g.input("m", list(mask_shape), "bool" if kind == "bool" else "float32")
+    g.output(g.attention(q, k, v, 0.25, None, m, kind, names=["o"]))
+    rng = np.random.default_rng(4)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in (("q", (2, 6, 4, 8)), ("k", (2, 2, 5, 8)), ("v", (2, 2, 5, 8)))}
+    keep = rng.random(mask_shape) < 0.6
+    keep[..., 0] = True  # every row keeps a key
+    feeds["m"] = keep if kind == "bool" else np.where(keep, rng.standard_normal(mask_shape), -np.inf).astype(np.float32)
+    s = np.einsum("bhqd,bhkd->bhqk", feeds["q"].astype(np.float64), np.repeat(feeds["k"], 3, axis=1)) * 0.25
+    s = np.where(np.broadcast_to(keep, s.shape), s, -np.inf) if kind == "bool" else s + feeds["m"]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), np.repeat(feeds["v"], 3, axis=1))
+    for backend in BACKENDS:
+        if not _available(backend):
+            continue
+        np.testing.assert_allclose(prepare(g, backend).run(feeds)["o"], want, **TOL, err_msg=backend)
