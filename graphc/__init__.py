@@ -27,6 +27,8 @@ from .einsum_spec import parse_einsum
 from .graph import Graph, Node, Value
 from .ops import TensorType
 from .rotary import Positions, Rotary
+from .opaque import Opaque
+from .tensor_ops import Gather, Reduce, ShapeValues, Slice
 from .optimizer import OptimizationReport, graph_cost, optimize
 from .serialize import load_graph, save_graph
 
@@ -44,6 +46,11 @@ __all__ = [
     "decompose_attention",
     "Positions",
     "Rotary",
+    "Opaque",
+    "Reduce",
+    "Gather",
+    "ShapeValues",
+    "Slice",
     "Dim",
     "parse_einsum",
     "save_graph",

@@ -27,6 +27,7 @@ __all__ = [
     "ExecutionError",
     "OptimizerError",
     "ExportError",
+    "OnnxImportError",
     "ResourceLimitError",
     "BackendError",
     "BackendUnavailableError",
@@ -119,6 +120,10 @@ class OptimizerError(GraphcError, RuntimeError):
 
 class ExportError(GraphcError, ValueError):
     """A graph cannot be expressed in ONNX with the requested options."""
+
+
+class OnnxImportError(GraphcError, ValueError):
+    """An ONNX model cannot be imported: unreadable file, unsafe external data, unknown opset, an op or shape graphc cannot express (``--strict``)."""
 
 
 class ResourceLimitError(GraphcError, MemoryError):

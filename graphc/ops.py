@@ -57,7 +57,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 """Storage dtypes whose values every backend computes with in float32 (see :mod:`graphc.optimizer.precision`)."""
 UNARY_FUNCTIONS = ("exp", "neg", "tanh", "sqrt", "reciprocal", "relu", "sigmoid", "cos", "sin", "erf")
-BINARY_FUNCTIONS = ("add", "sub", "mul", "div", "max")
+BINARY_FUNCTIONS = ("add", "sub", "mul", "div", "max", "min", "pow")
 
 
 def check_dtype(dtype: str) -> str:
@@ -576,6 +576,8 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "mul": np.multiply,
     "div": lambda a, b: integer_divide(a, b) if a.dtype.kind in "iu" else np.divide(a, b),
     "max": np.maximum,
+    "min": np.minimum,
+    "pow": lambda a, b: np.power(a, b) if a.dtype.kind == "f" else np.power(a, np.maximum(b, np.zeros((), b.dtype))),
 }
 
 OP_TYPES: dict[str, type[Op]] = {

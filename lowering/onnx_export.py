@@ -31,7 +31,9 @@ from graphc.graph import Graph, Node
 from graphc.numerics import contiguous, hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import PassContext, lower
+from graphc.opaque import Opaque
 from graphc.rotary import Positions
+from graphc.tensor_ops import Gather, Reduce, ShapeValues, Slice
 
 from .contraction import plan_matmul
 from .targets import ATTENTION_MODES, onnx_target
@@ -54,7 +56,8 @@ _UNARY = {
     "cos": "Cos", "sin": "Sin", "erf": "Erf",
 }
 _COMPARE = {"less": "Less", "less_equal": "LessOrEqual", "greater": "Greater", "greater_equal": "GreaterOrEqual", "equal": "Equal"}
-_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max"}
+_REDUCE = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax", "min": "ReduceMin"}
+_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min", "pow": "Pow"}
 
 
 class OnnxBuilder:
@@ -326,6 +329,23 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
         length = g.types[ins[0]].shape[op.axis]
         b.op("Range", [scalar(op.offset), scalar(dim_add(op.offset, length)), b.const(np.array(1, np.int64), "one")], out)
+    elif isinstance(op, Reduce):
+        axes = b.const(np.array(op.normalized_axes(g.types[ins[0]].rank), np.int64), "axes")
+        b.op(_REDUCE[op.fn], [ins[0], axes], out, keepdims=int(op.keepdims))
+    elif isinstance(op, Gather):
+        b.op("Gather", ins, out, axis=op.axis)
+    elif isinstance(op, Slice):
+        axis = op.axis % g.types[ins[0]].rank
+        one = lambda v: b.const(np.array([v], np.int64), "i")  # noqa: E731
+        b.op("Slice", [ins[0], b.dim(op.start), b.dim(op.stop), one(axis), one(op.step)], out)
+    elif isinstance(op, ShapeValues):
+        values = b.shape(op.values)
+        if op.scalar:
+            b.op("Squeeze", [values, b.const(np.array([0], np.int64), "axes")], out)
+        else:
+            b.op("Identity", [values], out)
+    elif isinstance(op, Opaque):
+        b.nodes.append(op.node_proto(ins, list(node.outputs), b.fresh(f"n_{out}")))
     elif isinstance(op, CausalMask):
         hidden = causal_hidden(b, ins[0], g.types[ins[0]].shape, op.offset, op.window)
         b.op("Where", [hidden, b.const(np.array(-np.inf, dtype), "neg_inf"), ins[0]], out)
@@ -419,8 +439,9 @@ def export(
         b.initializers,
     )
     imports = [helper.make_opsetid("", opset)]
-    if any(n.domain == "com.microsoft" for n in b.nodes):
-        imports.append(helper.make_opsetid("com.microsoft", 1))
+    domains = {n.domain for n in b.nodes} - {"", "ai.onnx"}
+    opaque_opsets = {n.op.domain: n.op.opset for n in lowered.topological_order() if isinstance(n.op, Opaque)}
+    imports += [helper.make_opsetid(d, opaque_opsets.get(d, 1)) for d in sorted(domains)]
     model = helper.make_model(onnx_graph, opset_imports=imports, producer_name="graphc")
     model.ir_version = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
     if path is not None:

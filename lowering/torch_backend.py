@@ -22,6 +22,7 @@ from graphc.numerics import contiguous
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import lower
 from graphc.rotary import Positions
+from graphc.tensor_ops import Gather, Reduce, Slice
 
 from .backends import Runner
 from .inputs import check_inputs
@@ -43,7 +44,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         return torch.where(zero, torch.zeros_like(q), q)
 
     compare = {"less": torch.lt, "less_equal": torch.le, "greater": torch.gt, "greater_equal": torch.ge, "equal": torch.eq}
-    binary = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": divide, "max": torch.maximum}
+    binary = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": divide, "max": torch.maximum, "min": torch.minimum, "pow": torch.pow}
 
     def softmax(op: Softmax, a: list[Any], env: dict[str, int]) -> Any:
         return torch.nan_to_num(torch.softmax(a[0], dim=op.axis), nan=0.0)
@@ -56,6 +57,11 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         if op.window is not None:
             hidden |= torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(offset - op.window)
         return x.masked_fill(hidden, float("-inf"))
+
+    def reduce(op: Reduce, a: list[Any], env: dict[str, int]) -> Any:
+        axes = list(op.normalized_axes(a[0].dim()))
+        fns = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
+        return fns[op.fn](a[0], dim=axes, keepdim=op.keepdims) if axes else a[0].clone()
 
     def attention(op: Attention, a: list[Any], env: dict[str, int]) -> Any:
         q, k, v = a[:3]
@@ -90,6 +96,10 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         Compare: lambda op, a, env: compare[op.fn](a[0], a[1]),
         Scale: lambda op, a, env: a[0] * op.factor,
         CausalMask: causal,
+        Reduce: reduce,
+        Slice: lambda op, a, env: a[0][(slice(None),) * (op.axis % a[0].dim()) + (slice(eval_dim(op.start, env), eval_dim(op.stop, env), op.step),)],
+        Gather: lambda op, a, env: torch.index_select(a[0], op.axis, (a[1] % a[0].shape[op.axis]).reshape(-1)).reshape(
+            a[0].shape[: op.axis % a[0].dim()] + a[1].shape + a[0].shape[op.axis % a[0].dim() + 1 :]),
         Positions: lambda op, a, env: torch.arange(a[0].shape[op.axis], device=a[0].device) + eval_dim(op.offset, env),
     }
 
@@ -126,7 +136,14 @@ def prepare_torch(graph: Graph, device: str | None = None, threads: int | None =
         with torch.no_grad():
             for node in order:
                 try:
-                    result = kernels[type(node.op)](node.op, [env[i] for i in node.inputs], env_dims)
+                    kernel = kernels.get(type(node.op))
+                    args = [env[i] for i in node.inputs]
+                    if kernel is None:  # ShapeValues, Opaque: the op's own NumPy semantics
+                        arrays = node.op.evaluate_all([_to_numpy(torch, t.cpu()) for t in args], env_dims)
+                        result = tuple(_to_torch(torch, contiguous(r)).to(dev) for r in arrays)
+                        result = result if len(node.outputs) > 1 else result[0]
+                    else:
+                        result = kernel(node.op, args, env_dims)
                     env.update(zip(node.outputs, result if len(node.outputs) > 1 else (result,)))
                 except Exception as e:  # noqa: BLE001 - re-raised with the node attached
                     raise ExecutionError(f"torch backend: node {node.name!r} ({node.op}) failed: {type(e).__name__}: {e}", node.name) from e

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous
+from graphc.opaque import Opaque
 from graphc.ops import CausalMask, Einsum, Op, Repeat, Reshape, Transpose
 
 from .infra import Miss, Pass, PassContext, RewritePass, Rule
@@ -226,7 +227,7 @@ def _cse(graph: Graph, ctx: PassContext) -> bool:
     for node in graph.topological_order():
         key = (node.op, node.inputs)
         first = seen.get(key)
-        if first is not None and not any(graph.is_output(o) for o in node.outputs):
+        if first is not None and not isinstance(node.op, Opaque) and not any(graph.is_output(o) for o in node.outputs):
             for o, f in zip(node.outputs, first.outputs):
                 graph.replace_uses(o, f)
             graph.remove_node(node.name)
@@ -243,7 +244,7 @@ common_subexpression_elimination = Pass("cse", "merge nodes that apply the same 
 def _match_constant(graph: Graph, node: Node, ctx: PassContext) -> object:
     if not node.inputs or not all(graph.is_constant(i) for i in node.inputs):
         return None
-    if isinstance(node.op, Repeat) or len(node.outputs) != 1 or graph.is_output(node.name):
+    if isinstance(node.op, (Repeat, Opaque)) or len(node.outputs) != 1 or graph.is_output(node.name):
         return None
     if ctx.numel(graph.types[node.name].shape) > CONSTANT_FOLD_LIMIT:
         return Miss(f"result has more than {CONSTANT_FOLD_LIMIT} elements")

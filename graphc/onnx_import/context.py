@@ -1,0 +1,202 @@
+"""What an ONNX value is while graphc imports it, and the context converters share.
+
+An ONNX value becomes one of:
+
+- a graphc value (``str``, its name): a tensor computed at run time;
+- a known array (``np.ndarray``): initializers, ``Constant`` and everything
+  computed from them only (folded at import time);
+- :class:`SymInts`: a small int tensor whose entries are dims (``Shape(x)``,
+  ``Gather(Shape(x), 1)``, ``Concat([batch, seq, 32, 128])``): shape
+  computations are evaluated symbolically, so ``Reshape`` gets a symbolic
+  target shape instead of a run-time shape tensor;
+- :class:`Filled` / :class:`Triangle`: ``ConstantOfShape``/``Expand`` of a scalar
+  to a symbolic shape, and ``Trilu`` of one (the causal masks exporters build
+  with ``torch.full(...).triu(k)``); they become a scalar, a ``CausalMask`` or
+  a position comparison where they meet a tensor;
+- :class:`Broadcast`: ``Expand`` of a tensor to a symbolic shape, used where
+  broadcasting makes it implicit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+import onnx
+
+from ..dims import Dim, format_shape, is_static, normalize_dim
+from ..errors import OnnxImportError
+from ..graph import Graph
+from ..tensor_ops import ShapeValues
+
+__all__ = ["SymInts", "Filled", "Triangle", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
+
+ONNX_TO_DTYPE = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.BOOL: "bool",
+}
+
+
+@dataclass(frozen=True)
+class SymInts:
+    """An int64 tensor of rank 0 or 1 whose entries are dims."""
+
+    values: tuple[Dim, ...]
+    scalar: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return () if self.scalar else (len(self.values),)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A tensor of symbolic ``shape`` filled with the scalar ``value``."""
+
+    value: np.ndarray
+    shape: tuple[Dim, ...]
+
+
+@dataclass(frozen=True)
+class Triangle:
+    """``Trilu(Filled, k)``: ``value`` where ``j - i >= k`` (upper) or ``j - i <= k`` (lower), else 0, over the last two axes."""
+
+    value: np.ndarray
+    shape: tuple[Dim, ...]
+    k: Dim
+    upper: bool
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """Graph value ``name`` broadcast to ``shape`` (an ``Expand`` to a symbolic shape)."""
+
+    name: str
+    shape: tuple[Dim, ...]
+
+
+Imported = Union[str, np.ndarray, SymInts, Filled, Triangle, Broadcast]
+
+
+def simplify(v: Imported) -> Imported:
+    """A :class:`SymInts` whose entries are all ints becomes a known array; a static :class:`Filled` becomes one too."""
+    if isinstance(v, SymInts) and all(isinstance(d, int) for d in v.values):
+        arr = np.array(v.values, np.int64)
+        return arr.reshape(()) if v.scalar else arr
+    if isinstance(v, Filled) and is_static(v.shape) and int(np.prod([int(d) for d in v.shape])) <= 1 << 20:
+        return np.full(tuple(int(d) for d in v.shape), v.value, v.value.dtype)
+    return v
+
+
+class ImportContext:
+    """The graph being built, the ONNX value map and the helpers converters share."""
+
+    def __init__(self, graph: Graph, opset: int, strict: bool) -> None:
+        self.graph = graph
+        self.opset = opset
+        self.strict = strict
+        self.env: dict[str, Imported] = {}
+        self.node: onnx.NodeProto | None = None
+        self.onnx_types: dict[str, onnx.TypeProto] = {}
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------ errors
+    def error(self, message: str) -> OnnxImportError:
+        """An import error that names the node being converted."""
+        n = self.node
+        where = f"node {n.name or n.output[0]!r} ({(n.domain + '::') if n.domain else ''}{n.op_type})" if n is not None else "model"
+        return OnnxImportError(f"{where}: {message}")
+
+    # ------------------------------------------------------------ values
+    def get(self, name: str) -> Imported | None:
+        """The imported form of ONNX value ``name`` (``None`` for an omitted optional input)."""
+        if not name:
+            return None
+        if name not in self.env:
+            raise self.error(f"input {name!r} is not defined before this node (the graph is not in topological order, or a name is misspelt)")
+        return self.env[name]
+
+    def known(self, v: Imported | None, what: str) -> np.ndarray:
+        """``v`` as a known array, or an error saying that ``what`` must be a constant."""
+        v = simplify(v) if v is not None else v
+        if not isinstance(v, np.ndarray):
+            raise self.error(f"{what} must be known when the model is imported (a constant or a shape computation), got a run-time tensor")
+        return v
+
+    def ints(self, v: Imported | None, what: str) -> tuple[Dim, ...]:
+        """``v`` as a 1-D sequence of dims (a known int array or a symbolic one)."""
+        v = simplify(v) if v is not None else v
+        if isinstance(v, SymInts):
+            return v.values
+        arr = self.known(v, what)
+        if arr.dtype.kind not in "iu":
+            raise self.error(f"{what} must be an int tensor, got {arr.dtype}")
+        return tuple(int(x) for x in arr.reshape(-1))
+
+    def shape_of(self, v: Imported) -> tuple[Dim, ...]:
+        """The shape of any imported value."""
+        if isinstance(v, str):
+            return self.graph.types[v].shape
+        if isinstance(v, np.ndarray):
+            return tuple(v.shape)
+        if isinstance(v, SymInts):
+            return v.shape
+        return v.shape
+
+    def dtype_of(self, v: Imported) -> str:
+        """The graphc dtype of any imported value."""
+        if isinstance(v, str):
+            return self.graph.types[v].dtype
+        if isinstance(v, (SymInts,)):
+            return "int64"
+        arr = v if isinstance(v, np.ndarray) else v.value if isinstance(v, (Filled, Triangle)) else None
+        if arr is None:
+            return self.graph.types[v.name].dtype  # type: ignore[union-attr]
+        return str(arr.dtype)
+
+    def tensor(self, v: Imported | None, what: str = "operand") -> str:
+        """``v`` as a graph value, adding a constant or a :class:`ShapeValues` node when needed."""
+        if v is None:
+            raise self.error(f"{what} is missing")
+        v = simplify(v)
+        if isinstance(v, str):
+            return v
+        if isinstance(v, np.ndarray):
+            return self.constant(v, what)
+        if isinstance(v, SymInts):
+            return self.graph.add_node(ShapeValues(v.values, v.scalar), [], self.graph.fresh_name("shape_values")).name
+        if isinstance(v, Broadcast):
+            raise self.error(f"{what}: an Expand of {v.name!r} to the symbolic shape {format_shape(v.shape)} is only supported where it broadcasts into another operand")
+        raise self.error(f"{what}: a constant fill of symbolic shape {format_shape(v.shape)} is only supported where it broadcasts into another operand")
+
+    def constant(self, arr: np.ndarray, base: str = "const") -> str:
+        """A new initializer holding ``arr`` (converted to a graphc dtype)."""
+        arr = np.asarray(arr)
+        if arr.dtype == np.uint8 or arr.dtype.kind == "U":
+            raise self.error(f"{base}: dtype {arr.dtype} has no graphc equivalent")
+        if arr.dtype.kind in "iu" and arr.dtype != np.int32:
+            arr = arr.astype(np.int64)
+        return self.graph.add_initializer(self.graph.fresh_name(_clean(base)), arr).name
+
+    def add(self, op: Any, inputs: Sequence[str], base: str = "t") -> str:
+        """Add a single-output node and return its value name."""
+        return self.graph.add_node(op, list(inputs), self.graph.fresh_name(_clean(base))).name
+
+    def dim(self, d: Dim) -> Dim:
+        """Normalize a dim, with the error on the node."""
+        try:
+            return normalize_dim(d)
+        except Exception as e:  # noqa: BLE001 - DimError or a bad int
+            raise self.error(str(e)) from None
+
+
+def _clean(name: str) -> str:
+    return name or "t"

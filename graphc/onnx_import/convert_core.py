@@ -1,0 +1,546 @@
+"""Converters for ONNX's tensor ops: elementwise, contractions, layout, reductions, masks.
+
+Each converter takes the import context, the node's imported inputs and its
+attributes and returns its imported outputs.  Contractions become einsums
+(``MatMul`` of ``[..., m, k]`` and ``[..., k, n]`` is ``"...mk,...kn->...mn"``
+with one letter per axis), layout ops become Reshape/Transpose/Slice, a scalar
+``Mul``/``Div`` becomes ``Scale``, and ``Expand`` of a size-1 axis becomes a
+``Repeat`` (which the optimizer turns into a grouped einsum when it is the
+KV-head repeat).
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..dims import Dim, dim_add, dim_sub, format_shape, normalize_dim
+from ..errors import GraphcError
+from ..ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
+from ..rotary import Positions
+from ..tensor_ops import Gather, Reduce, Slice
+from .context import Broadcast, Filled, Imported, ImportContext, ONNX_TO_DTYPE, SymInts, Triangle, simplify
+from .shapes import as_dims, reshape_target, sym_binary, sym_layout
+
+__all__ = ["CORE_CONVERTERS", "Converter"]
+
+Converter = Callable[[ImportContext, list, dict], list]
+LETTERS = string.ascii_letters
+
+_UNARY = {"Exp": "exp", "Neg": "neg", "Tanh": "tanh", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Relu": "relu", "Sigmoid": "sigmoid", "Cos": "cos", "Sin": "sin", "Erf": "erf"}
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Max": "max", "Min": "min"}
+_COMPARE = {"Less": "less", "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal", "Equal": "equal"}
+_NEG_INF_LIKE = -1e30  # additive masks fill with -inf or finfo(dtype).min; both hide a key
+
+
+def _scalar(ctx: ImportContext, value: np.ndarray | float, dtype: str) -> str:
+    return ctx.constant(np.asarray(value).astype(dtype).reshape(()), "scalar")
+
+
+# ---------------------------------------------------------------- positions
+def _positions_grid(ctx: ImportContext, x: str) -> str:
+    """``j - i`` over the last two axes of ``x`` as an int64 ``[S, T]`` tensor."""
+    shape = ctx.graph.types[x].shape
+    rows = ctx.add(Positions(len(shape) - 2), [x], "rows")
+    rows = ctx.add(Reshape((shape[-2], 1)), [rows], "rows_col")
+    cols = ctx.add(Positions(len(shape) - 1), [x], "cols")
+    return ctx.add(Binary("sub"), [cols, rows], "key_minus_query")
+
+
+def _dim_scalar(ctx: ImportContext, d: Dim) -> str:
+    return ctx.tensor(simplify(SymInts((normalize_dim(d),), True)), "dim")
+
+
+def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str:
+    """``x (fn) Triangle``: a ``CausalMask`` for the usual ``x + triu(-inf, k)``, else a position comparison."""
+    xs = ctx.graph.types[x].shape
+    if len(xs) < 2 or broadcast_shapes(xs, tri.shape) != xs:
+        raise ctx.error(f"a Trilu mask of shape {format_shape(tri.shape)} must broadcast into {x!r} {format_shape(xs)}")
+    value = float(tri.value)
+    if fn == "add" and tri.upper and value <= _NEG_INF_LIKE:
+        return ctx.add(CausalMask(dim_sub(tri.k, 1)), [x], "causal")
+    diff = _positions_grid(ctx, x)
+    keep = ctx.add(Compare("greater_equal" if tri.upper else "less_equal"), [diff, _dim_scalar(ctx, tri.k)], "tri_keep")
+    dtype = ctx.graph.types[x].dtype
+    mask = ctx.add(Where(), [keep, _scalar(ctx, tri.value, dtype), _scalar(ctx, 0, dtype)], "tri")
+    return ctx.add(Binary(fn), [x, mask], "t")
+
+
+def _lazy_operand(ctx: ImportContext, v: Imported, other_shape: Sequence[Dim], dtype: str) -> str:
+    """A :class:`Filled` or :class:`Broadcast` operand as the value that broadcasting makes equivalent."""
+    if isinstance(v, Filled):
+        if broadcast_shapes(other_shape, v.shape) != tuple(other_shape):
+            raise ctx.error(f"a constant fill of shape {format_shape(v.shape)} would enlarge its operand {format_shape(other_shape)}")
+        return _scalar(ctx, v.value, dtype)
+    if isinstance(v, Broadcast):
+        base = ctx.graph.types[v.name].shape
+        if broadcast_shapes(other_shape, base) != broadcast_shapes(other_shape, v.shape):
+            raise ctx.error(f"Expand of {v.name!r} to {format_shape(v.shape)} only imports where broadcasting makes it implicit")
+        return v.name
+    return ctx.tensor(v)
+
+
+def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[str, str] | str:
+    """Two graph values of one dtype for a broadcasting op (or the finished result, for a Triangle)."""
+    if isinstance(b, Triangle) and isinstance(a, str):
+        return _triangle_against(ctx, b, a, fn)
+    if isinstance(a, Triangle) and isinstance(b, str) and fn in ("add", "mul"):
+        return _triangle_against(ctx, a, b, fn)
+    lazy = (Filled, Broadcast)
+    if isinstance(a, lazy) and not isinstance(b, lazy):
+        bt = ctx.tensor(b)
+        return _lazy_operand(ctx, a, ctx.graph.types[bt].shape, ctx.graph.types[bt].dtype), bt
+    if isinstance(b, lazy) and not isinstance(a, lazy):
+        at = ctx.tensor(a)
+        return at, _lazy_operand(ctx, b, ctx.graph.types[at].shape, ctx.graph.types[at].dtype)
+    at, bt = ctx.tensor(a), ctx.tensor(b)
+    ta, tb = ctx.graph.types[at].dtype, ctx.graph.types[bt].dtype
+    if ta != tb:
+        if bt in ctx.graph.initializers and ctx.graph.initializers[bt].size == 1:
+            bt = ctx.constant(ctx.graph.initializers[bt].astype(ta), "scalar")
+        elif at in ctx.graph.initializers and ctx.graph.initializers[at].size == 1:
+            at = ctx.constant(ctx.graph.initializers[at].astype(tb), "scalar")
+        else:
+            raise ctx.error(f"operands have dtypes {ta} and {tb}; ONNX requires one dtype")
+    return at, bt
+
+
+# ---------------------------------------------------------------- elementwise
+def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
+    folded = sym_binary(op_type, ins)
+    if folded is not None:
+        return [folded]
+    a, b = ins
+    fn = _BINARY[op_type]
+    for x, y in ((a, b), (b, a)):  # x * c, c * x, x / c: a Scale
+        if isinstance(y, np.ndarray) and y.size == 1 and y.dtype.kind == "f" and isinstance(x, str) and (op_type == "Mul" or (op_type == "Div" and y is b)):
+            factor = float(y.reshape(())) if op_type == "Mul" else 1.0 / float(y.reshape(()))
+            if np.isfinite(factor) and ctx.graph.types[x].dtype == str(y.dtype) and y.ndim <= ctx.graph.types[x].rank:
+                return [ctx.add(Scale(factor), [x], "scaled")]
+    ops = _operands(ctx, a, b, fn)
+    if isinstance(ops, str):
+        return [ops]
+    return [ctx.add(Binary(fn), list(ops), op_type.lower())]
+
+
+def _unary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
+    return [ctx.add(Unary(_UNARY[op_type]), [ctx.tensor(ins[0])], op_type.lower())]
+
+
+def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
+    if op_type == "Equal":
+        folded = sym_binary("Equal", ins)
+        if folded is not None:
+            return [folded]
+    ops = _operands(ctx, ins[0], ins[1], "compare")
+    assert not isinstance(ops, str)
+    return [ctx.add(Compare(_COMPARE[op_type]), list(ops), op_type.lower())]
+
+
+def _logical(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
+    true, false = ctx.constant(np.array(True), "true"), ctx.constant(np.array(False), "false")
+    a = ctx.tensor(ins[0])
+    if op_type == "Not":
+        return [ctx.add(Where(), [a, false, true], "not")]
+    b = ctx.tensor(ins[1])
+    return [ctx.add(Where(), [a, b, false] if op_type == "And" else [a, true, b], op_type.lower())]
+
+
+def _where(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    cond, x, y = ins
+    if isinstance(cond, np.ndarray) and cond.size == 1:
+        return [x if bool(cond.reshape(())) else y]
+    c = ctx.tensor(cond, "Where condition")
+    if isinstance(x, (Filled, Broadcast)) or isinstance(y, (Filled, Broadcast)):
+        shape = ctx.graph.types[c].shape
+        dtype = ctx.dtype_of(y if isinstance(x, (Filled, Broadcast)) else x)
+        xv = _lazy_operand(ctx, x, shape, dtype) if isinstance(x, (Filled, Broadcast)) else ctx.tensor(x)
+        yv = _lazy_operand(ctx, y, shape, dtype) if isinstance(y, (Filled, Broadcast)) else ctx.tensor(y)
+    else:
+        xv, yv = ctx.tensor(x), ctx.tensor(y)
+    return [ctx.add(Where(), [c, xv, yv], "where")]
+
+
+def _cast(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    to = ONNX_TO_DTYPE.get(attrs["to"])
+    if to is None:
+        raise ctx.error(f"Cast to ONNX type {attrs['to']} has no graphc dtype")
+    x = ins[0]
+    if isinstance(x, Filled):
+        return [Filled(x.value.astype(to), x.shape)]
+    x = ctx.tensor(x)
+    if ctx.graph.types[x].dtype == to:
+        return [x]
+    return [ctx.add(Cast(to), [x], "cast")]
+
+
+# ---------------------------------------------------------------- contractions
+def _einsum_matmul(ctx: ImportContext, a: str, b: str) -> str:
+    sa, sb = ctx.graph.types[a].shape, ctx.graph.types[b].shape
+    if not sa or not sb:
+        raise ctx.error("MatMul operands must have rank >= 1")
+    va, vb = len(sa) == 1, len(sb) == 1
+    ra, rb = (1,) * va + tuple(sa), tuple(sb) + (1,) * vb  # vectors as [1, k] and [k, 1]
+    batch = max(len(ra), len(rb)) - 2
+    letters = iter(LETTERS)
+    out_batch, ta, tb = [], [], []
+    pa = (None,) * (batch - (len(ra) - 2)) + tuple(ra[:-2])
+    pb = (None,) * (batch - (len(rb) - 2)) + tuple(rb[:-2])
+    for x, y in zip(pa, pb):
+        ch = next(letters)
+        if x is None or y is None or normalize_dim(x) == normalize_dim(y):
+            out_batch.append(ch)
+            if x is not None:
+                ta.append(ch)
+            if y is not None:
+                tb.append(ch)
+        elif x == 1:
+            own = next(letters)
+            ta.append(own)
+            tb.append(ch)
+            out_batch.append(ch)
+        elif y == 1:
+            own = next(letters)
+            ta.append(ch)
+            tb.append(own)
+            out_batch.append(ch)
+        else:
+            raise ctx.error(f"MatMul batch dims {x!r} and {y!r} do not broadcast (shapes {format_shape(sa)}, {format_shape(sb)})")
+    m, k, n = next(letters), next(letters), next(letters)
+    spec_a = "".join(ta) + ("" if va else m) + k
+    spec_b = "".join(tb) + k + ("" if vb else n)
+    spec_out = "".join(out_batch) + ("" if va else m) + ("" if vb else n)
+    return ctx.add(Einsum(f"{spec_a},{spec_b}->{spec_out}"), [a, b], "matmul")
+
+
+def _matmul(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    return [_einsum_matmul(ctx, ctx.tensor(ins[0]), ctx.tensor(ins[1]))]
+
+
+def _gemm(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    a, b = ctx.tensor(ins[0]), ctx.tensor(ins[1])
+    spec_a = "km" if attrs.get("transA", 0) else "mk"
+    spec_b = "nk" if attrs.get("transB", 0) else "kn"
+    y = ctx.add(Einsum(f"{spec_a},{spec_b}->mn"), [a, b], "gemm")
+    if attrs.get("alpha", 1.0) != 1.0:
+        y = ctx.add(Scale(attrs["alpha"]), [y], "gemm_alpha")
+    if len(ins) > 2 and ins[2] is not None:
+        c = ins[2]
+        if attrs.get("beta", 1.0) != 1.0:
+            c = ctx.add(Scale(attrs["beta"]), [ctx.tensor(c)], "gemm_beta")
+        y = ctx.add(Binary("add"), [y, ctx.tensor(c)], "gemm_bias")
+    return [y]
+
+
+def _einsum(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    eq = str(attrs["equation"]).replace(" ", "")
+    if "..." in eq:
+        raise ctx.error(f"Einsum equation {eq!r} uses '...'; graphc needs one letter per axis")
+    return [ctx.add(Einsum(eq), [ctx.tensor(x) for x in ins], "einsum")]
+
+
+def _softmax(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = ctx.tensor(ins[0])
+    rank = ctx.graph.types[x].rank
+    axis = attrs.get("axis", -1 if ctx.opset >= 13 else 1)
+    if ctx.opset < 13 and axis % rank != rank - 1:
+        raise ctx.error(f"Softmax before opset 13 flattens from axis {axis}; only the last axis is supported (rank {rank})")
+    return [ctx.add(Softmax(axis), [x], "softmax")]
+
+
+# ---------------------------------------------------------------- layout
+def _reshape(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    sym = sym_layout(ctx, "Reshape", ins, attrs)
+    if sym is not None:
+        return [sym]
+    x = ctx.tensor(ins[0])
+    target = reshape_target(ctx, ctx.graph.types[x].shape, ctx.ints(ins[1], "Reshape shape"), bool(attrs.get("allowzero", 0)))
+    if tuple(target) == ctx.graph.types[x].shape:
+        return [x]
+    return [ctx.add(Reshape(target), [x], "reshape")]
+
+
+def _flatten(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = ctx.tensor(ins[0])
+    shape = ctx.graph.types[x].shape
+    axis = attrs.get("axis", 1) % (len(shape) + 1) if shape else 0
+    from ..dims import dim_prod
+
+    return [ctx.add(Reshape((dim_prod(shape[:axis]), dim_prod(shape[axis:]))), [x], "flatten")]
+
+
+def _transpose(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = ctx.tensor(ins[0])
+    rank = ctx.graph.types[x].rank
+    perm = tuple(attrs.get("perm", range(rank - 1, -1, -1)))
+    if perm == tuple(range(rank)):
+        return [x]
+    return [ctx.add(Transpose(perm), [x], "transpose")]
+
+
+def _axes(ctx: ImportContext, ins: list, attrs: dict, what: str) -> tuple[int, ...] | None:
+    if len(ins) > 1 and ins[1] is not None:
+        return tuple(int(a) for a in ctx.known(ins[1], f"{what} axes").reshape(-1))
+    if "axes" in attrs:
+        return tuple(int(a) for a in attrs["axes"])
+    return None
+
+
+def _unsqueeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    sym = sym_layout(ctx, "Unsqueeze", ins, attrs)
+    if sym is not None:
+        return [sym]
+    if isinstance(ins[0], Filled):
+        axes = _axes(ctx, ins, attrs, "Unsqueeze") or ()
+        shape = list(ins[0].shape)
+        for a in sorted(x % (len(shape) + len(axes)) for x in axes):
+            shape.insert(a, 1)
+        return [Filled(ins[0].value, tuple(shape))]
+    x = ctx.tensor(ins[0])
+    shape = list(ctx.graph.types[x].shape)
+    axes = _axes(ctx, ins, attrs, "Unsqueeze") or ()
+    out_rank = len(shape) + len(axes)
+    for a in sorted(a % out_rank for a in axes):
+        shape.insert(a, 1)
+    return [ctx.add(Reshape(tuple(shape)), [x], "unsqueeze")]
+
+
+def _squeeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    sym = sym_layout(ctx, "Squeeze", ins, attrs)
+    if sym is not None:
+        return [sym]
+    x = ctx.tensor(ins[0])
+    shape = ctx.graph.types[x].shape
+    axes = _axes(ctx, ins, attrs, "Squeeze")
+    drop = {a % len(shape) for a in axes} if axes is not None else {i for i, d in enumerate(shape) if d == 1}
+    for a in drop:
+        if shape[a] != 1:
+            raise ctx.error(f"Squeeze axis {a} has size {shape[a]!r}, not 1")
+    return [ctx.add(Reshape(tuple(d for i, d in enumerate(shape) if i not in drop)), [x], "squeeze")]
+
+
+def _concat(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    present = [x for x in ins if x is not None and not (isinstance(x, np.ndarray) and x.size == 0 and x.ndim == 1)]
+    sym = sym_layout(ctx, "Concat", present, attrs)
+    if sym is not None:
+        return [sym]
+    values = [ctx.tensor(x) for x in present]
+    if len(values) == 1:
+        return values
+    return [ctx.add(Concat(attrs["axis"]), values, "concat")]
+
+
+def _slice_bounds(ctx: ImportContext, size: Dim, start: Dim, stop: Dim, step: int) -> tuple[Dim, Dim]:
+    big = 1 << 62
+
+    def clamp(v: Dim, is_stop: bool) -> Dim:
+        if isinstance(v, int):
+            if v >= big or (isinstance(size, int) and v >= size):
+                return size
+            if v < 0:
+                v2 = dim_add(size, v)
+                return max(v2, 0) if isinstance(v2, int) else v2
+        return v
+
+    return clamp(start, False), clamp(stop, True)
+
+
+def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    sym = sym_layout(ctx, "Slice", ins, attrs)
+    if sym is not None:
+        return [sym]
+    x = ctx.tensor(ins[0])
+    shape = ctx.graph.types[x].shape
+    starts, ends = ctx.ints(ins[1], "Slice starts"), ctx.ints(ins[2], "Slice ends")
+    axes = ctx.ints(ins[3], "Slice axes") if len(ins) > 3 and ins[3] is not None else tuple(range(len(starts)))
+    steps = ctx.ints(ins[4], "Slice steps") if len(ins) > 4 and ins[4] is not None else (1,) * len(starts)
+    for start, stop, axis, step in zip(starts, ends, axes, steps):
+        if not isinstance(axis, int) or not isinstance(step, int) or step < 1:
+            raise ctx.error(f"Slice axis/step must be constants with step >= 1, got axis {axis!r} step {step!r}")
+        a = axis % len(shape)
+        lo, hi = _slice_bounds(ctx, shape[a], start, stop, step)
+        if normalize_dim(lo) == 0 and normalize_dim(hi) == normalize_dim(shape[a]) and step == 1:
+            continue
+        x = ctx.add(Slice(a, lo, hi, step), [x], "slice")
+        shape = ctx.graph.types[x].shape
+    return [x]
+
+
+def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
+    x = ctx.tensor(ins[0])
+    shape = ctx.graph.types[x].shape
+    axis = attrs.get("axis", 0) % len(shape)
+    if len(ins) > 1 and ins[1] is not None:
+        sizes: Sequence[Dim] = ctx.ints(ins[1], "Split sizes")
+    elif "split" in attrs:
+        sizes = attrs["split"]
+    else:
+        if not isinstance(shape[axis], int):
+            raise ctx.error(f"Split of symbolic axis {shape[axis]!r} into equal parts needs explicit sizes")
+        part = -(-shape[axis] // n_out)
+        sizes = [min(part, shape[axis] - i * part) for i in range(n_out)]
+    outs, start = [], 0
+    for size in sizes:
+        stop = dim_add(start, size)
+        outs.append(ctx.add(Slice(axis, start, stop), [x], "split"))
+        start = stop
+    return outs
+
+
+def _gather(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    sym = sym_layout(ctx, "Gather", ins, attrs)
+    if sym is not None:
+        return [sym]
+    x, idx = ctx.tensor(ins[0]), ins[1]
+    axis = attrs.get("axis", 0)
+    return [ctx.add(Gather(axis), [x, ctx.tensor(idx, "Gather indices")], "gather")]
+
+
+def _expand(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    target = ctx.ints(ins[1], "Expand shape")
+    src = ins[0]
+    if isinstance(src, np.ndarray) and src.size == 1:
+        return [simplify(Filled(src.reshape(()), tuple(broadcast_shapes(src.shape, tuple(target)))))]
+    if isinstance(src, Filled):
+        return [simplify(Filled(src.value, broadcast_shapes(src.shape, tuple(target))))]
+    x = ctx.tensor(src)
+    shape = ctx.graph.types[x].shape
+    try:
+        out = broadcast_shapes(shape, tuple(1 if d == 1 else d for d in target), "Expand")
+    except GraphcError as e:
+        raise ctx.error(str(e)) from None
+    if len(out) > len(shape):
+        shape = (1,) * (len(out) - len(shape)) + tuple(shape)
+        x = ctx.add(Reshape(shape), [x], "expand_rank")
+    pending = False
+    for axis, (d, o) in enumerate(zip(shape, out)):
+        if normalize_dim(d) == normalize_dim(o):
+            continue
+        if isinstance(o, int):
+            x = ctx.add(Repeat(axis, o), [x], "expand")  # a size-1 axis: repeat-interleave is tiling
+        else:
+            pending = True
+    return [Broadcast(x, tuple(out)) if pending else x]
+
+
+def _tile(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = ctx.tensor(ins[0])
+    reps = ctx.ints(ins[1], "Tile repeats")
+    shape = ctx.graph.types[x].shape
+    for axis, r in enumerate(reps):
+        if r == 1:
+            continue
+        if shape[axis] != 1 or not isinstance(r, int):
+            raise ctx.error(f"Tile by {r!r} of axis {axis} (size {shape[axis]!r}) is supported only for size-1 axes and constant repeats")
+        x = ctx.add(Repeat(axis, r), [x], "tile")
+    return [x]
+
+
+# ---------------------------------------------------------------- constants and shapes
+def _shape(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    shape = ctx.shape_of(ins[0])
+    rank = len(shape)
+    start = attrs.get("start", 0)
+    end = attrs.get("end", rank)
+    return [simplify(SymInts(tuple(shape)[slice(start, end)]))]
+
+
+def _size(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    from ..dims import dim_prod
+
+    return [simplify(SymInts((dim_prod(ctx.shape_of(ins[0])),), True))]
+
+
+def _constant_of_shape(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    value = attrs.get("value")
+    value = np.zeros((), np.float32) if value is None else np.asarray(value).reshape(())
+    shape = ctx.ints(ins[0], "ConstantOfShape shape")
+    return [simplify(Filled(value, tuple(shape)))]
+
+
+def _range(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    start, limit, delta = (as_dims(x) for x in ins)
+    if start is None or limit is None or delta is None or delta.values != (1,):
+        raise ctx.error("Range with a run-time start, limit or a step other than 1 is not supported")
+    length = dim_sub(limit.values[0], start.values[0])
+    for name, t in ctx.graph.types.items():
+        for axis, d in enumerate(t.shape):
+            if normalize_dim(d) == normalize_dim(length):
+                pos = ctx.add(Positions(axis, start.values[0]), [name], "range")
+                dtype = ctx.dtype_of(ins[0])
+                return [pos if dtype == "int64" else ctx.add(Cast(dtype), [pos], "range_cast")]
+    raise ctx.error(f"Range of symbolic length {length!r}: no tensor has an axis of that size to take positions from")
+
+
+def _trilu(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    k = ctx.ints(ins[1], "Trilu k")[0] if len(ins) > 1 and ins[1] is not None else 0
+    upper = bool(attrs.get("upper", 1))
+    if isinstance(ins[0], Filled):
+        return [Triangle(ins[0].value, ins[0].shape, k, upper)]
+    x = ctx.tensor(ins[0])
+    diff = _positions_grid(ctx, x)
+    keep = ctx.add(Compare("greater_equal" if upper else "less_equal"), [diff, _dim_scalar(ctx, k)], "tri_keep")
+    return [ctx.add(Where(), [keep, x, _scalar(ctx, 0, ctx.graph.types[x].dtype)], "trilu")]
+
+
+def _reduce(ctx: ImportContext, ins: list, attrs: dict, fn: str) -> list:
+    x = ctx.tensor(ins[0])
+    rank = ctx.graph.types[x].rank
+    axes = _axes(ctx, ins, attrs, "Reduce")
+    if axes is None or not axes:
+        if attrs.get("noop_with_empty_axes", 0):
+            return [x]
+        axes = tuple(range(rank))
+    return [ctx.add(Reduce(fn, axes, bool(attrs.get("keepdims", 1))), [x], f"reduce_{fn}")]
+
+
+def _identity(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    return [ins[0]]
+
+
+def _dropout(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    return [ins[0]]
+
+
+def _with(fn: Callable[..., list], *extra: Any) -> Converter:
+    return lambda ctx, ins, attrs: fn(ctx, ins, attrs, *extra)
+
+
+CORE_CONVERTERS: dict[str, Converter] = {
+    **{op: _with(_binary, op) for op in _BINARY},
+    **{op: _with(_unary, op) for op in _UNARY},
+    **{op: _with(_compare, op) for op in _COMPARE},
+    **{op: _with(_logical, op) for op in ("And", "Or", "Not")},
+    "Where": _where,
+    "Cast": _cast,
+    "MatMul": _matmul,
+    "Gemm": _gemm,
+    "Einsum": _einsum,
+    "Softmax": _softmax,
+    "Reshape": _reshape,
+    "Flatten": _flatten,
+    "Transpose": _transpose,
+    "Unsqueeze": _unsqueeze,
+    "Squeeze": _squeeze,
+    "Concat": _concat,
+    "Slice": _slice,
+    "Gather": _gather,
+    "Expand": _expand,
+    "Tile": _tile,
+    "Shape": _shape,
+    "Size": _size,
+    "ConstantOfShape": _constant_of_shape,
+    "Range": _range,
+    "Trilu": _trilu,
+    "ReduceMean": _with(_reduce, "mean"),
+    "ReduceSum": _with(_reduce, "sum"),
+    "ReduceMax": _with(_reduce, "max"),
+    "ReduceMin": _with(_reduce, "min"),
+    "Identity": _identity,
+    "Dropout": _dropout,
+}
+"""Standard-domain converters by op type (``Split`` is handled by the driver: its output count comes from the node)."""
+SPLIT = _split

@@ -1,0 +1,226 @@
+"""``from_onnx``: an ONNX model as a graphc graph.
+
+One pass over the nodes in order.  Each node is converted by the converter of
+its op type (:mod:`.convert_core`, :mod:`.convert_fused`), unless all its
+inputs are known at import time: then ONNX's own reference evaluator computes
+it (so any standard op can appear in a constant or shape computation).  An op
+with no converter becomes an :class:`~graphc.opaque.Opaque` node carrying the
+output types ONNX shape inference gives it (``strict=True`` refuses it
+instead).  Inputs keep their names and dims (``dim_param`` becomes a symbol),
+outputs their names, and every value that maps one-to-one keeps its ONNX name.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..dims import Dim, normalize_dim
+from ..errors import GraphcError, OnnxImportError
+from ..graph import Graph
+from ..opaque import Opaque
+from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
+from .convert_core import CORE_CONVERTERS, SPLIT
+from .convert_fused import FUSED_CONVERTERS
+from .loading import load_model
+
+__all__ = ["from_onnx", "supported_ops"]
+
+_NAME_BAD = re.compile(r"[^A-Za-z0-9_.:/\-]")
+_FOLD_LIMIT = 1 << 22  # elements: larger constant results stay lazy (a causal mask over 4096 keys is 16 M)
+_NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def supported_ops() -> dict[str, list[str]]:
+    """The op types graphc converts, by domain (anything else imports as an opaque node)."""
+    std = sorted({*CORE_CONVERTERS, "Split", "Constant", *(k for (d, k) in FUSED_CONVERTERS if d == "")})
+    return {"ai.onnx": std, "com.microsoft": sorted(k for (d, k) in FUSED_CONVERTERS if d == "com.microsoft")}
+
+
+def _clean_name(name: str) -> str:
+    name = _NAME_BAD.sub("_", name)
+    return name if name and re.match(r"[A-Za-z_/]", name) else f"v_{name}"
+
+
+def _dim(d: onnx.TensorShapeProto.Dimension, fallback: str) -> Dim:
+    if d.HasField("dim_value"):
+        return int(d.dim_value)
+    if d.HasField("dim_param") and d.dim_param:
+        try:
+            return normalize_dim(d.dim_param.replace(" ", ""))
+        except GraphcError:
+            return _clean_name(d.dim_param).replace(".", "_").replace(":", "_").replace("/", "_").replace("-", "_")
+    return fallback
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        if isinstance(v, onnx.TensorProto):
+            v = numpy_helper.to_array(v)
+        elif isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [x.decode() for x in v]
+        out[a.name] = v
+    return out
+
+
+def _constant(ctx: ImportContext, attrs: dict) -> np.ndarray:
+    for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+        if key in attrs:
+            arr = np.asarray(attrs[key])
+            return arr.astype(np.float32) if key.startswith("value_float") else arr.astype(np.int64) if key.startswith("value_int") else arr
+    raise ctx.error(f"Constant with attribute(s) {sorted(attrs)} is not supported (value, value_float(s), value_int(s))")
+
+
+def _fold(ctx: ImportContext, node: onnx.NodeProto, arrays: list[np.ndarray | None]) -> list[np.ndarray] | None:
+    """Run one standard node on known arrays with ONNX's reference evaluator; ``None`` when it cannot."""
+    from onnx.reference import ReferenceEvaluator
+
+    names = [f"i{k}" if a is not None else "" for k, a in enumerate(arrays)]
+    outs = [f"o{k}" for k in range(len(node.output))]
+    n = helper.make_node(node.op_type, names, outs, **{a.name: helper.get_attribute_value(a) for a in node.attribute})
+    inputs = [helper.make_tensor_value_info(nm, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for nm, a in zip(names, arrays) if a is not None]
+    g = helper.make_graph([n], "fold", inputs, [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outs])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", ctx.opset)])
+    try:
+        results = ReferenceEvaluator(model).run(None, {nm: a for nm, a in zip(names, arrays) if a is not None})
+    except Exception:  # noqa: BLE001 - the node then converts as a tensor op, whose errors are ours
+        return None
+    return [np.asarray(r) for r in results]
+
+
+def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int]) -> list[Imported]:
+    where = f"{node.domain or 'ai.onnx'}::{node.op_type}"
+    if ctx.strict:
+        raise ctx.error(f"graphc does not model {where} (strict import: pass strict=False / drop --strict to carry it through as an opaque node)")
+    shapes, dtypes = [], []
+    for k, out in enumerate(node.output):
+        t = ctx.onnx_types.get(out)
+        tt = t.tensor_type if t is not None and t.HasField("tensor_type") else None
+        if tt is None or tt.elem_type not in ONNX_TO_DTYPE or not tt.HasField("shape"):
+            raise ctx.error(f"{where} is not modelled by graphc and ONNX shape inference gives no type for its output {out!r}; declare it in value_info")
+        shapes.append(tuple(_dim(d, f"{_clean_name(out)}_dim{a}") for a, d in enumerate(tt.shape.dim)))
+        dtypes.append(ONNX_TO_DTYPE[tt.elem_type])
+    proto = onnx.NodeProto(op_type=node.op_type, domain=node.domain)
+    proto.attribute.extend(node.attribute)
+    slots = tuple(k for k, i in enumerate(node.input) if i)
+    inputs = [ctx.tensor(ctx.get(node.input[k]), f"input {k}") for k in slots]
+    op = Opaque(node.op_type, node.domain, opsets.get(node.domain or "ai.onnx", 1), base64.b64encode(proto.SerializeToString()).decode(), tuple(shapes), tuple(dtypes), slots)
+    names = [ctx.graph.fresh_name(_clean_name(o)) for o in node.output]
+    ctx.notes.append(f"{node.name or node.output[0]}: {where} kept as an opaque node")
+    return list(ctx.graph.add_multi_node(op, inputs, names))
+
+
+def from_onnx(source: onnx.ModelProto | str | os.PathLike[str], strict: bool = False, name: str | None = None) -> Graph:
+    """Import an ONNX model (a path or a ``ModelProto``) as a graphc :class:`~graphc.graph.Graph`.
+
+    Raises :class:`~graphc.errors.OnnxImportError` naming the file, node or
+    value at fault.  ``strict=True`` makes an op graphc does not model an
+    error (else it is carried through as an opaque node).
+    """
+    model = load_model(source)
+    opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - shape inference is only a source of types for opaque nodes
+        inferred = model
+    g = Graph(_clean_name(name or model.graph.name or "imported"))
+    ctx = ImportContext(g, opsets["ai.onnx"], strict)
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        ctx.onnx_types[vi.name] = vi.type
+    try:
+        _import_graph(ctx, model, opsets)
+    except OnnxImportError:
+        raise
+    except GraphcError as e:
+        raise ctx.error(str(e)) from None
+    g.verify()
+    return g
+
+
+def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int]) -> None:
+    g = ctx.graph
+    init_names = set()
+    for t in model.graph.initializer:
+        try:
+            ctx.env[t.name] = numpy_helper.to_array(t)
+        except Exception as e:  # noqa: BLE001 - a malformed tensor
+            raise OnnxImportError(f"initializer {t.name!r} cannot be read: {e}") from None
+        init_names.add(t.name)
+    for vi in model.graph.input:
+        if vi.name in init_names:
+            continue
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or tt.elem_type not in ONNX_TO_DTYPE:
+            raise OnnxImportError(f"graph input {vi.name!r} has a type graphc does not support ({onnx.helper.printable_type(vi.type)}); supported: {', '.join(ONNX_TO_DTYPE.values())}")
+        if not tt.HasField("shape"):
+            raise OnnxImportError(f"graph input {vi.name!r} declares no shape; graphc needs the rank")
+        shape = tuple(_dim(d, f"{_clean_name(vi.name)}_dim{a}".replace("/", "_").replace(".", "_").replace(":", "_").replace("-", "_")) for a, d in enumerate(tt.shape.dim))
+        ctx.env[vi.name] = g.add_input(_clean_name(vi.name), shape, ONNX_TO_DTYPE[tt.elem_type]).name
+    bound = {v for v in ctx.env.values() if isinstance(v, str)}
+    for node in model.graph.node:
+        ctx.node = node
+        _convert_node(ctx, node, opsets, bound)
+    ctx.node = None
+    outputs = []
+    for vi in model.graph.output:
+        v = ctx.get(vi.name)
+        value = ctx.tensor(v, f"graph output {vi.name!r}")
+        want = _clean_name(vi.name)
+        if value != want and want not in g.types and value not in g.inputs and value not in g.initializers:
+            g.rename_value(value, want)
+            value = want
+        outputs.append(value)
+    g.output(*outputs)
+
+
+def _convert_node(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int], bound: set[str]) -> None:
+    attrs = _attrs(node)
+    domain = node.domain if node.domain not in ("", "ai.onnx") else ""
+    ins = [ctx.get(i) for i in node.input]
+    before = len(ctx.graph.types)
+    if domain == "" and node.op_type == "Constant":
+        outs: list[Imported] = [_constant(ctx, attrs)]
+    elif domain == "" and node.op_type not in _NEVER_FOLD and ins and all(simplify(x) is None or isinstance(simplify(x), np.ndarray) for x in ins) and any(x is not None for x in ins):
+        arrays = [simplify(x) if x is not None else None for x in ins]
+        folded = _fold(ctx, node, arrays)  # type: ignore[arg-type]
+        if folded is not None and all(a.size <= _FOLD_LIMIT for a in folded):
+            outs = list(folded)
+        else:
+            outs = _convert(ctx, node, domain, ins, attrs, opsets)
+    else:
+        outs = _convert(ctx, node, domain, ins, attrs, opsets)
+    if len(outs) < len([o for o in node.output if o]):
+        raise ctx.error(f"graphc computes {len(outs)} of this node's {len(node.output)} outputs; the others are not supported")
+    created = len(ctx.graph.types) > before
+    for onnx_name, v in zip(node.output, outs):
+        if not onnx_name:
+            continue
+        if created and isinstance(v, str) and v != onnx_name and ctx.graph.producer(v) is not None:
+            want = _clean_name(onnx_name)
+            if want not in ctx.graph.types and not ctx.graph.is_output(v) and v not in bound:  # a value bound before (Identity) keeps its name
+                ctx.graph.rename_value(v, want)
+                v = want
+        ctx.env[onnx_name] = v
+        if isinstance(v, str):
+            bound.add(v)
+
+
+def _convert(ctx: ImportContext, node: onnx.NodeProto, domain: str, ins: list, attrs: dict, opsets: Mapping[str, int]) -> list[Imported]:
+    if domain == "" and node.op_type == "Split":
+        return SPLIT(ctx, ins, attrs, len(node.output))
+    conv = CORE_CONVERTERS.get(node.op_type) if domain == "" else None
+    if conv is None:
+        conv = FUSED_CONVERTERS.get((domain, node.op_type))
+    if conv is None:
+        return _opaque(ctx, node, opsets)
+    return conv(ctx, ins, attrs)

@@ -1,0 +1,189 @@
+"""Shape computations evaluated at import time: ``Shape``, ``Gather``, ``Concat``, arithmetic on dims.
+
+Exporters compute reshape targets at run time (``Shape -> Gather -> Unsqueeze
+-> Concat -> Reshape``).  graphc evaluates those chains over symbolic dims
+(:class:`~graphc.onnx_import.context.SymInts`), so the imported ``Reshape``
+carries ``[batch, seq, 32, 128]`` and the optimizer sees a static head split.
+Each function returns ``None`` when its operands are not all shape values,
+and the caller then converts the node as a tensor op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..dims import Dim, dim_add, dim_div, dim_mul, dim_prod, dim_sub, normalize_dim
+from .context import Imported, ImportContext, SymInts, simplify
+
+__all__ = ["as_dims", "sym_binary", "sym_layout", "reshape_target", "symbolic_quotient"]
+
+
+def as_dims(v: Imported | None) -> SymInts | None:
+    """``v`` as :class:`SymInts` when it is a small int tensor known at import time (symbolically or exactly)."""
+    if isinstance(v, SymInts):
+        return v
+    if isinstance(v, np.ndarray) and v.dtype.kind in "iu" and v.ndim <= 1 and v.size <= 64:
+        return SymInts(tuple(int(x) for x in v.reshape(-1)), v.ndim == 0)
+    return None
+
+
+def _broadcast(a: SymInts, b: SymInts) -> tuple[Sequence[Dim], Sequence[Dim], bool]:
+    n = max(len(a.values), len(b.values))
+    av = a.values * n if len(a.values) == 1 else a.values
+    bv = b.values * n if len(b.values) == 1 else b.values
+    return av, bv, a.scalar and b.scalar
+
+
+def sym_binary(op_type: str, ins: Sequence[Imported | None]) -> Imported | None:
+    """Arithmetic and comparisons on dims (``Add``, ``Sub``, ``Mul``, ``Div``, ``Max``, ``Min``, ``Equal``); ``None`` when not decidable."""
+    a, b = (as_dims(x) for x in ins[:2])
+    if a is None or b is None or isinstance(ins[0], np.ndarray) and isinstance(ins[1], np.ndarray):
+        return None
+    if len(a.values) not in (1, len(b.values)) and len(b.values) != 1:
+        return None
+    av, bv, scalar = _broadcast(a, b)
+    out: list[Dim] = []
+    for x, y in zip(av, bv):
+        if op_type == "Add":
+            out.append(dim_add(x, y))
+        elif op_type == "Sub":
+            out.append(dim_sub(x, y))
+        elif op_type == "Mul":
+            out.append(dim_mul(x, y))
+        elif op_type == "Div":
+            q = symbolic_quotient(x, y)
+            if q is None:
+                return None
+            out.append(q)
+        elif op_type in ("Max", "Min"):
+            x, y = normalize_dim(x), normalize_dim(y)
+            if x == y:
+                out.append(x)
+            elif isinstance(x, int) and isinstance(y, int):
+                out.append(max(x, y) if op_type == "Max" else min(x, y))
+            elif op_type == "Max" and y in (0, 1) or op_type == "Max" and x in (0, 1):  # sizes are >= 1 ... max(size, 1) is the size
+                out.append(y if x in (0, 1) else x)
+            else:
+                return None
+        elif op_type == "Equal":
+            x, y = normalize_dim(x), normalize_dim(y)
+            if x == y:
+                out.append(1)
+            elif isinstance(x, int) and isinstance(y, int):
+                out.append(0)
+            else:
+                return None
+        else:
+            return None
+    if op_type == "Equal":
+        arr = np.array(out, bool)
+        return arr.reshape(()) if scalar else arr
+    return simplify(SymInts(tuple(out), scalar))
+
+
+def symbolic_quotient(a: Dim, b: Dim) -> Dim | None:
+    """``a / b`` when it is exact: an int, or a polynomial whose every term divides by a monomial ``b``."""
+    a, b = normalize_dim(a), normalize_dim(b)
+    if b == 1:
+        return a
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b if b and a % b == 0 else None
+    k = dim_div(a, b)
+    if k is not None:
+        return k
+    from ..dims import dim_terms
+
+    bt = dim_terms(b)
+    if len(bt) != 1:
+        return None
+    bsyms, bcoef = bt[0]
+    out: Dim = 0
+    for syms, coef in dim_terms(a):
+        rest = list(syms)
+        for s in bsyms:
+            if s not in rest:
+                return None
+            rest.remove(s)
+        if coef % bcoef:
+            return None
+        out = dim_add(out, dim_mul(coef // bcoef, dim_prod(rest)))
+    return out
+
+
+def sym_layout(ctx: ImportContext, op_type: str, ins: Sequence[Imported | None], attrs: dict) -> Imported | None:
+    """``Gather``/``Slice``/``Concat``/``Unsqueeze``/``Squeeze``/``Reshape``/``Cast``/``Identity`` on shape values."""
+    first = as_dims(ins[0]) if ins else None
+    if op_type == "Concat":
+        parts = [as_dims(x) for x in ins if x is not None]
+        if any(p is None for p in parts) or all(isinstance(x, np.ndarray) for x in ins if x is not None):
+            return None
+        return simplify(SymInts(tuple(d for p in parts for d in p.values)))  # type: ignore[union-attr]
+    if first is None or isinstance(ins[0], np.ndarray) and op_type not in ("Gather",):
+        return None
+    if op_type == "Gather":
+        if not isinstance(ins[0], SymInts):
+            return None
+        idx = ctx.known(ins[1], "Gather indices")
+        n = len(first.values)
+        picked = tuple(first.values[int(i) % n] for i in idx.reshape(-1))
+        return simplify(SymInts(picked, idx.ndim == 0))
+    if op_type == "Slice":
+        starts, ends = ctx.ints(ins[1], "Slice starts"), ctx.ints(ins[2], "Slice ends")
+        steps = ctx.ints(ins[4], "Slice steps") if len(ins) > 4 and ins[4] is not None else (1,)
+        if not all(isinstance(x, int) for x in (*starts, *ends, *steps)):
+            return None
+        return simplify(SymInts(first.values[slice(int(starts[0]), int(ends[0]), int(steps[0]))]))
+    if op_type == "Unsqueeze":
+        return SymInts(first.values) if first.scalar else None
+    if op_type == "Squeeze":
+        return SymInts(first.values, True) if len(first.values) == 1 else None
+    if op_type == "Reshape":
+        target = ctx.ints(ins[1], "Reshape shape")
+        if len(first.values) != 1 and len(target) == 0:
+            return None
+        return SymInts(first.values, len(target) == 0)
+    if op_type in ("Cast", "Identity"):
+        if op_type == "Cast" and attrs.get("to") not in (6, 7):  # int32, int64
+            return None
+        return first
+    return None
+
+
+def reshape_target(ctx: ImportContext, in_shape: Sequence[Dim], target: Sequence[Dim], allowzero: bool) -> tuple[Dim, ...]:
+    """Resolve ONNX ``Reshape``'s ``0`` (copy the input dim) and ``-1`` (the remaining size) over symbolic dims."""
+    out: list[Dim] = []
+    infer_at = None
+    for i, d in enumerate(target):
+        d = normalize_dim(d) if not (isinstance(d, int) and d < 0) else d
+        if d == 0 and not allowzero:
+            if i >= len(in_shape):
+                raise ctx.error(f"Reshape: target dim {i} is 0 (copy), but the input has rank {len(in_shape)}")
+            out.append(in_shape[i])
+        elif isinstance(d, int) and d == -1:
+            if infer_at is not None:
+                raise ctx.error(f"Reshape: target {list(target)} has more than one -1")
+            infer_at = i
+            out.append(-1)
+        elif isinstance(d, int) and d < 0:
+            raise ctx.error(f"Reshape: target dim {i} is {d}; sizes must be >= -1")
+        else:
+            out.append(d)
+    if infer_at is None:
+        return tuple(out)
+    known = [d for i, d in enumerate(out) if i != infer_at]
+    numerator = list(in_shape)
+    denominator: list[Dim] = []
+    for d in known:  # cancel equal factors first: [b, s, 4096] -> [b, s, -1, 128]
+        nd = normalize_dim(d)
+        match = next((j for j, x in enumerate(numerator) if normalize_dim(x) == nd), None)
+        if match is not None:
+            numerator.pop(match)
+        else:
+            denominator.append(nd)
+    q = symbolic_quotient(dim_prod(numerator), dim_prod(denominator))
+    if q is None:
+        raise ctx.error(f"Reshape: cannot infer the -1 in {list(target)} from input shape {list(in_shape)} symbolically")
+    out[infer_at] = q
+    return tuple(out)

@@ -1,0 +1,121 @@
+"""``Opaque``: an ONNX node graphc does not model, carried through unchanged.
+
+An imported model may hold ops graphc has no semantics for (a custom domain's
+op, ``TopK``, ``ScatterND`` ...).  The importer keeps each as one ``Opaque``
+node with the output types ONNX shape inference (or the model) declares.  The
+optimizer treats it as a black box (never matched, never folded), the ONNX
+export writes the node back as it was, and the NumPy interpreter runs
+standard-domain ones through ONNX's reference evaluator; any other backend that
+cannot run it raises an error naming the node, op type and domain.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .dims import Dim, normalize_shape
+from .errors import OpError
+from .ops import Dims, Op, TensorType, check_dtype, register_op
+
+__all__ = ["Opaque"]
+
+
+@register_op
+@dataclass(frozen=True)
+class Opaque(Op):
+    """An ONNX node kept as it was: ``domain::op_type`` with its attributes (a serialized ``NodeProto``) and declared outputs.
+
+    ``slots[i]`` is the ONNX input position of graphc input ``i`` (omitted
+    optional inputs leave gaps); ``opset`` is the version of ``domain`` the node
+    was written for.
+    """
+
+    op_type: str
+    domain: str
+    opset: int
+    proto: str
+    output_shapes: tuple[tuple[Dim, ...], ...]
+    output_dtypes: tuple[str, ...]
+    slots: tuple[int, ...] = ()
+    arity: ClassVar[int | None] = None
+
+    def __post_init__(self) -> None:
+        for name in ("op_type", "domain", "proto"):
+            if not isinstance(getattr(self, name), str):
+                raise OpError(f"Opaque: attribute {name!r} must be a string, got {getattr(self, name)!r}")
+        if isinstance(self.opset, bool) or not isinstance(self.opset, (int, np.integer)) or self.opset < 1:
+            raise OpError(f"Opaque: attribute 'opset' must be an int >= 1, got {self.opset!r}")
+        object.__setattr__(self, "opset", int(self.opset))
+        object.__setattr__(self, "output_shapes", tuple(normalize_shape(s) for s in self.output_shapes))
+        object.__setattr__(self, "output_dtypes", tuple(check_dtype(d) for d in self.output_dtypes))
+        object.__setattr__(self, "slots", tuple(int(s) for s in self.slots))
+        if len(self.output_shapes) != len(self.output_dtypes) or not self.output_dtypes:
+            raise OpError(f"Opaque {self.qualified_name}: needs one dtype per output shape and at least one output")
+
+    @property
+    def qualified_name(self) -> str:
+        """``domain::op_type`` (``ai.onnx`` for the standard domain)."""
+        return f"{self.domain or 'ai.onnx'}::{self.op_type}"
+
+    @property
+    def num_outputs(self) -> int:  # type: ignore[override]
+        """As many outputs as the node declares."""
+        return len(self.output_dtypes)
+
+    def check_arity(self, n: int) -> None:
+        if self.slots and len(self.slots) != n:
+            raise OpError(f"Opaque {self.qualified_name}: declared {len(self.slots)} input slot(s), got {n} input(s)")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        return self.infer_all(ins)[0]
+
+    def infer_all(self, ins: Sequence[TensorType]) -> tuple[TensorType, ...]:
+        return tuple(TensorType(s, d) for s, d in zip(self.output_shapes, self.output_dtypes))
+
+    def node_proto(self, inputs: Sequence[str], outputs: Sequence[str], name: str) -> Any:
+        """The ONNX ``NodeProto`` with the given value names (omitted inputs as ``""``)."""
+        import onnx
+
+        node = onnx.NodeProto()
+        node.ParseFromString(base64.b64decode(self.proto))
+        slots = self.slots or tuple(range(len(inputs)))
+        names = [""] * (max(slots) + 1 if slots else 0)
+        for slot, value in zip(slots, inputs):
+            names[slot] = value
+        del node.input[:]
+        del node.output[:]
+        node.input.extend(names)
+        node.output.extend(outputs)
+        node.name = name
+        return node
+
+    def evaluate_all(self, args: Sequence[np.ndarray], dims: Dims) -> tuple[np.ndarray, ...]:
+        if self.domain not in ("", "ai.onnx"):
+            raise OpError(f"Opaque {self.qualified_name}: graphc has no NumPy semantics for this op; run it on onnxruntime (ort-cpu) or export the model")
+        import onnx
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+
+        in_names = [f"in{i}" for i in range(len(args))]
+        out_names = [f"out{i}" for i in range(self.num_outputs)]
+        node = self.node_proto(in_names, out_names, "opaque")
+        g = helper.make_graph(
+            [node], "opaque",
+            [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for n, a in zip(in_names, args)],
+            [helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None) for n in out_names],
+        )
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)])
+        try:
+            results = ReferenceEvaluator(model).run(None, dict(zip(in_names, args)))
+        except Exception as e:  # noqa: BLE001 - onnx's evaluator raises anything; report it on the op
+            raise OpError(f"Opaque {self.qualified_name}: ONNX's reference evaluator failed: {type(e).__name__}: {e}") from None
+        return tuple(np.asarray(r).astype(d, copy=False) for r, d in zip(results, self.output_dtypes))
+
+    def __str__(self) -> str:
+        outs = ", ".join(str(TensorType(s, d)) for s, d in zip(self.output_shapes, self.output_dtypes))
+        return f"Opaque[{self.qualified_name}, opset={self.opset}, outputs=({outs})]"
