@@ -55,6 +55,9 @@ def _add_common_args(p: argparse.ArgumentParser, default: object) -> None:
 
 def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src = p.add_argument_group("graph")
+    src.add_argument("model", nargs="?", default=None, help="an ONNX model (.onnx) to import instead of a preset")
+    src.add_argument("--strict", action="store_true", help="with an ONNX model: refuse ops graphc does not model (default: carry them through)")
+    src.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="with an ONNX model or --graph: size of a symbolic dim (default: batch dims --batch, others --seq)")
     src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
     src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
     src.add_argument("--hf-config", metavar="FILE", help="a transformers config.json: a decoder stack of that model (llama, mistral, qwen2, qwen3, gemma2)")
@@ -124,11 +127,18 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
         raise UsageError("--weights needs --hf-config (the model config the weights belong to)")
     if args.hf_config:
         return _hf_stack(args, getattr(args, "dtype", "float32")), ({"batch": batch, "seq": seq, "past_seq": args.past} if args.decode else {"batch": batch, "seq": seq})
-    if args.graph:
-        g = load_graph(args.graph)
+    if args.model is not None or args.graph:
+        if args.model is not None and args.graph:
+            raise UsageError("give either an ONNX model or --graph, not both")
+        g = _import_onnx(args.model, args.strict) if args.model is not None else load_graph(args.graph)
         symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
         defaults = {"batch": batch, "seq": seq, "past_seq": args.past, "q_len": seq, "kv_len": seq}
-        return g, {s: defaults.get(s, seq) for s in symbols}
+        sizes = {s: defaults.get(s, batch if "batch" in s.lower() else args.past if "past" in s.lower() else seq) for s in symbols}
+        given = _hints(args.dim, "--dim")
+        unknown = sorted(set(given) - symbols)
+        if unknown:
+            raise UsageError(f"--dim names {', '.join(unknown)}, which the graph's inputs do not use; its symbolic dims: {', '.join(sorted(symbols)) or 'none'}")
+        return g, {**sizes, **given}
     cfg = _config(args)
     dtype = getattr(args, "dtype", "float32")
     if args.decode:
@@ -136,6 +146,25 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
         return g, {"batch": batch, "seq": seq, "past_seq": args.past}
     g = sdpa_graph(cfg, dtype=dtype) if args.core else attention_layer_graph(cfg, seed=args.seed, dtype=dtype)
     return g, {"batch": batch, "seq": seq}
+
+
+def _import_onnx(path: str, strict: bool) -> Graph:
+    if not path.endswith(".onnx") and not os.path.exists(path):
+        raise UsageError(f"unexpected argument {path!r}: the positional argument is an ONNX model file (.onnx)")
+    from .onnx_import import from_onnx
+
+    return from_onnx(path, strict=strict)
+
+
+def _source_opset(path: str) -> int:
+    """The standard opset an ONNX model was written for (its graph is not loaded again)."""
+    import onnx
+
+    from lowering.onnx_export import DEFAULT_OPSET
+
+    with open(path, "rb") as f:
+        model = onnx.load_model(f, load_external_data=False)
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), DEFAULT_OPSET)
 
 
 def _hf_stack(args: argparse.Namespace, dtype: str = "float32") -> Graph:
@@ -266,12 +295,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hints(items: Sequence[str]) -> dict[str, int]:
+def _hints(items: Sequence[str], flag: str = "--hint") -> dict[str, int]:
     hints = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit():
-            raise UsageError(f"--hint takes NAME=INT (e.g. seq=2048), got {item!r}")
+            raise UsageError(f"{flag} takes NAME=INT (e.g. seq=2048), got {item!r}")
         hints[name.strip()] = int(value)
     return hints
 
@@ -281,16 +310,30 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     g, sizes = _graph(args)
     hints = {**sizes, **_hints(args.hint)}
     target = None
-    if args.target:
+    if args.target in ("ort-cpu", "ort-cuda"):  # the runtime an exported model is for: attention chosen per run sizes
+        if args.attention == "decomposed":
+            args.attention = "auto"
+    elif args.target:
         from lowering.targets import target_named
 
         target = target_named(args.target)
+    onnx_out = bool(args.output and args.output.endswith(".onnx"))
+    if onnx_out and target is not None:
+        raise UsageError("--target lowers for a backend inside graphc; to write ONNX for onnxruntime use --attention (and --target ort-cpu/ort-cuda only as a name for it)")
     out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True, target=target)
     print(report.explain() if args.explain else report)
     if args.print:
         print()
         print(out)
-    if args.output:
+    if onnx_out:
+        from lowering.onnx_export import DEFAULT_OPSET, MIN_OPSET, export
+
+        opset = args.opset or max(_source_opset(args.model) if args.model else DEFAULT_OPSET, MIN_OPSET)
+        if args.attention != "decomposed":
+            opset = max(opset, 23)
+        model = export(out, args.output, opset=opset, attention=args.attention, hints=hints, external_data=args.external_data)
+        print(f"wrote {args.output}: {len(model.graph.node)} nodes, opset {opset}, inputs {', '.join(out.inputs)}, outputs {', '.join(out.outputs)}")
+    elif args.output:
         save_graph(out, args.output)
         print(f"wrote {args.output}")
     return 0
@@ -370,9 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--level", type=int, default=2, choices=sorted(PIPELINES))
     o.add_argument("--optimizer", default="auto", choices=OPTIMIZERS, help="opt_einsum path optimizer")
     o.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim for cost decisions")
-    o.add_argument("--target", default=None, metavar="NAME", help="also lower for a backend: numpy, reference, torch, onnx-decomposed, onnx-onnx-attention, onnx-ort-gqa, onnx-auto")
+    o.add_argument("--target", default=None, metavar="NAME", help="also lower for a backend: numpy, reference, torch, onnx-decomposed, onnx-onnx-attention, onnx-ort-gqa, onnx-auto; with -o X.onnx: ort-cpu or ort-cuda (attention auto)")
     o.add_argument("--print", action="store_true", help="print the optimized graph")
-    o.add_argument("-o", "--output", default=None, help="save the optimized graph as JSON")
+    o.add_argument("-o", "--output", default=None, help="save the optimized graph: .onnx writes ONNX (the input/output names and dynamic axes kept), anything else JSON")
+    o.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES, help="with -o X.onnx: how attention is written (auto: fused where faster for --hint sizes)")
+    o.add_argument("--opset", type=int, default=None, help="with -o X.onnx: the ONNX opset (default: the imported model's, at least 18)")
+    o.add_argument("--external-data", action="store_true", help="with -o X.onnx: weights in X.onnx.data beside the model")
     o.set_defaults(func=cmd_optimize)
 
     i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")

@@ -23,7 +23,7 @@ from ..ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Res
 from ..rotary import Positions
 from ..tensor_ops import Gather, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, ONNX_TO_DTYPE, SymInts, Triangle, simplify
-from .shapes import as_dims, reshape_target, sym_binary, sym_layout
+from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 
 __all__ = ["CORE_CONVERTERS", "Converter"]
 
@@ -151,6 +151,9 @@ def _logical(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
 
 def _where(ctx: ImportContext, ins: list, attrs: dict) -> list:
     cond, x, y = ins
+    folded = sym_where(cond, x, y)
+    if folded is not None:
+        return [folded]
     if isinstance(cond, np.ndarray) and cond.size == 1:
         return [x if bool(cond.reshape(())) else y]
     c = ctx.tensor(cond, "Where condition")

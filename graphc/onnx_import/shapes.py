@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..dims import Dim, dim_add, dim_div, dim_mul, dim_prod, dim_sub, normalize_dim
+from ..dims import Dim, dim_add, dim_div, dim_is_nonnegative, dim_mul, dim_prod, dim_sub, normalize_dim
 from .context import Imported, ImportContext, SymInts, simplify
 
-__all__ = ["as_dims", "sym_binary", "sym_layout", "reshape_target", "symbolic_quotient"]
+__all__ = ["as_dims", "sym_binary", "sym_where", "sym_layout", "reshape_target", "symbolic_quotient"]
 
 
 def as_dims(v: Imported | None) -> SymInts | None:
@@ -73,6 +73,8 @@ def sym_binary(op_type: str, ins: Sequence[Imported | None]) -> Imported | None:
                 out.append(1)
             elif isinstance(x, int) and isinstance(y, int):
                 out.append(0)
+            elif isinstance(x, int) and x < 0 and dim_is_nonnegative(y) or isinstance(y, int) and y < 0 and dim_is_nonnegative(x):
+                out.append(0)  # a size is never negative (exporters compare shapes with -1)
             else:
                 return None
         else:
@@ -81,6 +83,20 @@ def sym_binary(op_type: str, ins: Sequence[Imported | None]) -> Imported | None:
         arr = np.array(out, bool)
         return arr.reshape(()) if scalar else arr
     return simplify(SymInts(tuple(out), scalar))
+
+
+def sym_where(cond: Imported | None, x: Imported | None, y: Imported | None) -> Imported | None:
+    """``Where`` with a known condition over shape values (``Where(shape == -1, 1, shape)``)."""
+    a, b = as_dims(x), as_dims(y)
+    if not isinstance(cond, np.ndarray) or a is None or b is None or isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
+        return None
+    n = max(cond.size, len(a.values), len(b.values))
+    picks = np.broadcast_to(cond.reshape(-1), (n,))
+    av = a.values * n if len(a.values) == 1 else a.values
+    bv = b.values * n if len(b.values) == 1 else b.values
+    if len(av) != n or len(bv) != n:
+        return None
+    return simplify(SymInts(tuple(p if c else q for c, p, q in zip(picks, av, bv)), a.scalar and b.scalar and cond.ndim == 0))
 
 
 def symbolic_quotient(a: Dim, b: Dim) -> Dim | None:

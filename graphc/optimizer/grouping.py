@@ -32,7 +32,7 @@ from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Scale, Softmax, Tran
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
 
-__all__ = ["fuse_repeat_kv", "fold_groups", "FUSE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
+__all__ = ["fuse_repeat_kv", "fold_groups", "EXPAND_REPEAT_RULE", "FUSE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
 
 _LAYOUT = re.compile(r"^(.*)_BH([A-Z]+)$")
 
@@ -46,6 +46,42 @@ def grouped_name(name: str) -> str:
 def folded_name(name: str) -> str:
     """``q_BHkvGSD`` -> ``q_BHkvMD`` (M: group x query rows); other names get ``_fold``."""
     return name.replace("_BHkvGS", "_BHkvM", 1) if "_BHkvGS" in name else f"{name}_fold"
+
+
+# --------------------------------------------------------------- expand-form repeat
+
+
+def _match_expand_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
+    """``Reshape(Repeat(Reshape(x, insert 1 at a), a, n), merge a-1 and a)``: the exporters' ``repeat_kv`` (Unsqueeze, Expand, Reshape)."""
+    rep = graph.producer(node.inputs[0])
+    if rep is None or not isinstance(rep.op, Repeat):
+        return None
+    ins = graph.producer(rep.inputs[0])
+    if ins is None or not isinstance(ins.op, Reshape):
+        return Miss(f"the repeat {rep.name!r} does not read a reshape that inserts its axis")
+    x = ins.inputs[0]
+    shape = graph.types[x].shape
+    a = rep.op.axis % (len(shape) + 1)
+    n = rep.op.repeats
+    if a == 0 or graph.types[ins.name].shape != shape[:a] + (1,) + shape[a:]:
+        return Miss(f"{ins.name!r} does not insert a size-1 axis at {a} of {x!r} after another axis")
+    if graph.types[node.name].shape != shape[: a - 1] + (dim_mul(shape[a - 1], n),) + shape[a:]:
+        return Miss(f"{node.name!r} does not merge the repeated axis into the axis before it")
+    if not only_reader(graph, rep.name, node.name):
+        return Miss(f"the repeated value {rep.name!r} has other readers")
+    return node, rep, ins, x, a - 1, n
+
+
+def _rewrite_expand_repeat(graph: Graph, m: tuple[Node, Node, Node, str, int, int], ctx: PassContext) -> str:
+    node, rep, ins, x, axis, n = m
+    graph.redefine(node.name, Repeat(axis, n), [x])
+    remove_if_dead(graph, rep.name)
+    remove_if_dead(graph, ins.name)
+    return f"unsqueeze/expand/reshape of {x!r} is a repeat-interleave of axis {axis} by {n}"
+
+
+EXPAND_REPEAT_RULE = Rule("expand_to_repeat", (Reshape,), _match_expand_repeat, _rewrite_expand_repeat)
+"""The Expand form of ``repeat_kv`` becomes one ``Repeat`` (then grouped by ``fuse_repeat_kv``)."""
 
 
 # --------------------------------------------------------------- repeat fusion
