@@ -29,9 +29,10 @@ import onnx
 from ..dims import Dim, format_shape, is_static, normalize_dim
 from ..errors import OnnxImportError
 from ..graph import Graph
+from ..ops import Cast
 from ..tensor_ops import ShapeValues
 
-__all__ = ["SymInts", "Filled", "Triangle", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
+__all__ = ["SymInts", "Filled", "Triangle", "MaskSum", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
 
 ONNX_TO_DTYPE = {
     onnx.TensorProto.FLOAT: "float32",
@@ -46,10 +47,11 @@ ONNX_TO_DTYPE = {
 
 @dataclass(frozen=True)
 class SymInts:
-    """An int64 tensor of rank 0 or 1 whose entries are dims."""
+    """A tensor of rank 0 or 1 whose entries are dims: int64, or a float/int32 ``dtype`` after a ``Cast`` (``arange`` bounds)."""
 
     values: tuple[Dim, ...]
     scalar: bool = False
+    dtype: str = "int64"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -76,6 +78,18 @@ class Triangle:
 
 
 @dataclass(frozen=True)
+class MaskSum:
+    """A sum of :class:`Filled`/:class:`Triangle` masks (Mistral's ``triu`` + ``tril`` window), added term by term to the tensor it meets."""
+
+    parts: tuple[Union[Filled, Triangle], ...]
+
+    @property
+    def shape(self) -> tuple[Dim, ...]:
+        """The shape of the first term (all terms broadcast into the tensor they meet)."""
+        return self.parts[0].shape
+
+
+@dataclass(frozen=True)
 class Broadcast:
     """Graph value ``name`` broadcast to ``shape`` (an ``Expand`` to a symbolic shape)."""
 
@@ -83,13 +97,13 @@ class Broadcast:
     shape: tuple[Dim, ...]
 
 
-Imported = Union[str, np.ndarray, SymInts, Filled, Triangle, Broadcast]
+Imported = Union[str, np.ndarray, SymInts, Filled, Triangle, MaskSum, Broadcast]
 
 
 def simplify(v: Imported) -> Imported:
     """A :class:`SymInts` whose entries are all ints becomes a known array; a static :class:`Filled` becomes one too."""
     if isinstance(v, SymInts) and all(isinstance(d, int) for d in v.values):
-        arr = np.array(v.values, np.int64)
+        arr = np.array(v.values, v.dtype)
         return arr.reshape(()) if v.scalar else arr
     if isinstance(v, Filled) and is_static(v.shape) and int(np.prod([int(d) for d in v.shape])) <= 1 << 20:
         return np.full(tuple(int(d) for d in v.shape), v.value, v.value.dtype)
@@ -155,8 +169,10 @@ class ImportContext:
         """The graphc dtype of any imported value."""
         if isinstance(v, str):
             return self.graph.types[v].dtype
-        if isinstance(v, (SymInts,)):
-            return "int64"
+        if isinstance(v, SymInts):
+            return v.dtype
+        if isinstance(v, MaskSum):
+            v = v.parts[0]
         arr = v if isinstance(v, np.ndarray) else v.value if isinstance(v, (Filled, Triangle)) else None
         if arr is None:
             return self.graph.types[v.name].dtype  # type: ignore[union-attr]
@@ -172,7 +188,8 @@ class ImportContext:
         if isinstance(v, np.ndarray):
             return self.constant(v, what)
         if isinstance(v, SymInts):
-            return self.graph.add_node(ShapeValues(v.values, v.scalar), [], self.graph.fresh_name("shape_values")).name
+            out = self.graph.add_node(ShapeValues(v.values, v.scalar), [], self.graph.fresh_name("shape_values")).name
+            return out if v.dtype == "int64" else self.add(Cast(v.dtype), [out], "shape_values_cast")
         if isinstance(v, Broadcast):
             raise self.error(f"{what}: an Expand of {v.name!r} to the symbolic shape {format_shape(v.shape)} is only supported where it broadcasts into another operand")
         raise self.error(f"{what}: a constant fill of symbolic shape {format_shape(v.shape)} is only supported where it broadcasts into another operand")

@@ -22,7 +22,7 @@ from ..errors import GraphcError
 from ..ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
 from ..rotary import Positions
 from ..tensor_ops import Gather, Reduce, Slice
-from .context import Broadcast, Filled, Imported, ImportContext, ONNX_TO_DTYPE, SymInts, Triangle, simplify
+from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 
 __all__ = ["CORE_CONVERTERS", "Converter"]
@@ -69,6 +69,10 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
     return ctx.add(Binary(fn), [x, mask], "t")
 
 
+def _terms(v: Imported) -> tuple:
+    return v.parts if isinstance(v, MaskSum) else (v,)
+
+
 def _lazy_operand(ctx: ImportContext, v: Imported, other_shape: Sequence[Dim], dtype: str) -> str:
     """A :class:`Filled` or :class:`Broadcast` operand as the value that broadcasting makes equivalent."""
     if isinstance(v, Filled):
@@ -85,6 +89,17 @@ def _lazy_operand(ctx: ImportContext, v: Imported, other_shape: Sequence[Dim], d
 
 def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[str, str] | str:
     """Two graph values of one dtype for a broadcasting op (or the finished result, for a Triangle)."""
+    masks = (Filled, Triangle, MaskSum)
+    if fn == "add" and isinstance(a, masks) and isinstance(b, masks) and (isinstance(a, (Triangle, MaskSum)) or isinstance(b, (Triangle, MaskSum))):
+        return MaskSum(_terms(a) + _terms(b))  # type: ignore[return-value]
+    if fn == "add" and isinstance(b, MaskSum) and isinstance(a, str):
+        a, b = b, a
+    if fn == "add" and isinstance(a, MaskSum) and isinstance(b, str):
+        out = b
+        for part in a.parts:
+            res = _operands(ctx, out, part, "add")
+            out = res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")
+        return out
     if isinstance(b, Triangle) and isinstance(a, str):
         return _triangle_against(ctx, b, a, fn)
     if isinstance(a, Triangle) and isinstance(b, str) and fn in ("add", "mul"):
@@ -121,7 +136,7 @@ def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
             if np.isfinite(factor) and ctx.graph.types[x].dtype == str(y.dtype) and y.ndim <= ctx.graph.types[x].rank:
                 return [ctx.add(Scale(factor), [x], "scaled")]
     ops = _operands(ctx, a, b, fn)
-    if isinstance(ops, str):
+    if isinstance(ops, (str, MaskSum)):
         return [ops]
     return [ctx.add(Binary(fn), list(ops), op_type.lower())]
 
@@ -172,6 +187,9 @@ def _cast(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if to is None:
         raise ctx.error(f"Cast to ONNX type {attrs['to']} has no graphc dtype")
     x = ins[0]
+    sym = sym_layout(ctx, "Cast", ins, attrs)
+    if sym is not None:
+        return [sym]
     if isinstance(x, Filled):
         return [Filled(x.value.astype(to), x.shape)]
     x = ctx.tensor(x)
@@ -239,10 +257,25 @@ def _gemm(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _einsum(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """ONNX ``Einsum``: ``...`` becomes explicit letters and an implicit output is spelled out (letters seen once, sorted)."""
+    values = [ctx.tensor(x) for x in ins]
     eq = str(attrs["equation"]).replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(values):
+        raise ctx.error(f"Einsum equation {eq!r} names {len(terms)} operand(s), the node has {len(values)}")
     if "..." in eq:
-        raise ctx.error(f"Einsum equation {eq!r} uses '...'; graphc needs one letter per axis")
-    return [ctx.add(Einsum(eq), [ctx.tensor(x) for x in ins], "einsum")]
+        spare = [ch for ch in LETTERS if ch not in eq]
+        width = max(ctx.graph.types[v].rank - (len(t) - 3) for t, v in zip(terms, values) if "..." in t)
+        fill = "".join(spare[:width])
+        terms = [t.replace("...", fill[width - (ctx.graph.types[v].rank - (len(t) - 3)) :]) for t, v in zip(terms, values)]
+        rhs = rhs.replace("...", fill)
+        if not arrow:
+            rhs = fill
+    if not arrow:
+        counts = {ch: "".join(terms).count(ch) for ch in "".join(terms)}
+        rhs += "".join(sorted(ch for ch, n in counts.items() if n == 1 and ch not in rhs))
+    return [ctx.add(Einsum(",".join(terms) + "->" + rhs), values, "einsum")]
 
 
 def _softmax(ctx: ImportContext, ins: list, attrs: dict) -> list:

@@ -25,6 +25,7 @@ from ..dims import Dim, normalize_dim
 from ..errors import GraphcError, OnnxImportError
 from ..graph import Graph
 from ..opaque import Opaque
+from ..ops import Reshape
 from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
 from .convert_core import CORE_CONVERTERS, SPLIT
 from .convert_fused import FUSED_CONVERTERS
@@ -175,6 +176,8 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
     for vi in model.graph.output:
         v = ctx.get(vi.name)
         value = ctx.tensor(v, f"graph output {vi.name!r}")
+        if value in g.inputs or value in g.initializers or value in outputs:  # an output must be computed by a node
+            value = ctx.add(Reshape(g.types[value].shape), [value], "output")
         want = _clean_name(vi.name)
         if value != want and want not in g.types and value not in g.inputs and value not in g.initializers:
             g.rename_value(value, want)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..dims import Dim, dim_add, dim_div, dim_is_nonnegative, dim_mul, dim_prod, dim_sub, normalize_dim
-from .context import Imported, ImportContext, SymInts, simplify
+from .context import ONNX_TO_DTYPE, Imported, ImportContext, SymInts, simplify
 
 __all__ = ["as_dims", "sym_binary", "sym_where", "sym_layout", "reshape_target", "symbolic_quotient"]
 
@@ -26,6 +26,8 @@ def as_dims(v: Imported | None) -> SymInts | None:
         return v
     if isinstance(v, np.ndarray) and v.dtype.kind in "iu" and v.ndim <= 1 and v.size <= 64:
         return SymInts(tuple(int(x) for x in v.reshape(-1)), v.ndim == 0)
+    if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.ndim <= 1 and v.size <= 64 and np.all(v == np.round(v)) and np.all(np.abs(v) < 2**53):
+        return SymInts(tuple(int(x) for x in v.reshape(-1)), v.ndim == 0, str(v.dtype))
     return None
 
 
@@ -82,7 +84,7 @@ def sym_binary(op_type: str, ins: Sequence[Imported | None]) -> Imported | None:
     if op_type == "Equal":
         arr = np.array(out, bool)
         return arr.reshape(()) if scalar else arr
-    return simplify(SymInts(tuple(out), scalar))
+    return simplify(SymInts(tuple(out), scalar, a.dtype if a.dtype == b.dtype else "int64"))
 
 
 def sym_where(cond: Imported | None, x: Imported | None, y: Imported | None) -> Imported | None:
@@ -161,9 +163,10 @@ def sym_layout(ctx: ImportContext, op_type: str, ins: Sequence[Imported | None],
             return None
         return SymInts(first.values, len(target) == 0)
     if op_type in ("Cast", "Identity"):
-        if op_type == "Cast" and attrs.get("to") not in (6, 7):  # int32, int64
-            return None
-        return first
+        if op_type == "Identity":
+            return first
+        to = ONNX_TO_DTYPE.get(attrs.get("to", 0))
+        return SymInts(first.values, first.scalar, to) if to is not None and to != "bool" else None
     return None
 
 
