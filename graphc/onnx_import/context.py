@@ -19,6 +19,7 @@ An ONNX value becomes one of:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -121,6 +122,8 @@ class ImportContext:
         self.node: onnx.NodeProto | None = None
         self.onnx_types: dict[str, onnx.TypeProto] = {}
         self.notes: list[str] = []
+        self.array_names: dict[int, str] = {}  # id(initializer array) -> its ONNX name
+        self.constants: dict[int, tuple[np.ndarray, str]] = {}  # id(array) -> (array, graph value): each array becomes one constant
 
     # ------------------------------------------------------------ errors
     def error(self, message: str) -> OnnxImportError:
@@ -186,7 +189,12 @@ class ImportContext:
         if isinstance(v, str):
             return v
         if isinstance(v, np.ndarray):
-            return self.constant(v, what)
+            hit = self.constants.get(id(v))
+            if hit is not None and hit[0] is v:
+                return hit[1]
+            name = self.constant(v, self.array_names.get(id(v), what))
+            self.constants[id(v)] = (v, name)
+            return name
         if isinstance(v, SymInts):
             out = self.graph.add_node(ShapeValues(v.values, v.scalar), [], self.graph.fresh_name("shape_values")).name
             return out if v.dtype == "int64" else self.add(Cast(v.dtype), [out], "shape_values_cast")
@@ -215,5 +223,9 @@ class ImportContext:
             raise self.error(str(e)) from None
 
 
+_BAD = re.compile(r"[^A-Za-z0-9_.:/\-]")
+
+
 def _clean(name: str) -> str:
-    return name or "t"
+    name = _BAD.sub("_", name or "t")
+    return name if re.match(r"[A-Za-z_/]", name) else f"v_{name}"

@@ -118,7 +118,7 @@ def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int])
     op = Opaque(node.op_type, node.domain, opsets.get(node.domain or "ai.onnx", 1), base64.b64encode(proto.SerializeToString()).decode(), tuple(shapes), tuple(dtypes), slots)
     names = [ctx.graph.fresh_name(_clean_name(o)) for o in node.output]
     ctx.notes.append(f"{node.name or node.output[0]}: {where} kept as an opaque node")
-    return list(ctx.graph.add_multi_node(op, inputs, names))
+    return [v.name for v in ctx.graph.add_multi_node(op, inputs, names)]
 
 
 def from_onnx(source: onnx.ModelProto | str | os.PathLike[str], strict: bool = False, name: str | None = None) -> Graph:
@@ -153,7 +153,8 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
     init_names = set()
     for t in model.graph.initializer:
         try:
-            ctx.env[t.name] = numpy_helper.to_array(t)
+            ctx.env[t.name] = arr = numpy_helper.to_array(t)
+            ctx.array_names[id(arr)] = t.name
         except Exception as e:  # noqa: BLE001 - a malformed tensor
             raise OnnxImportError(f"initializer {t.name!r} cannot be read: {e}") from None
         init_names.add(t.name)

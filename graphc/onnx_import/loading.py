@@ -86,6 +86,18 @@ def _check_dims(model: onnx.ModelProto) -> None:
                 raise OnnxImportError(f"initializer {t.name!r} axis {axis} has size {d}; graphc accepts sizes 0..{MAX_DIM}")
 
 
+def _nbytes(t: onnx.TensorProto) -> int | None:
+    """The bytes a tensor's data takes, for fixed-size element types."""
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n * itemsize
+
+
 def _load_external(model: onnx.ModelProto, folder: Path) -> None:
     """Check every external-data reference, then load the data (refusing paths outside ``folder``)."""
     from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model
@@ -105,7 +117,9 @@ def _load_external(model: onnx.ModelProto, folder: Path) -> None:
             raise OnnxImportError(f"initializer {t.name!r}: external data file {location!r} is missing (looked in {str(folder)!r})")
         size = target.stat().st_size
         offset = int(info.offset or 0)
-        length = int(info.length) if info.length else size - offset
+        length = int(info.length) if info.length else _nbytes(t)
+        if length is None:
+            length = size - offset
         if offset < 0 or offset + length > size:
             raise OnnxImportError(f"initializer {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}")
     try:

@@ -1,0 +1,298 @@
+"""graphc.from_onnx: shape folding, op decompositions against onnxruntime, opaque pass-through, bad ONNX.
+
+References are independent of graphc: onnxruntime running the original model
+(its own kernels, including the ``com.microsoft`` contrib ops) and ONNX's
+reference evaluator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphc import optimize
+from graphc.cli import main
+from graphc.errors import ExecutionError, GraphcError, OnnxImportError
+from graphc.onnx_import import MAX_DIM, from_onnx, supported_ops
+from lowering import run
+from lowering.onnx_export import export
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(0)
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=18, ms=False, value_info=()):
+    graph = helper.make_graph(nodes, "m", inputs, outputs, list(initializers), value_info=list(value_info))
+    imports = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
+    model = helper.make_model(graph, opset_imports=imports)
+    model.ir_version = 10
+    return model
+
+
+def _ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _w(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------- shapes fold into symbolic dims
+def test_shape_chain_becomes_a_symbolic_reshape() -> None:
+    """Shape -> Gather -> Unsqueeze -> Concat -> Reshape with -1: a head split on symbolic dims, no run-time shape ops."""
+    c = lambda name, v: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(v, np.int64)))  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        c("i0", 0), c("i1", 1), c("ax", [0]), c("tail", [-1, 4]),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["s", "i1"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
+        helper.make_node("Unsqueeze", ["n", "ax"], ["n1"]),
+        helper.make_node("Concat", ["b1", "n1", "tail"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["x", "shape"], ["y"]),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, ["batch", "seq", 32])], [helper.make_tensor_value_info("y", F, None)])
+    g = from_onnx(model)
+    assert g.op_counts() == {"Reshape": 1}
+    assert g.types["y"].shape == ("batch", "seq", 8, 4)
+    x = _w(2, 3, 32)
+    np.testing.assert_array_equal(run(g, {"x": x}, backend="numpy")["y"], x.reshape(2, 3, 8, 4))
+
+
+def test_value_names_and_dims_are_kept() -> None:
+    model = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["/model/layers.0/self_attn/q_proj/MatMul_output_0"]), helper.make_node("Relu", ["/model/layers.0/self_attn/q_proj/MatMul_output_0"], ["y"])],
+        [helper.make_tensor_value_info("x", F, ["batch", "seq + past", 8])],
+        [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(_w(8, 4), "w")],
+    )
+    g = from_onnx(model)
+    assert "/model/layers.0/self_attn/q_proj/MatMul_output_0" in g.types
+    assert g.types["x"].shape == ("batch", "past+seq", 8)
+    assert g.outputs == ["y"]
+
+
+# ---------------------------------------------------------------- decompositions vs onnxruntime's kernels
+def test_gemm_split_slice_gather_softmax_match_onnxruntime() -> None:
+    nodes = [
+        helper.make_node("Gemm", ["x", "w", "bias"], ["h"], transB=1, alpha=0.5, beta=2.0),
+        helper.make_node("Split", ["h", "sizes"], ["a", "b"], axis=1),
+        helper.make_node("Slice", ["a", "st", "en", "axs", "stp"], ["a2"]),
+        helper.make_node("Gather", ["b", "idx"], ["b2"], axis=1),
+        helper.make_node("Softmax", ["a2"], ["y1"], axis=-1),
+        helper.make_node("ReduceMean", ["b2", "rax"], ["y2"], keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(_w(12, 6), "w"), numpy_helper.from_array(_w(12), "bias"),
+        numpy_helper.from_array(np.array([8, 4], np.int64), "sizes"),
+        numpy_helper.from_array(np.array([1], np.int64), "st"), numpy_helper.from_array(np.array([7], np.int64), "en"),
+        numpy_helper.from_array(np.array([1], np.int64), "axs"), numpy_helper.from_array(np.array([2], np.int64), "stp"),
+        numpy_helper.from_array(np.array([3, 0, 3], np.int64), "idx"), numpy_helper.from_array(np.array([1], np.int64), "rax"),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [5, 6])], [helper.make_tensor_value_info("y1", F, None), helper.make_tensor_value_info("y2", F, None)], inits)
+    x = _w(5, 6)
+    want = _ort(model, {"x": x})
+    g = from_onnx(model, strict=True)
+    for backend in ("numpy", "ort-cpu", "torch"):
+        got = run(optimize(g).graph, {"x": x}, backend=backend)
+        np.testing.assert_allclose(got["y1"], want[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["y2"], want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_contrib_norms_and_rotary_match_onnxruntime() -> None:
+    """com.microsoft SkipSimplifiedLayerNormalization, SimplifiedLayerNormalization and RotaryEmbedding, against onnxruntime's contrib kernels."""
+    b, s, heads, d = 2, 5, 2, 8
+    hidden = heads * d
+    nodes = [
+        helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["n1", "", "", "sum"], domain="com.microsoft", epsilon=1e-5),
+        helper.make_node("SimplifiedLayerNormalization", ["sum", "gamma"], ["n2"], axis=-1, epsilon=1e-6),
+        helper.make_node("RotaryEmbedding", ["n1", "pos", "cos", "sin"], ["r"], domain="com.microsoft", num_heads=heads),
+        helper.make_node("Add", ["r", "n2"], ["y"]),
+    ]
+    angles = np.arange(32)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None, :]
+    inits = [numpy_helper.from_array(_w(hidden), "gamma"), numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+    inputs = [helper.make_tensor_value_info("x", F, ["batch", "seq", hidden]), helper.make_tensor_value_info("skip", F, ["batch", "seq", hidden]), helper.make_tensor_value_info("pos", TensorProto.INT64, ["batch", "seq"])]
+    model = _model(nodes, inputs, [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("sum", F, None)], inits, ms=True)
+    feeds = {"x": _w(b, s, hidden), "skip": _w(b, s, hidden), "pos": np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int64)}
+    want = _ort(model, feeds)
+    g = from_onnx(model, strict=True)
+    for backend in ("numpy", "ort-cpu"):
+        got = run(optimize(g).graph, feeds, backend=backend)
+        np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["sum"], want[1], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- ops graphc does not model
+def _cumsum_model() -> onnx.ModelProto:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("CumSum", ["h", "axis"], ["c"], reverse=1), helper.make_node("Softmax", ["c"], ["y"], axis=-1)]
+    inits = [numpy_helper.from_array(_w(6, 4), "w"), numpy_helper.from_array(np.array(1, np.int64), "axis")]
+    return _model(nodes, [helper.make_tensor_value_info("x", F, ["batch", 6])], [helper.make_tensor_value_info("y", F, ["batch", 4])], inits)
+
+
+def test_unknown_op_passes_through_as_opaque_node(tmp_path: Path) -> None:
+    model = _cumsum_model()
+    x = _w(3, 6)
+    (want,) = _ort(model, {"x": x})
+    g = from_onnx(model)
+    assert g.op_counts().get("Opaque") == 1
+    assert "ai.onnx::CumSum" in str(g)
+    opt = optimize(g).graph
+    for backend in ("numpy", "onnx-reference", "ort-cpu", "torch"):  # numpy/torch run it through ONNX's reference evaluator
+        np.testing.assert_allclose(run(opt, {"x": x}, backend=backend)["y"], want, rtol=1e-5, atol=1e-6)
+    exported = export(opt, tmp_path / "m.onnx")
+    cumsum = [n for n in exported.graph.node if n.op_type == "CumSum"]
+    assert len(cumsum) == 1 and helper.get_attribute_value(cumsum[0].attribute[0]) == 1  # written back with its attribute
+    np.testing.assert_allclose(_ort(exported, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_strict_import_names_op_domain_and_node() -> None:
+    with pytest.raises(OnnxImportError, match=r"node 'c' \(CumSum\).*ai.onnx::CumSum.*strict"):
+        from_onnx(_cumsum_model(), strict=True)
+
+
+def test_contrib_op_graphc_does_not_model_runs_on_onnxruntime_only() -> None:
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("FastGelu", ["h"], ["y"], domain="com.microsoft")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 6])], [helper.make_tensor_value_info("y", F, [2, 4])], [numpy_helper.from_array(_w(6, 4), "w")], ms=True)
+    x = _w(2, 6)
+    g = from_onnx(model)
+    np.testing.assert_allclose(run(g, {"x": x}, backend="ort-cpu")["y"], _ort(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"'y'.*com\.microsoft::FastGelu.*no NumPy semantics"):
+        run(g, {"x": x}, backend="numpy")
+
+
+def test_opaque_node_without_a_type_asks_for_value_info() -> None:
+    nodes = [helper.make_node("FastGelu", ["x"], ["h"], domain="com.microsoft"), helper.make_node("Relu", ["h"], ["y"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 6])], [helper.make_tensor_value_info("y", F, None)], ms=True)
+    with pytest.raises(OnnxImportError, match=r"FastGelu.*no type for its output 'h'.*value_info"):
+        from_onnx(model)
+
+
+def test_supported_ops_lists_the_converters() -> None:
+    ops = supported_ops()
+    for op in ("MatMul", "Attention", "RotaryEmbedding", "RMSNormalization", "Expand", "Trilu", "Range", "Split"):
+        assert op in ops["ai.onnx"]
+    assert "SkipSimplifiedLayerNormalization" in ops["com.microsoft"]
+
+
+# ---------------------------------------------------------------- bad ONNX
+def _small_model() -> onnx.ModelProto:
+    return _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [helper.make_tensor_value_info("x", F, [2, 64])], [helper.make_tensor_value_info("y", F, None)], [numpy_helper.from_array(_w(64, 64), "w")])
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    data = _small_model().SerializeToString()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(OnnxImportError, match=r"m\.onnx.*is not an ONNX model.*truncated"):
+        from_onnx(path)
+
+
+def test_not_onnx_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.onnx"
+    path.write_text('{"hidden_size": 4096}')
+    with pytest.raises(OnnxImportError, match="is not an ONNX model"):
+        from_onnx(path)
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    with pytest.raises(OnnxImportError, match="does not exist"):
+        from_onnx(tmp_path / "nope.onnx")
+    with pytest.raises(OnnxImportError, match="is not a file"):
+        from_onnx(tmp_path)
+
+
+def _external(tmp_path: Path, location: str) -> Path:
+    model = _small_model()
+    w = model.graph.initializer[0]
+    w.ClearField("raw_data")
+    w.ClearField("float_data")
+    w.data_location = TensorProto.EXTERNAL
+    entry = w.external_data.add()
+    entry.key, entry.value = "location", location
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_missing_external_data(tmp_path: Path) -> None:
+    with pytest.raises(OnnxImportError, match=r"initializer 'w'.*external data file 'weights.bin' is missing"):
+        from_onnx(_external(tmp_path, "weights.bin"))
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 64 * 64 * 4)
+    sub = tmp_path / "model"
+    sub.mkdir()
+    with pytest.raises(OnnxImportError, match=r"external data path '\.\./secret\.bin' leaves the model's folder.*refused"):
+        from_onnx(_external(sub, "../secret.bin"))
+    with pytest.raises(OnnxImportError, match="leaves the model's folder"):
+        from_onnx(_external(sub, str(tmp_path / "secret.bin")))
+
+
+def test_short_external_data(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 100)
+    with pytest.raises(OnnxImportError, match=r"holds 100 bytes"):
+        from_onnx(_external(tmp_path, "weights.bin"))
+
+
+def test_external_data_loads_from_the_model_folder(tmp_path: Path) -> None:
+    model = _small_model()
+    want = numpy_helper.to_array(model.graph.initializer[0])
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    assert (tmp_path / "m.data").stat().st_size == want.nbytes
+    g = from_onnx(tmp_path / "m.onnx")
+    np.testing.assert_array_equal(g.initializers["w"], want)
+
+
+def test_unknown_opset() -> None:
+    model = _small_model()
+    model.opset_import[0].version = 99
+    with pytest.raises(OnnxImportError, match=r"opset 99; graphc imports opsets 7\.\.\d+"):
+        from_onnx(model)
+
+
+def test_huge_dim() -> None:
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", F, [10**12, 4])], [helper.make_tensor_value_info("y", F, None)])
+    with pytest.raises(OnnxImportError, match=rf"graph input 'x' axis 0 has size 1000000000000; graphc accepts sizes 0\.\.{MAX_DIM}"):
+        from_onnx(model)
+
+
+def test_unsupported_input_dtype() -> None:
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=F)], [helper.make_tensor_value_info("x", TensorProto.UINT8, [4])], [helper.make_tensor_value_info("y", F, None)])
+    with pytest.raises(OnnxImportError, match=r"graph input 'x' has a type graphc does not support \(UINT8"):
+        from_onnx(model)
+
+
+def test_bad_node_is_named() -> None:
+    model = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", F, [2, 5])],
+        [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(_w(6, 4), "w")],
+    )
+    with pytest.raises(OnnxImportError, match=r"node 'y' \(MatMul\).*label 'b' has size 5 in operand 0 but 6 in operand 1"):
+        from_onnx(model)
+
+
+def test_errors_are_graphc_errors() -> None:
+    assert issubclass(OnnxImportError, GraphcError) and issubclass(OnnxImportError, ValueError)
+
+
+def test_cli_bad_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(b"\x08\x07garbage")
+    assert main(["optimize", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "broken.onnx" in err[0] and "not an ONNX model" in err[0]
+
+
+def test_cli_dim_names_must_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(_cumsum_model(), str(path))
+    assert main(["compare", str(path), "--dim", "seq=4", "--quiet"]) == 2
+    assert "--dim names seq" in capsys.readouterr().err and "batch"
