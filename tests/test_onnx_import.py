@@ -176,7 +176,7 @@ def test_supported_ops_lists_the_converters() -> None:
     ops = supported_ops()
     for op in ("MatMul", "Attention", "RotaryEmbedding", "RMSNormalization", "Expand", "Trilu", "Range", "Split"):
         assert op in ops["ai.onnx"]
-    assert "SkipSimplifiedLayerNormalization" in ops["com.microsoft"]
+    assert {"SkipSimplifiedLayerNormalization", "GroupQueryAttention", "MultiHeadAttention", "RotaryEmbedding"} <= set(ops["com.microsoft"])
 
 
 # ---------------------------------------------------------------- bad ONNX
@@ -296,3 +296,84 @@ def test_cli_dim_names_must_exist(tmp_path: Path, capsys: pytest.CaptureFixture[
     onnx.save(_cumsum_model(), str(path))
     assert main(["compare", str(path), "--dim", "seq=4", "--quiet"]) == 2
     assert "--dim names seq" in capsys.readouterr().err and "batch"
+
+
+# ---------------------------------------------------------------- onnxruntime's contrib attention ops
+GQA_CASES = {
+    "decode": dict(B=2, S=1),
+    "decode-softcap": dict(B=2, S=1, softcap=2.0),
+    "decode-window": dict(B=2, S=1, local_window_size=3),
+    "decode-rotary": dict(B=2, S=1, do_rotary=1),
+    "decode-rotary-interleaved": dict(B=2, S=1, do_rotary=1, rotary_interleaved=1),
+    "chunk-after-past": dict(B=1, S=3, do_rotary=1),
+    "prefill": dict(B=2, S=3, prefill=True),
+    "packed-qkv": dict(B=2, S=1, packed=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GQA_CASES))
+def test_group_query_attention_matches_onnxruntime(case: str) -> None:
+    cfg = dict(GQA_CASES[case])
+    b, s, prefill, packed = cfg.pop("B"), cfg.pop("S"), cfg.pop("prefill", False), cfg.pop("packed", False)
+    heads, kv, d, past = 4, 2, 16, 0 if prefill else 5
+    feeds: dict[str, np.ndarray] = {}
+    if packed:
+        feeds["qkv"] = _w(b, s, (heads + 2 * kv) * d)
+    else:
+        feeds.update(q=_w(b, s, heads * d), k=_w(b, s, kv * d), v=_w(b, s, kv * d))
+    if not prefill:
+        feeds.update(pk=_w(b, kv, past, d), pv=_w(b, kv, past, d))
+    feeds["seqlens"] = np.full((b,), past + s - 1, np.int32)  # every row's past fills the cache
+    feeds["total"] = np.array(past + s, np.int32)
+    ins = ["qkv", "", ""] if packed else ["q", "k", "v"]
+    ins += ["", ""] if prefill else ["pk", "pv"]
+    ins += ["seqlens", "total"]
+    inits = []
+    if cfg.get("do_rotary"):
+        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
+        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        ins += ["cos", "sin"]
+    node = helper.make_node("GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv, **cfg)
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
+    want = _ort(model, feeds)
+    g = optimize(from_onnx(model, strict=True)).graph
+    for backend in ("numpy", "ort-cpu"):
+        got = run(g, feeds, backend=backend)
+        for name, ref in zip(("y", "present_key", "present_value"), want):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+
+
+MHA_CASES = {"cross": dict(), "causal-self": dict(unidirectional=1, self=True), "attention-bias": dict(bias=True), "causal-with-past": dict(past=True, unidirectional=1, self=True), "scaled": dict(scale=0.3)}
+
+
+@pytest.mark.parametrize("case", sorted(MHA_CASES))
+def test_multi_head_attention_matches_onnxruntime(case: str) -> None:
+    cfg = dict(MHA_CASES[case])
+    bias, past, self_attention = cfg.pop("bias", False), cfg.pop("past", False), cfg.pop("self", False)
+    b, s, heads, d = 2, 3, 4, 8
+    keys = s if self_attention else 4
+    feeds = {"q": _w(b, s, heads * d), "k": _w(b, keys, heads * d), "v": _w(b, keys, heads * d)}
+    ins = ["q", "k", "v", "", "", "ab" if bias else ""]
+    if bias:
+        feeds["ab"] = _w(b, 1, s, keys)
+    if past:
+        feeds.update(pk=_w(b, heads, 5, d), pv=_w(b, heads, 5, d))
+        ins += ["pk", "pv"]
+    outs = ["y", "present_key", "present_value"] if past else ["y"]
+    node = helper.make_node("MultiHeadAttention", ins, outs, domain="com.microsoft", num_heads=heads, **cfg)
+    model = _model([node], [helper.make_tensor_value_info(n, F, list(a.shape)) for n, a in feeds.items()], [helper.make_tensor_value_info(o, F, None) for o in outs], ms=True)
+    want = _ort(model, feeds)
+    g = optimize(from_onnx(model, strict=True)).graph
+    for backend in ("numpy", "ort-cpu"):
+        got = run(g, feeds, backend=backend)
+        for name, ref in zip(outs, want):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+
+
+def test_multi_head_attention_key_padding_mask_is_refused() -> None:
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "mask"], ["y"], domain="com.microsoft", num_heads=2)
+    inputs = [helper.make_tensor_value_info(n, F, [1, 3, 8]) for n in "qkv"] + [helper.make_tensor_value_info("mask", TensorProto.INT32, [1, 3])]
+    model = _model([node], inputs, [helper.make_tensor_value_info("y", F, None)], ms=True)
+    with pytest.raises(OnnxImportError, match="key_padding_mask is not supported.*attention_bias"):
+        from_onnx(model)

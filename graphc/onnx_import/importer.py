@@ -27,6 +27,7 @@ from ..graph import Graph
 from ..opaque import Opaque
 from ..ops import Reshape
 from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
+from .convert_contrib import CONTRIB_CONVERTERS
 from .convert_core import CORE_CONVERTERS, SPLIT
 from .convert_fused import FUSED_CONVERTERS
 from .loading import load_model
@@ -41,7 +42,7 @@ _NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
 def supported_ops() -> dict[str, list[str]]:
     """The op types graphc converts, by domain (anything else imports as an opaque node)."""
     std = sorted({*CORE_CONVERTERS, "Split", "Constant", *(k for (d, k) in FUSED_CONVERTERS if d == "")})
-    return {"ai.onnx": std, "com.microsoft": sorted(k for (d, k) in FUSED_CONVERTERS if d == "com.microsoft")}
+    return {"ai.onnx": std, "com.microsoft": sorted(k for (d, k) in {**FUSED_CONVERTERS, **CONTRIB_CONVERTERS} if d == "com.microsoft")}
 
 
 def _clean_name(name: str) -> str:
@@ -224,7 +225,7 @@ def _convert(ctx: ImportContext, node: onnx.NodeProto, domain: str, ins: list, a
         return SPLIT(ctx, ins, attrs, len(node.output))
     conv = CORE_CONVERTERS.get(node.op_type) if domain == "" else None
     if conv is None:
-        conv = FUSED_CONVERTERS.get((domain, node.op_type))
+        conv = FUSED_CONVERTERS.get((domain, node.op_type)) or CONTRIB_CONVERTERS.get((domain, node.op_type))
     if conv is None:
         return _opaque(ctx, node, opsets)
     return conv(ctx, ins, attrs)

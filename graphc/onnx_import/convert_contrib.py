@@ -1,0 +1,130 @@
+"""onnxruntime's ``com.microsoft`` attention ops as graphc decompositions.
+
+- ``GroupQueryAttention``: Q/K/V ``[B, S, heads*D]`` (or packed QKV), a
+  ``[B, kv_heads, P, D]`` cache, ``seqlens_k`` (each row's total length - 1),
+  optional rotary from ``cos_cache``/``sin_cache``, ``softcap`` and
+  ``local_window_size``.  Present K/V are ``concat(past, new)``; row ``b``'s
+  queries sit at positions ``seqlens_k[b] + 1 - S + i`` (bottom-right causal,
+  keys at or past ``seqlens_k[b] + 1`` hidden).  This is onnxruntime's result
+  whenever every row's past fills the cache (``seqlens_k[b] = P + S - 1``),
+  the usual decode and prefill; for ragged batches onnxruntime writes each
+  row's new keys at that row's length, which graphc does not model.
+- ``MultiHeadAttention``: Q/K/V ``[B, S, heads*D]``, optional additive
+  ``attention_bias`` and ``past_key``/``past_value``, ``unidirectional``
+  (causal, offset by the past length); ``key_padding_mask`` and packed
+  inputs are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dims import dim_prod
+from ..ops import Binary, Cast, Concat, Reshape, Transpose
+from ..rotary import Positions
+from ..tensor_ops import Gather, Slice
+from .context import ImportContext, SymInts
+from .convert_core import Converter
+from .convert_fused import _as_int64, _attention, _rotate, _split_heads
+
+__all__ = ["CONTRIB_CONVERTERS"]
+
+
+def _bsnd(ctx: ImportContext, x: str, heads: int, what: str) -> str:
+    """``[B, S, heads*D] -> [B, S, heads, D]``."""
+    b, s, hidden = ctx.graph.types[x].shape
+    if not isinstance(hidden, int) or hidden % heads:
+        raise ctx.error(f"{what} hidden size {hidden!r} does not split into {heads} heads")
+    return ctx.add(Reshape((b, s, heads, hidden // heads)), [x], f"{what}_BSND")
+
+
+def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    ins = ins + [None] * (12 - len(ins))
+    heads, kv_heads = attrs.get("num_heads"), attrs.get("kv_num_heads")
+    if not heads or not kv_heads:
+        raise ctx.error("GroupQueryAttention needs num_heads and kv_num_heads")
+    for k, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
+        if ins[k] is not None:
+            raise ctx.error(f"GroupQueryAttention: input {what} is not supported by graphc's import")
+    if attrs.get("smooth_softmax", 0):
+        raise ctx.error("GroupQueryAttention: smooth_softmax=1 is not supported by graphc's import")
+    q = ctx.tensor(ins[0], "query")
+    if ins[1] is None:  # packed [Q | K | V]
+        b, s, hidden = ctx.graph.types[q].shape
+        d = hidden // (heads + 2 * kv_heads)
+        k = ctx.add(Slice(2, heads * d, (heads + kv_heads) * d), [q], "key_packed")
+        v = ctx.add(Slice(2, (heads + kv_heads) * d, hidden), [q], "value_packed")
+        q = ctx.add(Slice(2, 0, heads * d), [q], "query_packed")
+    else:
+        k, v = ctx.tensor(ins[1], "key"), ctx.tensor(ins[2], "value")
+    lengths = ctx.add(Binary("add"), [_as_int64(ctx, ctx.tensor(ins[5], "seqlens_k")), ctx.constant(np.array(1, np.int64), "one")], "total_lengths")
+    if attrs.get("do_rotary", 0):
+        if ins[7] is None or ins[8] is None:
+            raise ctx.error("GroupQueryAttention with do_rotary=1 needs cos_cache and sin_cache")
+        q, k = (_gqa_rotary(ctx, x, n, lengths, ins[7], ins[8], bool(attrs.get("rotary_interleaved", 0)), what) for x, n, what in ((q, heads, "q"), (k, kv_heads, "k")))
+    q4, k4, v4 = (ctx.add(Transpose((0, 2, 1, 3)), [_bsnd(ctx, x, n, w)], f"{w}_BHSD") for x, n, w in ((q, heads, "q"), (k, kv_heads, "k"), (v, kv_heads, "v")))
+    window = attrs.get("local_window_size", -1)
+    fused = {"is_causal": 1, "softcap": attrs.get("softcap", 0.0)}
+    if attrs.get("scale"):
+        fused["scale"] = attrs["scale"]
+    if window is not None and window > 0:
+        fused["left_window_size"] = window - 1  # GQA's window counts the query's own key
+    past = [ins[3], ins[4]] if ins[3] is not None else [None, None]
+    if past[0] is not None:
+        # one offset per row (seqlens_k), keys concatenated after the full past: decompose as Attention with nonpad lengths
+        pk, pv = ctx.tensor(past[0], "past_key"), ctx.tensor(past[1], "past_value")
+        k4 = ctx.add(Concat(2), [pk, k4], "present_key")
+        v4 = ctx.add(Concat(2), [pv, v4], "present_value")
+    y, _, _, _ = _attention(ctx, [q4, k4, v4, None, None, None, lengths], fused)
+    return [_merge_heads(ctx, y), k4, v4]
+
+
+def _gqa_rotary(ctx: ImportContext, x: str, heads: int, lengths: str, cos: object, sin: object, interleaved: bool, what: str) -> str:
+    """RoPE at positions ``lengths[b] - S + i`` (each row's new tokens end at its total length)."""
+    xs = _bsnd(ctx, x, heads, what)
+    b, s = ctx.graph.types[xs].shape[:2]
+    start = ctx.add(Binary("sub"), [lengths, ctx.tensor(SymInts((s,), True), "seq")], "rope_start")
+    pos = ctx.add(Binary("add"), [ctx.add(Reshape((b, 1)), [start], "rope_start_B1"), ctx.add(Positions(1), [xs], "rope_steps")], "rope_positions")
+    cos_t, sin_t = ctx.tensor(cos, "cos_cache"), ctx.tensor(sin, "sin_cache")
+    cos_g = ctx.add(Reshape((b, s, 1, ctx.graph.types[cos_t].shape[1])), [ctx.add(Gather(0), [cos_t, pos], "rope_cos")], "rope_cos_BS1D")
+    sin_g = ctx.add(Reshape((b, s, 1, ctx.graph.types[sin_t].shape[1])), [ctx.add(Gather(0), [sin_t, pos], "rope_sin")], "rope_sin_BS1D")
+    rot = 2 * ctx.graph.types[cos_t].shape[1]
+    y = _rotate(ctx, xs, cos_g, sin_g, rot, interleaved)
+    return ctx.add(Reshape(ctx.graph.types[x].shape), [y], f"{what}_rotated")
+
+
+def _mha(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    ins = ins + [None] * (10 - len(ins))
+    heads = attrs.get("num_heads")
+    if not heads:
+        raise ctx.error("MultiHeadAttention needs num_heads")
+    if ins[1] is None or ins[2] is None or ctx.graph.types[ctx.tensor(ins[1], "key")].rank != 3:
+        raise ctx.error("MultiHeadAttention: packed QKV/KV and BNSH key/value inputs are not supported by graphc's import; give 3D query, key and value")
+    if ins[3] is not None:
+        raise ctx.error("MultiHeadAttention: the bias input is not supported by graphc's import (add it to Q/K/V before the op)")
+    if ins[4] is not None:
+        raise ctx.error("MultiHeadAttention: key_padding_mask is not supported by graphc's import; pass an additive attention_bias instead")
+    q, k, v = (_split_heads(ctx, ctx.tensor(x, w), heads, w) for x, w in ((ins[0], "q"), (ins[1], "k"), (ins[2], "v")))
+    fused = {"is_causal": int(attrs.get("unidirectional", 0))}
+    if attrs.get("scale"):
+        fused["scale"] = attrs["scale"]
+    bias = ins[5]
+    if bias is not None:
+        bias = ctx.tensor(bias, "attention_bias")
+        if ctx.graph.types[bias].dtype != ctx.graph.types[q].dtype:
+            bias = ctx.add(Cast(ctx.graph.types[q].dtype), [bias], "attention_bias_cast")
+    y, pk, pv, _ = _attention(ctx, [q, k, v, bias, ins[6], ins[7]], fused)
+    return [_merge_heads(ctx, y), pk, pv]
+
+
+def _merge_heads(ctx: ImportContext, y: str) -> str:
+    """``[B, H, S, D] -> [B, S, H*D]``."""
+    b, h, s, d = ctx.graph.types[y].shape
+    return ctx.add(Reshape((b, s, dim_prod([h, d]))), [ctx.add(Transpose((0, 2, 1, 3)), [y], "attn_BSHD")], "attn_BSN")
+
+
+CONTRIB_CONVERTERS: dict[tuple[str, str], Converter] = {
+    ("com.microsoft", "GroupQueryAttention"): _gqa,
+    ("com.microsoft", "MultiHeadAttention"): _mha,
+}
+"""onnxruntime contrib attention converters by (domain, op type)."""
