@@ -57,6 +57,7 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src = p.add_argument_group("graph")
     src.add_argument("model", nargs="?", default=None, help="an ONNX model (.onnx) to import instead of a preset")
     src.add_argument("--strict", action="store_true", help="with an ONNX model: refuse ops graphc does not model (default: carry them through)")
+    src.add_argument("--attention-semantics", default="onnx-1.23", choices=("onnx-1.23", "legacy"), help="with an ONNX model: how Attention nodes are read (legacy: onnx <= 1.21, masks before softcap, qk_matmul_output_mode 1/2 swapped)")
     src.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="with an ONNX model or --graph: size of a symbolic dim (default: batch dims --batch, others --seq)")
     src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
     src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
@@ -130,7 +131,7 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     if args.model is not None or args.graph:
         if args.model is not None and args.graph:
             raise UsageError("give either an ONNX model or --graph, not both")
-        g = _import_onnx(args.model, args.strict) if args.model is not None else load_graph(args.graph)
+        g = _import_onnx(args.model, args.strict, args.attention_semantics) if args.model is not None else load_graph(args.graph)
         symbols = {s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)}
         defaults = {"batch": batch, "seq": seq, "past_seq": args.past, "q_len": seq, "kv_len": seq}
         sizes = {s: defaults.get(s, batch if "batch" in s.lower() else args.past if "past" in s.lower() else seq) for s in symbols}
@@ -148,12 +149,12 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     return g, {"batch": batch, "seq": seq}
 
 
-def _import_onnx(path: str, strict: bool) -> Graph:
+def _import_onnx(path: str, strict: bool, semantics: str = "onnx-1.23") -> Graph:
     if not path.endswith(".onnx") and not os.path.exists(path):
         raise UsageError(f"unexpected argument {path!r}: the positional argument is an ONNX model file (.onnx)")
     from .onnx_import import from_onnx
 
-    return from_onnx(path, strict=strict)
+    return from_onnx(path, strict=strict, attention_semantics=semantics)
 
 
 def _source_opset(path: str) -> int:

@@ -93,3 +93,19 @@ def test_gqa_case_uses_consecutive_kv_groups() -> None:
     assert not np.allclose(tiled, want, rtol=1e-3, atol=1e-5)
     got = run(from_onnx(case.model), {"Q": q, "K": k, "V": v}, backend="numpy")["Y"]
     np.testing.assert_allclose(got, want, **ONNX_TOLERANCE)
+
+
+def test_legacy_semantics_mask_before_softcap_and_swapped_modes() -> None:
+    """``attention_semantics="legacy"`` reads Attention as onnx <= 1.21 did: masks, then softcap; mode 1 after the masks."""
+    case = _cases()["test_attention_4d_with_qk_matmul_softcap"]  # qk_matmul_output_mode=1, softcap=2, float mask
+    (q, k, v, mask), _ = case.data_sets[0]
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) / np.sqrt(q.shape[-1]) + mask
+    capped = 2.0 * np.tanh(scores / 2.0)
+    p = np.exp(capped - capped.max(-1, keepdims=True))
+    want_y = np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+    g = from_onnx(case.model, attention_semantics="legacy")
+    got = run(g, {"Q": q, "K": k, "V": v, "attn_mask": mask}, backend="numpy")
+    np.testing.assert_allclose(got["Y"], want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["qk_matmul_output"], scores, rtol=1e-5, atol=1e-6)  # mode 1 = after the mask, before softcap
+    current = run(from_onnx(case.model), {"Q": q, "K": k, "V": v, "attn_mask": mask}, backend="numpy")
+    assert not np.allclose(current["Y"], want_y, rtol=1e-3, atol=1e-5)

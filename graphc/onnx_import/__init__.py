@@ -5,7 +5,7 @@ Shape computations fold into symbolic dims, fused ops (``Attention``,
 semantics, and ops graphc does not model pass through as opaque nodes.
 """
 
-from .importer import from_onnx, supported_ops
+from .importer import ATTENTION_SEMANTICS, from_onnx, supported_ops
 from .loading import MAX_DIM, load_model
 
-__all__ = ["from_onnx", "supported_ops", "load_model", "MAX_DIM"]
+__all__ = ["ATTENTION_SEMANTICS", "from_onnx", "supported_ops", "load_model", "MAX_DIM"]

@@ -114,8 +114,9 @@ def simplify(v: Imported) -> Imported:
 class ImportContext:
     """The graph being built, the ONNX value map and the helpers converters share."""
 
-    def __init__(self, graph: Graph, opset: int, strict: bool) -> None:
+    def __init__(self, graph: Graph, opset: int, strict: bool, attention_semantics: str = "onnx-1.23") -> None:
         self.graph = graph
+        self.attention_semantics = attention_semantics
         self.opset = opset
         self.strict = strict
         self.env: dict[str, Imported] = {}

@@ -75,7 +75,7 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
         pk, pv = ctx.tensor(past[0], "past_key"), ctx.tensor(past[1], "past_value")
         k4 = ctx.add(Concat(2), [pk, k4], "present_key")
         v4 = ctx.add(Concat(2), [pv, v4], "present_value")
-    y, _, _, _ = _attention(ctx, [q4, k4, v4, None, None, None, lengths], fused)
+    y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, None, None, None, lengths], fused)
     return [_merge_heads(ctx, y), k4, v4]
 
 
@@ -113,8 +113,17 @@ def _mha(ctx: ImportContext, ins: list, attrs: dict) -> list:
         bias = ctx.tensor(bias, "attention_bias")
         if ctx.graph.types[bias].dtype != ctx.graph.types[q].dtype:
             bias = ctx.add(Cast(ctx.graph.types[q].dtype), [bias], "attention_bias_cast")
-    y, pk, pv, _ = _attention(ctx, [q, k, v, bias, ins[6], ins[7]], fused)
+    y, pk, pv, _ = _current_semantics(ctx, [q, k, v, bias, ins[6], ins[7]], fused)
     return [_merge_heads(ctx, y), pk, pv]
+
+
+def _current_semantics(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """The ONNX Attention decomposition with onnx 1.23's semantics, whatever ``attention_semantics`` the import reads ONNX nodes with."""
+    saved, ctx.attention_semantics = ctx.attention_semantics, "onnx-1.23"
+    try:
+        return _attention(ctx, ins, attrs)
+    finally:
+        ctx.attention_semantics = saved
 
 
 def _merge_heads(ctx: ImportContext, y: str) -> str:

@@ -84,27 +84,15 @@ def _attention(ctx: ImportContext, ins: list, attrs: dict) -> list:
     scores = ctx.add(Scale(scale), [scores], "qk_scaled")
     qk_raw = scores
     softcap = attrs.get("softcap", 0.0)
-    if softcap and softcap > 0:
-        capped = ctx.add(Unary("tanh"), [ctx.add(Scale(1.0 / softcap), [scores], "qk_over_cap")], "qk_tanh")
-        scores = ctx.add(Scale(softcap), [capped], "qk_capped")
+    legacy = ctx.attention_semantics == "legacy"
+    if not legacy:  # onnx >= 1.22: softcap, then the masks
+        scores = _softcap(ctx, scores, softcap)
     qk_capped = scores
-    if mask is not None:
-        m = ctx.tensor(mask, "attn_mask")
-        m = _pad_mask(ctx, m, total)
-        if ctx.graph.types[m].dtype == "bool":
-            scores = _hide(ctx, scores, m)
-        else:
-            if ctx.graph.types[m].dtype != dtype:
-                m = ctx.add(Cast(dtype), [m], "attn_mask_cast")
-            scores = ctx.add(Binary("add"), [scores, m], "qk_masked")
-    scores = _causal_and_window(ctx, scores, attrs, past_len, nonpad, sq, batch)
-    if nonpad is not None:
-        lengths = ctx.tensor(nonpad, "nonpad_kv_seqlen")
-        lengths = _as_int64(ctx, lengths)
-        cols = ctx.add(Positions(3), [scores], "key_positions")
-        keep = ctx.add(Compare("less"), [cols, ctx.add(Reshape((batch, 1, 1, 1)), [lengths], "nonpad_BHSK")], "key_is_real")
-        scores = _hide(ctx, scores, keep)
+    scores = _masks(ctx, scores, attrs, mask, total, dtype, past_len, nonpad, sq, batch, legacy)
     qk_bias = scores
+    if legacy:  # onnx <= 1.21: the masks, then softcap; mode 1 is after the masks, mode 2 after softcap
+        scores = _softcap(ctx, scores, softcap)
+        qk_capped, qk_bias = qk_bias, scores
     precision = attrs.get("softmax_precision")
     soft_in = scores
     if precision is not None and ONNX_TO_DTYPE.get(precision, dtype) != dtype:
@@ -122,6 +110,34 @@ def _attention(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if qk_out is None:
         raise ctx.error(f"Attention: qk_matmul_output_mode must be 0..3, got {mode}")
     return [out, present_k, present_v, qk_out]
+
+
+def _softcap(ctx: ImportContext, scores: str, softcap: float) -> str:
+    if not softcap or softcap <= 0:
+        return scores
+    capped = ctx.add(Unary("tanh"), [ctx.add(Scale(1.0 / softcap), [scores], "qk_over_cap")], "qk_tanh")
+    return ctx.add(Scale(softcap), [capped], "qk_capped")
+
+
+def _masks(ctx: ImportContext, scores: str, attrs: dict, mask: object, total: Dim, dtype: str, past_len: Dim, nonpad: object, sq: Dim, batch: Dim, legacy: bool) -> str:
+    """The attention mask, causal mask, window and key padding on the scores (each hides with -inf or adds)."""
+    if mask is not None:
+        m = ctx.tensor(mask, "attn_mask")
+        m = _pad_mask(ctx, m, total)
+        if ctx.graph.types[m].dtype == "bool":
+            scores = _hide(ctx, scores, m)
+        else:
+            if ctx.graph.types[m].dtype != dtype:
+                m = ctx.add(Cast(dtype), [m], "attn_mask_cast")
+            scores = ctx.add(Binary("add"), [scores, m], "qk_masked")
+    scores = _causal_and_window(ctx, scores, attrs, past_len, None if legacy else nonpad, sq, batch)
+    if nonpad is not None:
+        lengths = ctx.tensor(nonpad, "nonpad_kv_seqlen")
+        lengths = _as_int64(ctx, lengths)
+        cols = ctx.add(Positions(3), [scores], "key_positions")
+        keep = ctx.add(Compare("less"), [cols, ctx.add(Reshape((batch, 1, 1, 1)), [lengths], "nonpad_BHSK")], "key_is_real")
+        scores = _hide(ctx, scores, keep)
+    return scores
 
 
 def _as_int64(ctx: ImportContext, x: str) -> str:

@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..dims import Dim, normalize_dim
-from ..errors import GraphcError, OnnxImportError
+from ..errors import GraphcError, OnnxImportError, UnknownNameError
 from ..graph import Graph
 from ..opaque import Opaque
 from ..ops import Reshape
@@ -32,7 +32,7 @@ from .convert_core import CORE_CONVERTERS, SPLIT
 from .convert_fused import FUSED_CONVERTERS
 from .loading import load_model
 
-__all__ = ["from_onnx", "supported_ops"]
+__all__ = ["from_onnx", "supported_ops", "ATTENTION_SEMANTICS"]
 
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.:/\-]")
 _FOLD_LIMIT = 1 << 22  # elements: larger constant results stay lazy (a causal mask over 4096 keys is 16 M)
@@ -122,13 +122,25 @@ def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int])
     return [v.name for v in ctx.graph.add_multi_node(op, inputs, names)]
 
 
-def from_onnx(source: onnx.ModelProto | str | os.PathLike[str], strict: bool = False, name: str | None = None) -> Graph:
+ATTENTION_SEMANTICS = ("onnx-1.23", "legacy")
+"""How an ONNX ``Attention`` node is read: ``onnx-1.23`` (softcap before the masks, ``qk_matmul_output_mode`` 1 = after softcap,
+2 = after the masks, causal aligned bottom-right with ``nonpad_kv_seqlen``) or ``legacy`` (onnx <= 1.21: masks before softcap,
+modes 1 and 2 swapped, causal top-left with ``nonpad_kv_seqlen``)."""
+
+
+def from_onnx(
+    source: onnx.ModelProto | str | os.PathLike[str], strict: bool = False, name: str | None = None, attention_semantics: str = "onnx-1.23"
+) -> Graph:
     """Import an ONNX model (a path or a ``ModelProto``) as a graphc :class:`~graphc.graph.Graph`.
 
     Raises :class:`~graphc.errors.OnnxImportError` naming the file, node or
     value at fault.  ``strict=True`` makes an op graphc does not model an
     error (else it is carried through as an opaque node).
+    ``attention_semantics`` selects how ``Attention`` nodes are read (see
+    :data:`ATTENTION_SEMANTICS`; models written for onnx <= 1.21 may want ``"legacy"``).
     """
+    if attention_semantics not in ATTENTION_SEMANTICS:
+        raise UnknownNameError("attention semantics", str(attention_semantics), ATTENTION_SEMANTICS)
     model = load_model(source)
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     try:
@@ -136,7 +148,7 @@ def from_onnx(source: onnx.ModelProto | str | os.PathLike[str], strict: bool = F
     except Exception:  # noqa: BLE001 - shape inference is only a source of types for opaque nodes
         inferred = model
     g = Graph(_clean_name(name or model.graph.name or "imported"))
-    ctx = ImportContext(g, opsets["ai.onnx"], strict)
+    ctx = ImportContext(g, opsets["ai.onnx"], strict, attention_semantics)
     for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
         ctx.onnx_types[vi.name] = vi.type
     try:
