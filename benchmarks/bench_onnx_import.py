@@ -179,7 +179,7 @@ def main() -> None:
                 ms = median_ms(lambda f: session.run(None, f), [feeds], args.repeats)
                 rows.append((name, _expands(path), ms, err))
             base = rows[0][2]
-            print(f"| variant | Expand left | median ms | vs torch export | max abs err vs torch |\n|---|---|---|---|---|")
+            print("| variant | Expand left | median ms | vs torch export | max abs err vs torch |\n|---|---|---|---|---|")
             for name, expands, ms, err in rows:
                 print(f"| {name} | {expands} | {ms:.1f} | {ms / base:.2f} | {err:.1e} |")
 

@@ -377,3 +377,11 @@ def test_multi_head_attention_key_padding_mask_is_refused() -> None:
     model = _model([node], inputs, [helper.make_tensor_value_info("y", F, None)], ms=True)
     with pytest.raises(OnnxImportError, match="key_padding_mask is not supported.*attention_bias"):
         from_onnx(model)
+
+
+def test_example_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "onnx_import.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "Expand nodes: 2 before, 0 after" in out and "'Repeat'" not in out.split("optimized:")[1].splitlines()[0]
