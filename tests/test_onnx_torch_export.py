@@ -26,6 +26,7 @@ from graphc import optimize  # noqa: E402
 from graphc.cli import main  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
 from lowering import run  # noqa: E402
+from lowering.onnx_export import export  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS = 64, 8, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -126,6 +127,15 @@ def test_torch_export_imports_groups_and_round_trips(tmp_path: Path, exporter: s
     g = from_onnx(path, strict=True)  # every op modelled: nothing opaque
     optimized = optimize(g).graph
     assert "Repeat" not in optimized.op_counts(), "the K/V repeat must become a grouped einsum"
+    from lowering.targets import target_named
+
+    _, report = optimize(g, target=target_named("numpy"))  # recognised as one attention: causal, window, cache
+    (fused,) = [f.detail for f in report.trace.fired if f.rule == "fuse_attention"]
+    assert "group=4" in fused and ("causal offset past" if cache else "causal offset 0") in fused
+    assert ("window 3" in fused) == (arch == "mistral") and ("KV cache past_key, past_value" in fused) == cache
+    if arch == "llama":
+        exported = export(optimized, tmp_path / "fused.onnx", attention="onnx-attention")
+        assert [n.op_type for n in exported.graph.node].count("Attention") == 1
 
     x = torch.randn(3, 7, HIDDEN)  # sizes other than the traced ones
     pk, pv = torch.randn(3, KV_HEADS, 6, HEAD_DIM), torch.randn(3, KV_HEADS, 6, HEAD_DIM)
@@ -185,8 +195,13 @@ def test_transformers_llama_attention_export(tmp_path: Path) -> None:
         wrapper, args, str(path), dynamo=True, input_names=["hidden", "cos", "sin", "causal_bias"], output_names=["out"],
         dynamic_shapes={"hidden": {0: b, 1: s}, "cos": {0: b, 1: s}, "sin": {0: b, 1: s}, "causal_bias": {0: b, 2: s, 3: s}},
     )
-    optimized = optimize(from_onnx(path, strict=True)).graph
+    imported = from_onnx(path, strict=True)
+    optimized = optimize(imported).graph
     assert "Repeat" not in optimized.op_counts()
+    from lowering.targets import target_named
+
+    _, report = optimize(imported, target=target_named("numpy"))  # the mask input has its own name; attention is still recognised
+    assert [f.detail for f in report.trace.fired if f.rule == "fuse_attention"] == ["attention recognised: scale=0.353553, group=4, additive mask 'causal_bias'"]
     hidden, cos, sin = torch.randn(3, 7, HIDDEN), torch.randn(3, 7, HEAD_DIM), torch.randn(3, 7, HEAD_DIM)
     bias = torch.triu(torch.full((7, 7), float("-inf")), 1).expand(3, 1, 7, 7).contiguous()
     with torch.no_grad():

@@ -69,6 +69,17 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
     return ctx.add(Binary(fn), [x, mask], "t")
 
 
+def _causal_window(m: MaskSum) -> tuple[Dim, int] | None:
+    """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 - 1 - k2``."""
+    if len(m.parts) != 2 or not all(isinstance(p, Triangle) and float(p.value) <= _NEG_INF_LIKE for p in m.parts):
+        return None
+    up, low = sorted(m.parts, key=lambda p: not p.upper)  # type: ignore[union-attr]
+    if not up.upper or low.upper or up.shape != low.shape:  # type: ignore[union-attr]
+        return None
+    window = normalize_dim(dim_sub(dim_sub(up.k, 1), low.k))  # type: ignore[union-attr]
+    return (up.k, window) if isinstance(window, int) and window >= 1 else None  # type: ignore[union-attr]
+
+
 def _terms(v: Imported) -> tuple:
     return v.parts if isinstance(v, MaskSum) else (v,)
 
@@ -95,6 +106,9 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
     if fn == "add" and isinstance(b, MaskSum) and isinstance(a, str):
         a, b = b, a
     if fn == "add" and isinstance(a, MaskSum) and isinstance(b, str):
+        window = _causal_window(a)
+        if window is not None:  # triu(-inf, k1) + tril(-inf, k2): a causal mask with a sliding window (Mistral)
+            return ctx.add(CausalMask(dim_sub(window[0], 1), window[1]), [b], "causal_window")
         out = b
         for part in a.parts:
             res = _operands(ctx, out, part, "add")

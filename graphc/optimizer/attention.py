@@ -69,6 +69,7 @@ class AttentionMatch:
     chain: list[str] = field(default_factory=list)  # values of the chain, softmax first (removed when dead)
     window: int | None = None
     softcap: float | None = None
+    pv_rows: str = ""  # the query-row labels of the PV output (``rows``, or group and queries when P is a split view)
 
 
 def _neg_inf_constant(graph: Graph, name: str) -> bool:
@@ -192,21 +193,31 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
         return Miss("the probabilities are not read by one einsum alone")
     pv = readers[0]
     pspec = pv.op.parsed  # type: ignore[attr-defined]
-    if len(pspec.inputs) != 2 or graph.types[p_val].shape != graph.types[qk.name].shape:
-        return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape")
+    split = _rows_split(graph.types[p_val].shape, graph.types[qk.name].shape, len(batch), rows, sizes, group, sq)
+    if len(pspec.inputs) != 2 or (graph.types[p_val].shape != graph.types[qk.name].shape and split is None):
+        return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape (or in it with the query rows split into group x queries)")
     ppos = pv.inputs.index(p_val)
     p_term, v_term_raw = pspec.inputs[ppos], pspec.inputs[1 - ppos]
-    rename = dict(zip(p_term, out))
+    pv_rows = rows
+    if split is not None:  # P is [.., group, queries, keys] where the scores are [.., group*queries, keys]
+        used = set(out + q_term + k_term + pspec.labels)
+        g_label, s_label = [c for c in "GQJKLMNOPRSTUVWXYZ" if c not in used][:2]
+        at = len(batch)
+        rename = dict(zip(p_term, out[:at] + g_label + s_label + out[at + 1 :]))
+        sizes[g_label], sizes[s_label] = split
+        pv_rows = g_label + s_label
+    else:
+        rename = dict(zip(p_term, out))
     if rename[p_term[-1]] != t or p_term[-1] in pspec.output or p_term[-1] not in v_term_raw:
         return Miss(f"{pv.name!r} ({pspec}) does not contract the key axis against V")
     v_free = [c for c in v_term_raw if c not in p_term]
     if len(v_free) != 1 or v_free[0] not in pspec.output:
         return Miss(f"{pv.name!r} ({pspec}) has no single value-dim label")
-    e = "E" if "E" not in out + q_term else next(c for c in "ZYXWVU" if c not in out + q_term)
+    e = "E" if "E" not in out + q_term + pv_rows else next(c for c in "ZYXWVU" if c not in out + q_term + pv_rows)
     rename[v_free[0]] = e
     v_term = "".join(rename[c] for c in v_term_raw)
     out_term = "".join(rename.get(c, "?") for c in pspec.output)
-    if set(v_term) != set(batch + t + e) or set(out_term) != set(batch + rows + e):
+    if set(v_term) != set(batch + t + e) or set(out_term) != set(batch + pv_rows + e):
         return Miss(f"{pv.name!r} ({pspec}) mixes labels across the batch, query and value axes")
     sizes[e] = graph.types[pv.inputs[1 - ppos]].shape[v_term.index(e)]
     # --- Q, K, V producers: absorb a scale on Q or K and the KV-head repeat
@@ -232,8 +243,19 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
     return AttentionMatch(
         softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, e, sizes, q_shape, group * rk, scale, offset, mask, mask_kind,
-        past, presents, out_term, chain + [qk.name], window=window, softcap=cap,
+        past, presents, out_term, chain + [qk.name], window=window, softcap=cap, pv_rows=pv_rows,
     )
+
+
+def _rows_split(p_shape: tuple[Dim, ...], s_shape: tuple[Dim, ...], at: int, rows: str, sizes: dict[str, Dim], group: int | None, sq: Dim) -> tuple[Dim, Dim] | None:
+    """``(group, queries)`` when ``p_shape`` is the scores' shape with its one query-row axis split into group x queries."""
+    if len(rows) != 1 or group is None or len(p_shape) != len(s_shape) + 1:
+        return None
+    if p_shape[:at] != s_shape[:at] or p_shape[at + 2 :] != s_shape[at + 1 :]:
+        return None
+    if p_shape[at] != group or p_shape[at + 1] != sq or sizes.get(rows) != dim_prod([group, sq]):
+        return None
+    return p_shape[at], p_shape[at + 1]
 
 
 def _strip_scale(graph: Graph, value: str, reader: str) -> tuple[str, float]:
@@ -297,7 +319,7 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     outs = graph.add_multi_node(op, inputs, names, before=anchor)
     # back to the PV einsum's layout: [B, Hq, Sq, E] -> [batch..., rows..., E] -> output order
     y = outs[0].name
-    natural = m.batch + m.rows + m.e
+    natural = m.batch + (m.pv_rows or m.rows) + m.e
     full = tuple(s[c] for c in natural)
     if graph.types[y].shape != full:
         y = graph.insert_before(anchor, Reshape(full), [y], f"{base}_unfused").name
