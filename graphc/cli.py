@@ -242,10 +242,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             options[b] = {"attention": args.attention}
         if b in ("ort-cpu", "ort-cuda", "numpy", "torch") and args.threads:
             options.setdefault(b, {})["threads"] = args.threads
+    inputs = _load_inputs(args.inputs) if args.inputs else None
     progress = _Progress(sys.stderr, enabled=not args.quiet)
     try:
         report = compare(
             g,
+            inputs=inputs,
             backends=backends,
             optimize=not args.no_optimize,
             repeats=args.repeats,
@@ -260,6 +262,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         progress.done()
     print(json.dumps(report.to_dict(), indent=1) if args.json else report)
     return 0 if report.ok else 1
+
+
+def _load_inputs(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a ``.npz`` file, by name (checked against the graph by ``compare``)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--inputs {path!r}: cannot read a .npz of arrays: {e}") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -390,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--attention", default="auto", choices=ATTENTION_MODES, help="how ONNX backends get attention (default auto: per attention, with the run's sizes)")
     c.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--inputs", metavar="FILE.npz", default=None, help="run on these arrays (numpy .npz keyed by input name) instead of random inputs")
     c.set_defaults(func=cmd_compare)
 
     e = sub.add_parser("export", parents=[common], help="export a graph to ONNX")

@@ -385,3 +385,14 @@ def test_example_script_runs(capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(Path(__file__).parent.parent / "examples" / "onnx_import.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "Expand nodes: 2 before, 0 after" in out and "'Repeat'" not in out.split("optimized:")[1].splitlines()[0]
+
+
+def test_cli_compare_imported_model_on_given_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, arrays = tmp_path / "m.onnx", tmp_path / "inputs.npz"
+    onnx.save(_cumsum_model(), str(path))
+    np.savez(arrays, x=_w(5, 6))
+    assert main(["compare", str(path), "--inputs", str(arrays), "--backends", "numpy,ort-cpu", "--quiet", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs x[5, 6]" in out and out.count("PASS") == 2
+    assert main(["compare", str(path), "--inputs", str(tmp_path / "missing.npz"), "--quiet"]) == 2
+    assert "--inputs" in capsys.readouterr().err

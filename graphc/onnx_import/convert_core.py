@@ -201,9 +201,6 @@ def _cast(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if to is None:
         raise ctx.error(f"Cast to ONNX type {attrs['to']} has no graphc dtype")
     x = ins[0]
-    sym = sym_layout(ctx, "Cast", ins, attrs)
-    if sym is not None:
-        return [sym]
     if isinstance(x, Filled):
         return [Filled(x.value.astype(to), x.shape)]
     x = ctx.tensor(x)
@@ -303,9 +300,6 @@ def _softmax(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 # ---------------------------------------------------------------- layout
 def _reshape(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    sym = sym_layout(ctx, "Reshape", ins, attrs)
-    if sym is not None:
-        return [sym]
     x = ctx.tensor(ins[0])
     target = reshape_target(ctx, ctx.graph.types[x].shape, ctx.ints(ins[1], "Reshape shape"), bool(attrs.get("allowzero", 0)))
     if tuple(target) == ctx.graph.types[x].shape:
@@ -340,9 +334,6 @@ def _axes(ctx: ImportContext, ins: list, attrs: dict, what: str) -> tuple[int, .
 
 
 def _unsqueeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    sym = sym_layout(ctx, "Unsqueeze", ins, attrs)
-    if sym is not None:
-        return [sym]
     if isinstance(ins[0], Filled):
         axes = _axes(ctx, ins, attrs, "Unsqueeze") or ()
         shape = list(ins[0].shape)
@@ -359,9 +350,6 @@ def _unsqueeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _squeeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    sym = sym_layout(ctx, "Squeeze", ins, attrs)
-    if sym is not None:
-        return [sym]
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
     axes = _axes(ctx, ins, attrs, "Squeeze")
@@ -383,25 +371,22 @@ def _concat(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [ctx.add(Concat(attrs["axis"]), values, "concat")]
 
 
-def _slice_bounds(ctx: ImportContext, size: Dim, start: Dim, stop: Dim, step: int) -> tuple[Dim, Dim]:
-    big = 1 << 62
+def _slice_bounds(size: Dim, start: Dim, stop: Dim) -> tuple[Dim, Dim]:
+    """ONNX's clamping of static bounds: negative counts from the end, anything past the end is the end."""
 
-    def clamp(v: Dim, is_stop: bool) -> Dim:
+    def clamp(v: Dim) -> Dim:
         if isinstance(v, int):
-            if v >= big or (isinstance(size, int) and v >= size):
+            if v >= 1 << 62 or (isinstance(size, int) and v >= size):
                 return size
             if v < 0:
                 v2 = dim_add(size, v)
                 return max(v2, 0) if isinstance(v2, int) else v2
         return v
 
-    return clamp(start, False), clamp(stop, True)
+    return clamp(start), clamp(stop)
 
 
 def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    sym = sym_layout(ctx, "Slice", ins, attrs)
-    if sym is not None:
-        return [sym]
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
     starts, ends = ctx.ints(ins[1], "Slice starts"), ctx.ints(ins[2], "Slice ends")
@@ -411,7 +396,7 @@ def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
         if not isinstance(axis, int) or not isinstance(step, int) or step < 1:
             raise ctx.error(f"Slice axis/step must be constants with step >= 1, got axis {axis!r} step {step!r}")
         a = axis % len(shape)
-        lo, hi = _slice_bounds(ctx, shape[a], start, stop, step)
+        lo, hi = _slice_bounds(shape[a], start, stop)
         if normalize_dim(lo) == 0 and normalize_dim(hi) == normalize_dim(shape[a]) and step == 1:
             continue
         x = ctx.add(Slice(a, lo, hi, step), [x], "slice")
@@ -441,9 +426,6 @@ def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
 
 
 def _gather(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    sym = sym_layout(ctx, "Gather", ins, attrs)
-    if sym is not None:
-        return [sym]
     x, idx = ctx.tensor(ins[0]), ins[1]
     axis = attrs.get("axis", 0)
     return [ctx.add(Gather(axis), [x, ctx.tensor(idx, "Gather indices")], "gather")]
@@ -555,6 +537,16 @@ def _dropout(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [ins[0]]
 
 
+def _shape_values_first(op_type: str, fn: Converter) -> Converter:
+    """``fn``, unless the node computes on shape values: then it is evaluated over dims (:func:`sym_layout`)."""
+
+    def convert(ctx: ImportContext, ins: list, attrs: dict) -> list:
+        sym = sym_layout(ctx, op_type, ins, attrs)
+        return [sym] if sym is not None else fn(ctx, ins, attrs)
+
+    return convert
+
+
 def _with(fn: Callable[..., list], *extra: Any) -> Converter:
     return lambda ctx, ins, attrs: fn(ctx, ins, attrs, *extra)
 
@@ -565,19 +557,19 @@ CORE_CONVERTERS: dict[str, Converter] = {
     **{op: _with(_compare, op) for op in _COMPARE},
     **{op: _with(_logical, op) for op in ("And", "Or", "Not")},
     "Where": _where,
-    "Cast": _cast,
+    "Cast": _shape_values_first("Cast", _cast),
     "MatMul": _matmul,
     "Gemm": _gemm,
     "Einsum": _einsum,
     "Softmax": _softmax,
-    "Reshape": _reshape,
+    "Reshape": _shape_values_first("Reshape", _reshape),
     "Flatten": _flatten,
     "Transpose": _transpose,
-    "Unsqueeze": _unsqueeze,
-    "Squeeze": _squeeze,
+    "Unsqueeze": _shape_values_first("Unsqueeze", _unsqueeze),
+    "Squeeze": _shape_values_first("Squeeze", _squeeze),
     "Concat": _concat,
-    "Slice": _slice,
-    "Gather": _gather,
+    "Slice": _shape_values_first("Slice", _slice),
+    "Gather": _shape_values_first("Gather", _gather),
     "Expand": _expand,
     "Tile": _tile,
     "Shape": _shape,
