@@ -36,6 +36,7 @@ from graphc.rotary import Positions
 from graphc.tensor_ops import Gather, Reduce, ShapeValues, Slice
 
 from .contraction import plan_matmul
+from .onnx_chunked import chunked_unsupported, emit_chunked_attention
 from .targets import ATTENTION_MODES, onnx_target
 
 __all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES"]
@@ -197,8 +198,11 @@ def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
 
 
 def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
-    """The standard ``Attention`` op, or ``com.microsoft.GroupQueryAttention`` for ``ort-gqa``."""
+    """The standard ``Attention`` op, ``com.microsoft.GroupQueryAttention`` for ``ort-gqa``, or query chunks for ``chunked``."""
     op: Attention = node.op  # type: ignore[assignment]
+    if mode == "chunked" or (mode == "auto" and chunked_unsupported(b.graph, node) is None):
+        emit_chunked_attention(b, node)
+        return
     g = b.graph
     ins = list(node.inputs)
     mask = ins[3] if op.has_mask else None
@@ -399,7 +403,8 @@ def export(
 
     ``attention``: ``"decomposed"`` (MatMul/Softmax nodes), ``"onnx-attention"``
     (the standard ``Attention`` op, opset 23+), ``"ort-gqa"`` (onnxruntime's
-    ``com.microsoft.GroupQueryAttention``) or ``"auto"`` (per attention: fused
+    ``com.microsoft.GroupQueryAttention``), ``"chunked"`` (causal attention as
+    query chunks against the visible keys only, :mod:`lowering.onnx_chunked`) or ``"auto"`` (per attention: fused
     when each KV head serves at least 64 query rows under ``sizes``/``hints``,
     else grouped MatMuls; decomposed when the query length is unknown).  An
     explicit fused mode that cannot carry a recognised attention raises
@@ -423,7 +428,7 @@ def export(
             raise ExportError(f"graph output {out!r} is a graph input or initializer; ONNX needs outputs computed by nodes")
     ctx = PassContext()
     lowered = lower(graph, onnx_target(attention, opset), {**(hints or {}), **(sizes or {})}, ctx)
-    if attention in ("onnx-attention", "ort-gqa"):
+    if attention in ("onnx-attention", "ort-gqa", "chunked"):
         _require_attention(lowered, attention, ctx)
     b = OnnxBuilder(lowered)
     for node in lowered.topological_order():

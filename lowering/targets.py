@@ -15,6 +15,8 @@ from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
 
+from .onnx_chunked import chunked_unsupported
+
 __all__ = [
     "ATTENTION_MODES",
     "AUTO_MIN_QUERY_ROWS",
@@ -28,7 +30,7 @@ __all__ = [
     "TARGET_NAMES",
 ]
 
-ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "auto")
+ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "chunked", "auto")
 AUTO_MIN_QUERY_ROWS = 64
 """``auto`` fuses when each KV head serves at least this many query rows (group x queries); measured on 2 cores,
 a decode step runs faster as grouped MatMuls than through either fused op."""
@@ -105,10 +107,13 @@ def onnx_target(mode: str, opset: int) -> Target:
     policy: Callable[[Graph, Node, PassContext], str | None]
     if mode == "decomposed":
         return Target("onnx-decomposed", description="MatMul/Softmax nodes")
-    if mode in ("onnx-attention", "ort-gqa"):  # asked for by name: an attention it cannot carry is an error
+    if mode in ("onnx-attention", "ort-gqa", "chunked"):  # asked for by name: an attention it cannot carry is an error
 
         def policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-            reason = onnx_attention_unsupported(graph, node, opset) if mode == "onnx-attention" else gqa_unsupported(graph, node, ctx)
+            if mode == "chunked":
+                reason = chunked_unsupported(graph, node)
+            else:
+                reason = onnx_attention_unsupported(graph, node, opset) if mode == "onnx-attention" else gqa_unsupported(graph, node, ctx)
             if reason:
                 raise ExportError(f"attention={mode!r} cannot carry {node.name!r}: {reason}; use attention='auto' to fall back")
             return None
@@ -121,6 +126,8 @@ def onnx_target(mode: str, opset: int) -> Target:
                 return "auto: the query length is not known (give sizes), so the grouped MatMul form is kept"
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
+            if chunked_unsupported(graph, node) is None:
+                return None  # emitted as query chunks over the visible keys (faster than the fused op on causal prefill)
             return onnx_attention_unsupported(graph, node, opset)
 
     return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")

@@ -205,11 +205,14 @@ def test_near_misses_say_why_attention_was_not_recognised():
 # ------------------------------------------------------------- export with sizes
 
 
-def test_auto_export_of_an_optimized_layer_fuses_prefill_and_keeps_decode_grouped():
+def test_auto_export_of_an_optimized_layer_chunks_causal_prefill_and_keeps_decode_grouped():
     cfg = graphc.preset("mistral-7b").with_(d_model=256, head_dim=8)
     layer = optimize(graphc.attention_layer_graph(cfg, seed=0)).graph
-    prefill = {n.op_type for n in export(layer, attention="auto", sizes={"batch": 1, "seq": 1024}).graph.node}
-    assert "Attention" in prefill and "Softmax" not in prefill
+    prefill = [n.op_type for n in export(layer, attention="auto", sizes={"batch": 1, "seq": 1024}).graph.node]
+    assert "Attention" not in prefill and prefill.count("Softmax") == 8  # causal: query chunks over the visible keys
+    bidirectional = optimize(graphc.attention_layer_graph(cfg.with_(causal=False), seed=0)).graph
+    fused = {n.op_type for n in export(bidirectional, attention="auto", sizes={"batch": 1, "seq": 1024}).graph.node}
+    assert "Attention" in fused and "Softmax" not in fused
     step = optimize(graphc.kv_cache_graph(cfg, seed=0)).graph
     decode = {n.op_type for n in export(step, attention="auto", sizes={"batch": 1, "seq": 1, "past_seq": 4096}).graph.node}
     assert "Attention" not in decode and "Softmax" in decode

@@ -155,8 +155,27 @@ def test_fused_kv_cache_hands_the_cache_to_the_op():
 def test_auto_mode_picks_per_shape():
     decode = graphc.sdpa_graph(CFG, q_len=1, kv_len=4096)
     prefill = graphc.sdpa_graph(CFG, q_len=1024, kv_len=1024)
+    bidirectional = graphc.sdpa_graph(CFG.with_(causal=False), q_len=1024, kv_len=1024)
     assert "Attention" not in {n.op_type for n in export(decode, attention="auto").graph.node}
-    assert "Attention" in {n.op_type for n in export(prefill, attention="auto").graph.node}
+    causal_ops = [n.op_type for n in export(prefill, attention="auto").graph.node]
+    assert "Attention" not in causal_ops and causal_ops.count("Softmax") == 8  # query chunks over the visible keys
+    assert "Attention" in {n.op_type for n in export(bidirectional, attention="auto").graph.node}
+
+
+@pytest.mark.parametrize("kind", ["core", "layer", "decode", "mqa-decode"])
+@pytest.mark.parametrize("seq", [1, 3, 13])
+def test_chunked_causal_attention_gives_the_decomposed_numbers(kind, seq):
+    """Query chunks against the visible keys: any length (chunk bounds computed at run time, empty chunks included), with a cache too."""
+    build, sizes = BUILDERS[kind]
+    g = build()
+    model = export(g, attention="chunked")
+    assert [n.op_type for n in model.graph.node].count("Softmax") == 8
+    _check(g, {**sizes, "seq": seq}, ("onnx-reference", "ort-cpu"), attention="chunked")
+
+
+def test_chunked_refuses_what_it_cannot_carry():
+    with pytest.raises(ExportError, match="chunked.*not causal"):
+        export(graphc.cross_attention_graph(CFG, seed=0), attention="chunked")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inside the ONNX evaluator, before the NaN guard
