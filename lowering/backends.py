@@ -133,10 +133,11 @@ def _ort(provider: str) -> Callable[..., Runner]:
         threads: int | None = None,
         sizes: Sizes = None,
         isolate: bool = False,
+        spin: bool = False,
     ) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        description, fn = build(provider, graph, _export, opset, attention, threads, sizes, isolate)
+        description, fn = build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin)
         return Runner(name, description, graph, fn)
 
     return prepare_ort

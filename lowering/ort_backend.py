@@ -52,8 +52,9 @@ def _check_provider(name: str, provider: str, used: list[str]) -> None:
 class _Sessions:
     """The runner's sessions: fully optimized, and (built on first need) basic rewrites only."""
 
-    def __init__(self, name: str, graph: Graph, model: bytes, provider: str, threads: int | None, isolate: bool) -> None:
+    def __init__(self, name: str, graph: Graph, model: bytes, provider: str, threads: int | None, isolate: bool, spin: bool = False) -> None:
         self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
+        self.spin = spin
         self.providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
         self.outputs: list[str] = []
@@ -76,6 +77,8 @@ class _Sessions:
             so.log_severity_level = 3
             if self.threads:
                 so.intra_op_num_threads = self.threads
+            if not self.spin:  # idle pool threads sleep instead of spinning: NumPy's and torch's pools in the same process keep their cores
+                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             if basic:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             try:
@@ -101,13 +104,18 @@ def prepare_ort(
     threads: int | None = None,
     sizes: Mapping[str, int] | None = None,
     isolate: bool = False,
+    spin: bool = False,
 ) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
-    """Export ``graph`` and build its session; returns the provider description and the run function."""
+    """Export ``graph`` and build its session; returns the provider description and the run function.
+
+    ``spin=False`` (default) turns off onnxruntime's spinning intra-op threads, which otherwise
+    compete with NumPy's and torch's thread pools in the same process (``compare`` runs them all).
+    """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
     model = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes).SerializeToString()
-    sessions = _Sessions(name, graph, model, provider, threads, isolate)
+    sessions = _Sessions(name, graph, model, provider, threads, isolate, spin)
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
