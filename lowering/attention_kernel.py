@@ -4,7 +4,9 @@ The optimizer recognises attention once (``fuse_attention``); the interpreter
 runs each ``Attention`` node with :func:`attention_kernel`, which views the
 queries of one KV head as ``M = group * Sq`` GEMM rows and goes block by block
 over the queries: one GEMM over the visible keys only,
-the masked softmax while the block is in cache, then the PV GEMM.  The S x S
+the masked softmax while the block is in cache, then the PV GEMM.  Decode
+(one row block) splits the batch x KV-head axis over the threads instead, so
+each thread makes one pass over its share of K and V.  The S x S
 scores are never materialised, and a causal prefill skips the masked half of
 both GEMMs.  Blocks run on a thread pool with BLAS pinned to one thread per
 block (threadpoolctl), since BLAS threads inside pool threads oversubscribe the
@@ -21,7 +23,7 @@ from graphc import Attention
 from graphc.dims import eval_dim
 from graphc.numerics import hidden_keys
 
-from .kernels import run_blocks, softmax_rows_
+from .kernels import default_threads, run_blocks, softmax_rows_
 
 __all__ = ["attention_kernel", "blocked_attention", "GEMM_ROWS"]
 
@@ -54,6 +56,20 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     return (out, k, v) if op.kv_cache else (out,)
 
 
+def _tasks(lead: int, row_starts: range, threads: int | None) -> list[tuple[int, int, int]]:
+    """Work items ``(b0, b1, i0)``: batch x KV-head slices times query-row blocks.
+
+    Row blocks alone when there are enough of them for every thread (prefill);
+    otherwise (decode: one row block) the batch x KV-head axis is split too, so
+    each thread reads its own share of the KV cache, once.
+    """
+    n = threads or default_threads()
+    if n == 1 or len(row_starts) >= n or lead == 1:
+        return [(0, lead, i0) for i0 in row_starts]
+    per = -(-lead // max(1, n // len(row_starts)))
+    return [(b0, min(lead, b0 + per), i0) for b0 in range(0, lead, per) for i0 in row_starts]
+
+
 def blocked_attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -80,23 +96,28 @@ def blocked_attention(
     if rows_total % sq:
         raise ValueError(f"query rows {rows_total} are not a multiple of the query length {sq}")
     groups = rows_total // sq
-    q5 = q.reshape(*batch, groups, sq, dim)
-    out = np.empty((*batch, groups, sq, e_dim), np.result_type(q, v))
-    k_t = np.swapaxes(k, -1, -2)
+    lead = int(np.prod(batch, dtype=np.int64))
+    k = np.broadcast_to(k, (*batch, t_len, dim))
+    v = np.broadcast_to(v, (*batch, t_len, e_dim))
+    q5 = q.reshape(lead, groups, sq, dim)
+    k_t = np.swapaxes(k.reshape(lead, t_len, dim), -1, -2)
+    v3 = v.reshape(lead, t_len, e_dim)
+    out = np.empty((lead, groups, sq, e_dim), np.result_type(q, v))
     rows = max(1, min(sq, GEMM_ROWS // groups))
     neg_inf = np.array(-np.inf, out.dtype)
 
-    def block(i0: int) -> None:
+    def block(task: tuple[int, int, int]) -> None:
+        b0, b1, i0 = task
         i1 = min(sq, i0 + rows)
         r = i1 - i0
         c = t_len if offset is None else max(0, min(t_len, i1 + offset))
         c0 = 0 if window is None or offset is None else max(0, min(c, i0 + offset - window + 1))
-        ob = out[..., i0:i1, :]
+        ob = out[b0:b1, :, i0:i1, :]
         if c <= c0:
             ob[...] = 0
             return
-        qb = q5[..., i0:i1, :].reshape(*batch, groups * r, dim)
-        s = np.matmul(qb, k_t[..., c0:c])
+        qb = q5[b0:b1, :, i0:i1, :].reshape(b1 - b0, groups * r, dim)
+        s = np.matmul(qb, k_t[b0:b1, :, c0:c])
         if scale is not None:
             s *= scale
         if softcap is not None:
@@ -105,9 +126,9 @@ def blocked_attention(
         if offset is not None:
             hidden = hidden_keys(i0, i1, c, offset, window)[:, c0:]
             if hidden.any():
-                np.copyto(s.reshape(*batch, groups, r, c - c0), neg_inf, where=hidden)
+                np.copyto(s.reshape(b1 - b0, groups, r, c - c0), neg_inf, where=hidden)
         softmax_rows_(s)
-        ob[...] = np.matmul(s, v[..., c0:c, :]).reshape(*batch, groups, r, e_dim)
+        ob[...] = np.matmul(s, v3[b0:b1, c0:c, :]).reshape(b1 - b0, groups, r, e_dim)
 
-    run_blocks(block, range(0, sq, rows), threads, pin_blas=True)
+    run_blocks(block, _tasks(lead, range(0, sq, rows), threads), threads, pin_blas=True)
     return out.reshape(*batch, rows_total, e_dim)

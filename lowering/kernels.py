@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from graphc.numerics import hidden_keys
 
 __all__ = ["masked_softmax", "softmax_rows_", "run_blocks", "default_threads"]
 
+T = TypeVar("T")
+
 _POOLS: dict[int, ThreadPoolExecutor] = {}
+_BLAS: list[ThreadpoolController] = []  # one controller, made on first use: threadpool_limits() rescans the libraries each call (0.3 ms)
 _TASK_BYTES = 1 << 20  # about 1 MiB of scores per task: cache-sized, many tasks to balance triangles
 
 
@@ -37,6 +41,12 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _POOLS[threads]
 
 
+def _blas_controller() -> ThreadpoolController:
+    if not _BLAS:
+        _BLAS.append(ThreadpoolController())
+    return _BLAS[0]
+
+
 def softmax_rows_(s: np.ndarray) -> None:
     """In-place softmax over the last axis of ``s``; rows that are all ``-inf`` become zeros."""
     m = s.max(axis=-1, keepdims=True)
@@ -48,7 +58,7 @@ def softmax_rows_(s: np.ndarray) -> None:
     s /= total
 
 
-def run_blocks(block: Callable[[int], None], starts: Sequence[int], threads: int | None, pin_blas: bool = False) -> None:
+def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | None, pin_blas: bool = False) -> None:
     """Call ``block(start)`` for every start, on a pool of ``threads`` threads when there is more than one block.
 
     ``pin_blas`` limits BLAS to one thread per block while the pool runs, so that
@@ -59,7 +69,7 @@ def run_blocks(block: Callable[[int], None], starts: Sequence[int], threads: int
         for i0 in starts:
             block(i0)
     elif pin_blas:
-        with threadpool_limits(1, user_api="blas"):
+        with _blas_controller().limit(limits=1, user_api="blas"):
             list(_pool(n).map(block, starts))
     else:
         list(_pool(n).map(block, starts))

@@ -52,22 +52,25 @@ def test_kernel_declines_user_masks_and_shared_values():
     np.testing.assert_allclose(out["probs_BHST"].sum(-1), 1.0, rtol=1e-6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 3),
     groups=st.integers(1, 5),
     sq=st.integers(1, 70),
     extra=st.integers(-3, 40),
     causal=st.booleans(),
-    threads=st.sampled_from([1, 2]),
+    threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 999),
 )
-def test_blocked_kernel_equals_reference(groups, sq, extra, causal, threads, seed):
+def test_blocked_kernel_equals_reference(batch, kv_heads, groups, sq, extra, causal, threads, seed):
+    """Row blocks (prefill) and batch x KV-head slices (decode, few row blocks) give the reference's numbers, heads in consecutive groups."""
     t_len = max(1, sq + extra)
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((2, 1, groups, sq, 4))
-    k = rng.standard_normal((2, 1, t_len, 4))
-    v = rng.standard_normal((2, 1, t_len, 3))
+    q = rng.standard_normal((batch, kv_heads, groups, sq, 4))
+    k = rng.standard_normal((batch, kv_heads, t_len, 4))
+    v = rng.standard_normal((batch, kv_heads, t_len, 3))
     offset = t_len - sq if causal else None  # bottom-right; negative when there are fewer keys than queries
-    got = blocked_attention(q.reshape(2, 1, groups * sq, 4), k, v, sq, offset, 0.5, threads).reshape(2, 1, groups, sq, 3)
-    want = ref_sdpa(q.reshape(2, groups, sq, 4), k, v, causal=causal, offset=offset, scale=0.5)  # 1 KV head, `groups` query heads
-    np.testing.assert_allclose(got.reshape(2, groups, sq, 3), want, rtol=1e-12, atol=1e-13)
+    got = blocked_attention(q.reshape(batch, kv_heads, groups * sq, 4), k, v, sq, offset, 0.5, threads)
+    want = ref_sdpa(q.reshape(batch, kv_heads * groups, sq, 4), k, v, causal=causal, offset=offset, scale=0.5)
+    np.testing.assert_allclose(got.reshape(batch, kv_heads * groups, sq, 3), want, rtol=1e-12, atol=1e-13)
