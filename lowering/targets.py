@@ -130,7 +130,16 @@ def onnx_target(mode: str, opset: int) -> Target:
                 return None  # emitted as query chunks over the visible keys (faster than the fused op on causal prefill)
             return onnx_attention_unsupported(graph, node, opset)
 
-    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}")
+    def kernel(graph: Graph, node: Node, ctx: PassContext) -> str:
+        rows = _rows_per_kv_head(graph, node, ctx)
+        per_head = "" if rows is None else f" ({rows} query rows per KV head)"
+        if mode == "chunked" or (mode == "auto" and chunked_unsupported(graph, node) is None):
+            return f"query chunks over the visible keys{per_head}: causal prefill skips the masked half"
+        if mode == "ort-gqa":
+            return f"com.microsoft.GroupQueryAttention{per_head}"
+        return f"ONNX Attention op (opset {opset}){per_head}"
+
+    return Target(f"onnx-{mode}", policy, description=f"ONNX export, attention={mode}", kernel=kernel)
 
 
 TARGET_NAMES = ("numpy", "reference", "torch", *(f"onnx-{m}" for m in ATTENTION_MODES))

@@ -162,6 +162,24 @@ def test_auto_mode_picks_per_shape():
     assert "Attention" in {n.op_type for n in export(bidirectional, attention="auto").graph.node}
 
 
+def test_auto_records_the_form_it_chose_in_the_trace():
+    """What ``graphc optimize --target onnx-auto --explain`` prints: the form per attention and why."""
+    from graphc.optimizer import lower
+    from graphc.optimizer.infra import PassContext
+    from lowering.targets import onnx_target
+
+    cases = {
+        (True, 1024): "query chunks over the visible keys (4096 query rows per KV head)",
+        (False, 1024): "ONNX Attention op (opset 23) (4096 query rows per KV head)",
+        (True, 1): "decomposed into grouped einsums: auto: 4 query row(s) per KV head, under 64",
+    }
+    for (causal, q_len), text in cases.items():
+        ctx = PassContext()
+        kv_len = q_len if q_len > 1 else 4096
+        lower(graphc.sdpa_graph(CFG.with_(causal=causal), q_len=q_len, kv_len=kv_len), onnx_target("auto", 23), ctx=ctx)
+        assert text in ctx.trace.explain(), (causal, q_len)
+
+
 @pytest.mark.parametrize("kind", ["core", "layer", "decode", "mqa-decode"])
 @pytest.mark.parametrize("seq", [1, 3, 13])
 def test_chunked_causal_attention_gives_the_decomposed_numbers(kind, seq):

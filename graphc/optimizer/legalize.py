@@ -44,13 +44,15 @@ class Target:
 
     ``attention``: the policy for ``Attention`` nodes (default: decompose all);
     ``max_einsum_operands``: longer einsums are split pairwise; ``description``
-    is shown in reports.
+    is shown in reports; ``kernel`` names the form a kept ``Attention`` node
+    takes on the backend (recorded in the optimizer's trace, shown by ``--explain``).
     """
 
     name: str
     attention: AttentionPolicy = _always_decompose
     max_einsum_operands: int = 2
     description: str = ""
+    kernel: Callable[[Graph, Node, PassContext], str] | None = None
 
 
 REFERENCE_TARGET = Target("reference", description="every composite op decomposed; reference semantics only")
@@ -59,7 +61,8 @@ REFERENCE_TARGET = Target("reference", description="every composite op decompose
 def _match_attention(graph: Graph, node: Node, ctx: PassContext) -> object:
     reason = ctx.target.attention(graph, node, ctx) if ctx.target is not None else "no target"
     if reason is None:
-        ctx.decide(node.name, f"Attention kept for {ctx.target.name}'s kernel")
+        form = ctx.target.kernel(graph, node, ctx) if ctx.target.kernel is not None else "kernel"
+        ctx.decide(node.name, f"Attention kept for {ctx.target.name}'s {form}")
         return None
     return node, reason
 
