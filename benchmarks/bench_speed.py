@@ -37,6 +37,8 @@ import json
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -61,7 +63,7 @@ NAIVE_SCORES_LIMIT = 2 << 30  # bytes of S x S scores the naive NumPy form may m
 FUSED_SCORES_LIMIT = 3 << 30  # onnxruntime's CPU Attention op materialises the scores (and its softmax a second copy)
 COLD_BYTES = 512 << 20
 PAUSE_S = 0.5
-GRAPHC = ("graphc numpy", "graphc ort-cpu")
+GRAPHC = ("graphc numpy", "graphc ort-cpu", "graphc import of the torch export, ORT")
 
 
 def machine_limits(threads: int) -> tuple[float, float]:
@@ -166,6 +168,32 @@ def _peak_mib(fn: Callable[[dict], np.ndarray], feeds: dict) -> float:
     return peak / 2**20
 
 
+def time_variants(runs: dict, feed_list: list[dict], want: np.ndarray, repeats: int, tol: float = 1e-3) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Check every variant against ``want`` (max abs error <= ``tol``), then time each alone: pause, warm-up, ``repeats`` calls.
+
+    Returns the seconds per call of each variant that ran, and a note for each that did not.
+    """
+    times: dict[str, list[float]] = {}
+    notes: dict[str, str] = {}
+    for name, fn in runs.items():
+        if isinstance(fn, str):
+            notes[name] = fn
+            continue
+        got = fn(feed_list[0])
+        err = float(np.abs(got - want).max())
+        if not err <= tol:  # NaN included
+            notes[name] = f"wrong result: max abs error {err:.1e}"
+            continue
+        times[name] = []
+    for name in times:  # one variant at a time, after a pause that lets the previous runtime's threads go idle
+        time.sleep(PAUSE_S)
+        runs[name](feed_list[0])
+        for r in range(repeats):
+            f = feed_list[(r + 1) % len(feed_list)]
+            times[name].append(_timed(lambda: runs[name](f)))
+    return times, notes
+
+
 def bench_case(config: str, case: str, threads: int, repeats: int, limits: tuple[float, float]) -> list[dict]:
     """Rows for one config and case (two for decode: cache-warm and cache-cold)."""
     cfg = graphc.preset(config)
@@ -181,45 +209,52 @@ def bench_case(config: str, case: str, threads: int, repeats: int, limits: tuple
     cold = [feeds] + [random_inputs(g, seed=i + 1) for i in range(copies - 1)] if decode else [feeds]
     rows = []
     for temp, feed_list in ((("warm", [feeds]), ("cold", cold)) if decode else (("-", [feeds]),)):
-        times: dict[str, list[float]] = {}
-        notes: dict[str, str] = {}
-        for name, fn in runs.items():
-            if isinstance(fn, str):
-                notes[name] = fn
-                continue
-            got = fn(feed_list[0])
-            err = float(np.abs(got - want).max())
-            if not err <= 1e-3:  # NaN included
-                notes[name] = f"wrong result: max abs error {err:.1e}"
-                continue
-            times[name] = []
-        for name in times:  # one variant at a time, after a pause that lets the previous runtime's threads go idle
-            time.sleep(PAUSE_S)
-            runs[name](feed_list[0])  # type: ignore[operator]
-            for r in range(repeats):
-                f = feed_list[(r + 1) % len(feed_list)]
-                times[name].append(_timed(lambda: runs[name](f)))  # type: ignore[operator]
-        peers = [statistics.median(t) for n, t in times.items() if n not in GRAPHC]
-        best_peer = min(peers) if peers else None
+        times, notes = time_variants(runs, feed_list, want, repeats)
         flops = 4 * c["batch"] * cfg.n_heads * c["q_len"] * c["kv_len"] * cfg.hd * (0.5 if c["causal"] else 1.0)
-        bytes_moved = kv_bytes + 2 * feeds["q_BHSD"].nbytes
-        for name in runs:
-            row = {"config": config, "case": case, "cache": temp, "variant": name}
-            if name in times:
-                t = sorted(times[name])
-                med = statistics.median(t)
-                row.update(ms=1e3 * med, p10=1e3 * t[len(t) // 10], p90=1e3 * t[min(len(t) - 1, (9 * len(t)) // 10)],
-                           vs_best_peer=med / best_peer if best_peer else None)
-                if decode:
-                    row.update(gbs=bytes_moved / med / 1e9, pct_bandwidth=100 * bytes_moved / med / 1e9 / limits[1])
-                else:
-                    row.update(gflops=flops / med / 1e9, pct_gemm=100 * flops / med / 1e9 / limits[0])
-                if name in ("graphc numpy", "NumPy np.repeat (naive)") and temp != "cold":
-                    row["peak_mib"] = _peak_mib(runs[name], feeds)  # type: ignore[arg-type]
-            else:
-                row["note"] = notes.get(name, "")
-            rows.append(row)
+        peak = {n: (lambda n=n: _peak_mib(runs[n], feeds)) for n in ("graphc numpy", "NumPy np.repeat (naive)") if temp != "cold" and not isinstance(runs[n], str)}
+        rows += make_rows(dict(config=config, case=case, cache=temp), runs, times, notes, flops, kv_bytes + 2 * feeds["q_BHSD"].nbytes, decode, limits, peak)
     return rows
+
+
+def make_rows(key: dict, runs: dict, times: dict[str, list[float]], notes: dict[str, str], flops: float, bytes_moved: float,
+              decode: bool, limits: tuple[float, float], peak: dict[str, Callable[[], float]]) -> list[dict]:
+    """A row per variant: median and p10-p90, ratio to the fastest peer, GB/s (decode) or GFLOP/s (prefill), peak MiB where measured."""
+    peers = [statistics.median(t) for n, t in times.items() if n not in GRAPHC]
+    best_peer = min(peers) if peers else None
+    rows = []
+    for name in runs:
+        row = {**key, "variant": name}
+        if name in times:
+            t = sorted(times[name])
+            med = statistics.median(t)
+            row.update(ms=1e3 * med, p10=1e3 * t[len(t) // 10], p90=1e3 * t[min(len(t) - 1, (9 * len(t)) // 10)],
+                       vs_best_peer=med / best_peer if best_peer else None)
+            if decode:
+                row.update(gbs=bytes_moved / med / 1e9, pct_bandwidth=100 * bytes_moved / med / 1e9 / limits[1])
+            else:
+                row.update(gflops=flops / med / 1e9, pct_gemm=100 * flops / med / 1e9 / limits[0])
+            if name in peak:
+                row["peak_mib"] = peak[name]()
+        else:
+            row["note"] = notes.get(name, "")
+        rows.append(row)
+    return rows
+
+
+def bench_layer_case(case: str, threads: int, repeats: int, limits: tuple[float, float]) -> list[dict]:
+    """Rows for one decoder-layer case (``speed_layer``): transformers eager/sdpa and the torch.onnx export against graphc."""
+    from speed_layer import layer_feeds, layer_variants, layer_work
+
+    with tempfile.TemporaryDirectory(prefix="graphc_layer_") as work:
+        runs = layer_variants(case, threads, Path(work))
+        feeds = layer_feeds(case)
+        reference_run = runs["transformers eager"]
+        if isinstance(reference_run, str):
+            return [{"config": "mistral-7b layer", "case": case, "cache": "-", "variant": n, "note": str(r)} for n, r in runs.items()]
+        want = reference_run(feeds)
+        times, notes = time_variants(runs, [feeds], want, repeats, tol=1e-3 * float(np.abs(want).max()))
+        flops, bytes_moved = layer_work(case)
+        return make_rows(dict(config="mistral-7b layer", case=case, cache="-"), runs, times, notes, flops, bytes_moved, "decode" in case, limits, {})
 
 
 def markdown(rows: list[dict]) -> str:
@@ -271,6 +306,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--layer-cases", default="all", help="decoder-layer cases (speed_layer.py), comma-separated; 'all' or 'none'")
     ap.add_argument("--out", default="docs/bench_speed")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -278,6 +314,13 @@ def main() -> None:
     for c in cases:
         if c not in CASES:
             raise SystemExit(f"unknown case {c!r}; cases: {', '.join(CASES)}")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from speed_layer import LAYER_CASES
+
+    layer_cases = list(LAYER_CASES) if args.layer_cases == "all" else [c for c in args.layer_cases.split(",") if c and c != "none"]
+    for c in layer_cases:
+        if c not in LAYER_CASES:
+            raise SystemExit(f"unknown layer case {c!r}; layer cases: {', '.join(LAYER_CASES)}")
     limits = machine_limits(args.threads)
     import onnxruntime as ort
 
@@ -290,6 +333,10 @@ def main() -> None:
             t0 = time.perf_counter()
             rows += bench_case(config, case, args.threads, args.repeats, limits)
             print(f"  {config} / {case}: {time.perf_counter() - t0:.0f} s", flush=True)
+    for case in layer_cases:
+        t0 = time.perf_counter()
+        rows += bench_layer_case(case, args.threads, max(3, args.repeats - 2), limits)
+        print(f"  mistral-7b layer / {case}: {time.perf_counter() - t0:.0f} s", flush=True)
     table = markdown(rows)
     print(table)
     out = Path(args.out)
