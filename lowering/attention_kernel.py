@@ -4,7 +4,8 @@ The optimizer recognises attention once (``fuse_attention``); the interpreter
 runs each ``Attention`` node with :func:`attention_kernel`, which views the
 queries of one KV head as ``M = group * Sq`` GEMM rows and goes block by block
 over the queries: one GEMM over the visible keys only,
-the masked softmax while the block is in cache, then the PV GEMM.  Decode
+the masked exponentials while the block is in cache, then the PV GEMM, whose
+``[rows, head_dim]`` result is divided by the row sums (not the scores).  Decode
 (one row block) splits the batch x KV-head axis over the threads instead, so
 each thread makes one pass over its share of K and V.  The S x S
 scores are never materialised, and a causal prefill skips the masked half of
@@ -23,7 +24,7 @@ from graphc import Attention
 from graphc.dims import eval_dim
 from graphc.numerics import hidden_keys
 
-from .kernels import default_threads, run_blocks, softmax_rows_
+from .kernels import default_threads, exp_rows_, run_blocks
 
 __all__ = ["attention_kernel", "blocked_attention", "GEMM_ROWS"]
 
@@ -124,11 +125,15 @@ def blocked_attention(
             np.tanh(s, out=s)
             s *= np.array(softcap, s.dtype)
         if offset is not None:
-            hidden = hidden_keys(i0, i1, c, offset, window)[:, c0:]
+            # only keys after the block's first query's last key (the diagonal band), or before its window, can be hidden
+            lo = c0 if window is not None else max(c0, min(c, i0 + offset + 1))
+            hidden = hidden_keys(i0, i1, c, offset, window)[:, lo:]
             if hidden.any():
-                np.copyto(s.reshape(b1 - b0, groups, r, c - c0), neg_inf, where=hidden)
-        softmax_rows_(s)
-        ob[...] = np.matmul(s, v3[b0:b1, c0:c, :]).reshape(b1 - b0, groups, r, e_dim)
+                np.copyto(s.reshape(b1 - b0, groups, r, c - c0)[..., lo - c0 :], neg_inf, where=hidden)
+        total = exp_rows_(s)
+        pv = np.matmul(s, v3[b0:b1, c0:c, :])
+        pv /= total
+        ob[...] = pv.reshape(b1 - b0, groups, r, e_dim)
 
     run_blocks(block, _tasks(lead, range(0, sq, rows), threads), threads, pin_blas=True)
     return out.reshape(*batch, rows_total, e_dim)

@@ -21,7 +21,7 @@ from threadpoolctl import ThreadpoolController
 
 from graphc.numerics import hidden_keys
 
-__all__ = ["masked_softmax", "softmax_rows_", "run_blocks", "default_threads"]
+__all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads"]
 
 T = TypeVar("T")
 
@@ -47,15 +47,24 @@ def _blas_controller() -> ThreadpoolController:
     return _BLAS[0]
 
 
-def softmax_rows_(s: np.ndarray) -> None:
-    """In-place softmax over the last axis of ``s``; rows that are all ``-inf`` become zeros."""
+def exp_rows_(s: np.ndarray) -> np.ndarray:
+    """``s <- exp(s - rowmax)`` in place over the last axis; returns the row sums (1 for rows that are all ``-inf``, which become zeros).
+
+    Dividing by the sums is left to the caller: after the PV product it is a
+    pass over ``[rows, head_dim]`` instead of over ``[rows, keys]``.
+    """
     m = s.max(axis=-1, keepdims=True)
     np.copyto(m, 0, where=~np.isfinite(m))  # fully masked rows: exp(-inf) = 0, not NaN
     s -= m
     np.exp(s, out=s)
     total = s.sum(axis=-1, keepdims=True)
     total[total == 0] = 1
-    s /= total
+    return total
+
+
+def softmax_rows_(s: np.ndarray) -> None:
+    """In-place softmax over the last axis of ``s``; rows that are all ``-inf`` become zeros."""
+    s /= exp_rows_(s)
 
 
 def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | None, pin_blas: bool = False) -> None:
