@@ -31,8 +31,11 @@ _TASK_BYTES = 1 << 20  # about 1 MiB of scores per task: cache-sized, many tasks
 
 
 def default_threads() -> int:
-    """Threads used when none are given: the machine's cores."""
-    return os.cpu_count() or 1
+    """Threads used when none are given: the cores available to this process."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:

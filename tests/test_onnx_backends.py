@@ -162,6 +162,21 @@ def test_auto_mode_picks_per_shape():
     assert "Attention" in {n.op_type for n in export(bidirectional, attention="auto").graph.node}
 
 
+def test_decode_export_has_the_layout_onnxruntime_fuses(tmp_path):
+    """Grouped decode: onnxruntime's optimized model keeps no Transpose and no K/V copy: K^T is folded into FusedMatMul."""
+    import onnx
+    import onnxruntime as ort
+
+    g = graphc.optimize(graphc.sdpa_graph(CFG.with_(causal=False), q_len=1, kv_len=64)).graph
+    export(g, tmp_path / "decode.onnx", attention="auto", sizes={"batch": 2, "q_len": 1, "kv_len": 64})
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "decode_ort.onnx")
+    ort.InferenceSession(str(tmp_path / "decode.onnx"), opts, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "decode_ort.onnx")).graph.node]
+    assert "Transpose" not in ops and "Expand" not in ops and "Tile" not in ops, ops
+    assert ops.count("FusedMatMul") + ops.count("MatMul") == 2, ops
+
+
 def test_auto_records_the_form_it_chose_in_the_trace():
     """What ``graphc optimize --target onnx-auto --explain`` prints: the form per attention and why."""
     from graphc.optimizer import lower
