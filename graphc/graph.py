@@ -471,6 +471,32 @@ class Graph(GraphBuilder):
         g._fresh = dict(self._fresh)
         return g
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle as flat lists (the node list is linked; pickling the links would recurse once per node)."""
+        return {
+            "name": self.name,
+            "inputs": [(n, self._values[n].type) for n in self._inputs],
+            "initializers": self.initializers,
+            "nodes": [(node.op, node.inputs, node.outputs, [self._values[o].type for o in node.outputs]) for node in self._walk()],
+            "outputs": list(self._outputs),
+            "fresh": dict(self._fresh),
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from :meth:`__getstate__`'s lists."""
+        self.__init__(state["name"])  # type: ignore[misc]
+        self.initializers = dict(state["initializers"])
+        for name, t in state["inputs"]:
+            self._values[name] = Value(name, t)
+            self._inputs.append(name)
+        for name, arr in self.initializers.items():
+            arr.setflags(write=False)  # weights stay read-only, as add_initializer keeps them
+            self._values[name] = Value(name, TensorType(tuple(int(d) for d in arr.shape), str(arr.dtype)))
+        for op, ins, outs, types in state["nodes"]:
+            self.add_multi_node(op, ins, outs, types)
+        self.outputs = state["outputs"]
+        self._fresh = dict(state["fresh"])
+
     def replace_uses(self, old: ValueLike, new: ValueLike) -> None:
         """Make every reader of ``old`` (nodes and graph outputs) read ``new`` instead: O(readers).
 
