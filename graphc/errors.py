@@ -29,6 +29,7 @@ __all__ = [
     "ExportError",
     "OnnxImportError",
     "ResourceLimitError",
+    "ShardingError",
     "BackendError",
     "BackendUnavailableError",
 ]
@@ -133,6 +134,10 @@ class ResourceLimitError(GraphcError, MemoryError):
         super().__init__(message)
         self.nbytes = nbytes
         self.cap = cap
+
+
+class ShardingError(GraphcError, ValueError):
+    """A graph cannot be split into the requested shards (a shard count that does not divide the heads, an op with no sharding rule)."""
 
 
 class BackendError(GraphcError, RuntimeError):

@@ -1,0 +1,10 @@
+"""Sharding attention graphs by KV-head group: ``shard(graph, n)`` (see :mod:`graphc.sharding.plan`).
+
+Running a plan is the backends' side: :class:`lowering.sharded.ShardedRunner`
+(one process, or any executor) and :func:`lowering.dask_shards.run_sharded` /
+:func:`lowering.dask_shards.sharded_runner` on Dask workers.
+"""
+
+from .plan import ShardPlan, Stage, shard
+
+__all__ = ["shard", "ShardPlan", "Stage"]

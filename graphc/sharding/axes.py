@@ -1,0 +1,167 @@
+"""Which axis of every value carries attention heads: the analysis behind :func:`graphc.sharding.shard`.
+
+Two axes are *linked* when splitting one into ``n`` contiguous chunks forces
+the same split of the other, chunk ``s`` for chunk ``s``: an einsum label's
+axes, an elementwise op's aligned axes (not broadcast ones), a transpose's
+permuted axes, the leading axes of a reshape's merged groups (heads are the
+major factor of ``heads * head_dim``), ``Repeat``'s axis (KV head ``g`` becomes
+query heads ``g*G .. g*G+G-1``: consecutive, as ``repeat_interleave``), a
+concat's other axes, and ``Attention``'s head axis across Q, K, V, the cache
+and the output (query heads in consecutive groups per KV head).  Linked axes
+form classes (union-find); the head classes are those holding an attention's
+KV-head axis, or its query-head axis in the multi-query fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graphc.attention_op import Attention
+from graphc.dims import Dim, dim_prod, normalize_dim
+from graphc.graph import Graph, Node
+from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.rotary import Rotary
+from graphc.tensor_ops import Reduce
+
+__all__ = ["AxisClasses", "link_axes", "ELEMENTWISE"]
+
+Axis = tuple[str, int]
+ELEMENTWISE = (Unary, Binary, Compare, Where, Cast, Scale, Softmax, CausalMask)
+"""Ops whose output element depends on the inputs' elements at the same (broadcast) index along the head axis."""
+
+
+@dataclass
+class AxisClasses:
+    """Union-find over ``(value, axis)`` pairs, and the nodes whose axes no rule relates (their values cannot be split)."""
+
+    parent: dict[Axis, Axis] = field(default_factory=dict)
+    opaque: dict[str, str] = field(default_factory=dict)
+
+    def find(self, a: Axis) -> Axis:
+        """The representative of ``a``'s class."""
+        self.parent.setdefault(a, a)
+        while self.parent[a] != a:
+            self.parent[a] = self.parent[self.parent[a]]
+            a = self.parent[a]
+        return a
+
+    def union(self, a: Axis, b: Axis) -> None:
+        """Link ``a`` and ``b``."""
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+    def members(self, root: Axis) -> list[Axis]:
+        """Every ``(value, axis)`` in the class of ``root``."""
+        r = self.find(root)
+        return sorted(a for a in list(self.parent) if self.find(a) == r)
+
+
+def _is_one(d: Dim) -> bool:
+    return normalize_dim(d) == 1
+
+
+def _link_aligned(c: AxisClasses, g: Graph, node: Node) -> None:
+    out = g.types[node.outputs[0]].shape
+    for name in node.inputs:
+        shape = g.types[name].shape
+        lead = len(out) - len(shape)
+        for i, d in enumerate(shape):
+            if lead + i >= 0 and not _is_one(d) and not _is_one(out[lead + i]):
+                c.union((name, i), (node.outputs[0], lead + i))
+
+
+def _groups(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> list[tuple[int, int]]:
+    """Pairs of leading axes of the groups of ``a`` and ``b`` whose products match (a reshape's merge/split groups)."""
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        while i < len(a) and _is_one(a[i]):
+            i += 1
+        while j < len(b) and _is_one(b[j]):
+            j += 1
+        if i == len(a) or j == len(b):
+            break
+        i0, j0 = i, j
+        pa, pb = [a[i]], [b[j]]
+        i, j = i + 1, j + 1
+        while normalize_dim(dim_prod(pa)) != normalize_dim(dim_prod(pb)):
+            if i < len(a) and (j >= len(b) or len(pa) <= len(pb)):
+                pa.append(a[i])
+                i += 1
+            elif j < len(b):
+                pb.append(b[j])
+                j += 1
+            else:
+                return out
+        out.append((i0, j0))
+    return out
+
+
+def _link_node(c: AxisClasses, g: Graph, node: Node) -> None:
+    op = node.op
+    t = g.types
+    if isinstance(op, Einsum):
+        spec = op.parsed
+        for label in spec.labels:
+            places = [(v, term.index(label)) for v, term in zip(node.inputs, spec.inputs) if label in term]
+            if label in spec.output:
+                places.append((node.outputs[0], spec.output.index(label)))
+            places = [p for p in places if not _is_one(t[p[0]].shape[p[1]])]
+            for p in places[1:]:
+                c.union(places[0], p)
+    elif isinstance(op, ELEMENTWISE) or isinstance(op, Rotary):
+        if isinstance(op, Rotary):  # positions carry no head axis
+            x, out = node.inputs[0], node.outputs[0]
+            for i in range(len(t[x].shape)):
+                c.union((x, i), (out, i))
+        else:
+            _link_aligned(c, g, node)
+    elif isinstance(op, Transpose):
+        for k, p in enumerate(op.perm):
+            c.union((node.inputs[0], p), (node.outputs[0], k))
+    elif isinstance(op, Reshape):
+        for i, j in _groups(tuple(t[node.inputs[0]].shape), tuple(t[node.outputs[0]].shape)):
+            c.union((node.inputs[0], i), (node.outputs[0], j))
+    elif isinstance(op, Repeat):
+        x, out = node.inputs[0], node.outputs[0]
+        for i, d in enumerate(t[x].shape):
+            if not _is_one(d):
+                c.union((x, i), (out, i))
+    elif isinstance(op, Concat):
+        rank = len(t[node.outputs[0]].shape)
+        for i in range(rank):
+            if i != op.axis % rank:
+                for name in node.inputs:
+                    c.union((name, i), (node.outputs[0], i))
+    elif isinstance(op, Reduce):
+        x, out = node.inputs[0], node.outputs[0]
+        reduced = op.normalized_axes(len(t[x].shape))
+        kept = [i for i in range(len(t[x].shape)) if i not in reduced]
+        for k, i in enumerate(kept):
+            c.union((x, i), (out, i if op.keepdims else k))
+    elif isinstance(op, Attention):
+        _link_attention(c, g, node)
+    else:
+        c.opaque[node.name] = op.kind
+
+
+def _link_attention(c: AxisClasses, g: Graph, node: Node) -> None:
+    op: Attention = node.op  # type: ignore[assignment]
+    q, k = node.inputs[0], node.inputs[1]
+    kv_values = [k, node.inputs[2], *node.inputs[3 + op.has_mask :], *node.outputs[1:]]
+    for v in kv_values[1:]:
+        c.union((k, 1), (v, 1))
+    c.union((q, 1), (node.outputs[0], 1))
+    if not _is_one(g.types[k].shape[1]):  # multi-query: K/V stay whole, only query heads may split
+        c.union((q, 1), (k, 1))
+    if op.has_mask and not _is_one(g.types[node.inputs[3]].shape[1]):
+        c.union((q, 1), (node.inputs[3], 1))
+
+
+def link_axes(graph: Graph) -> AxisClasses:
+    """The linked-axis classes of ``graph`` (every node's rule applied once)."""
+    c = AxisClasses()
+    for node in graph.topological_order():
+        _link_node(c, graph, node)
+    return c

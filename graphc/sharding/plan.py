@@ -1,0 +1,313 @@
+"""``shard(graph, n)``: split a graph into ``n`` exact partitions by KV-head group, plus the gathers that rebuild its outputs.
+
+Query heads ``g*G .. g*G+G-1`` read only KV head ``g``, so shard ``s`` of ``n``
+takes KV heads ``s*Hkv/n ..`` and their query heads, the matching rows of the
+Q/K/V projections, the matching slice of a KV cache and the matching columns
+of the output projection (tensor parallelism's column/row split).  Values on
+a head axis (:mod:`graphc.sharding.axes`) are *split*; an einsum that
+contracts a split axis away (the output projection) gives a *partial* value,
+one addend per shard; everything else is *replicated*.
+
+A node that needs a whole value (the residual add and MLP after an attention,
+the next layer's norm) starts a new stage, so a plan is a list of stages that
+alternate between *sharded* (``n`` graphs, one per shard) and *replicated*
+(one graph).  A core, a layer or a KV-cache step is one sharded stage; a
+decoder stack of ``L`` layers has ``2L`` stages.  Between stages the runner
+moves values: split values stay on their shard when the next sharded stage
+reads them; a replicated stage gets split values concatenated along their head
+axis and partial values summed; a sharded stage gets whole values sent to
+every shard.
+
+Multi-query attention (one KV head) cannot be split by KV head; there the plan
+splits the query heads and replicates K/V (each shard computes and keeps the
+whole cache), and says so in :attr:`ShardPlan.fallback`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+
+from graphc.attention_op import Attention
+from graphc.dims import Dim, dim_symbols, format_shape, normalize_dim
+from graphc.errors import ShardingError
+from graphc.graph import Graph, Node
+from graphc.ops import Einsum, Repeat, Reshape, TensorType
+
+from .axes import AxisClasses, link_axes
+
+__all__ = ["shard", "ShardPlan", "Stage"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a plan: ``graphs`` holds one graph per shard (sharded) or a single graph (replicated)."""
+
+    index: int
+    sharded: bool
+    graphs: tuple[Graph, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The result of :func:`shard`: stages, and how every crossing value is split or rebuilt.
+
+    ``split_axis[v]``: the head axis of a split value; ``partial``: values
+    that are one addend per shard; ``produced_in[v]``: the stage that computes
+    ``v`` (graph inputs: -1).
+    """
+
+    name: str
+    n: int
+    stages: tuple[Stage, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    split_axis: Mapping[str, int]
+    partial: frozenset[str]
+    produced_in: Mapping[str, int]
+    fallback: str | None = None
+    types: Mapping[str, TensorType] = field(default_factory=dict)
+
+    def split(self, name: str, array: np.ndarray, shard: int) -> np.ndarray:
+        """Shard ``shard``'s part of value ``name`` (the array itself when the value is not split)."""
+        axis = self.split_axis.get(name)
+        if axis is None:
+            return array
+        size = array.shape[axis]
+        if size % self.n:
+            raise ShardingError(f"{name!r}: axis {axis} has {size} entries, not a multiple of {self.n} shards")
+        step = size // self.n
+        return np.take(array, np.arange(shard * step, (shard + 1) * step), axis=axis)
+
+    def gather(self, name: str, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """The whole value ``name`` from its per-shard parts: concatenated (split), summed (partial) or shard 0's."""
+        if name in self.split_axis:
+            return np.concatenate(list(parts), axis=self.split_axis[name])
+        if name in self.partial:
+            total = np.array(parts[0], copy=True)
+            for p in parts[1:]:
+                total += p
+            return total
+        return parts[0]
+
+    def __str__(self) -> str:
+        lines = [f"shard plan for {self.name!r}: {self.n} shards, {len(self.stages)} stage(s)" + (f"; {self.fallback}" if self.fallback else "")]
+        for st in self.stages:
+            g = st.graphs[0]
+            kind = f"sharded x{len(st.graphs)}" if st.sharded else "replicated"
+            lines.append(f"  stage {st.index} ({kind}): {len(g.nodes)} node(s); in: {', '.join(st.inputs) or '-'}; out: {', '.join(st.outputs) or '-'}")
+        for name, axis in sorted(self.split_axis.items()):
+            if name in self.inputs or name in self.outputs:
+                lines.append(f"  {name}: split on axis {axis} {format_shape(self.types[name].shape)}")
+        for name in sorted(self.partial & set(self.outputs)):
+            lines.append(f"  {name}: summed over shards")
+        return "\n".join(lines)
+
+
+def _fused(graph: Graph) -> Graph:
+    from graphc.optimizer import PassContext, PassManager, dead_code_elimination, fuse_attention
+    from graphc.optimizer.legalize import simplify_views
+
+    work = graph.copy()
+    PassManager((fuse_attention, simplify_views, dead_code_elimination)).run(work, PassContext())
+    return work
+
+
+def _divisors(k: int) -> list[int]:
+    return [d for d in range(1, k + 1) if k % d == 0]
+
+
+def _seeds(g: Graph, n: int) -> tuple[list[tuple[str, int]], str | None]:
+    seeds: list[tuple[str, int]] = []
+    fallback = None
+    attention = [node for node in g.topological_order() if isinstance(node.op, Attention)]
+    if not attention:
+        raise ShardingError(f"graph {g.name!r} has no attention graphc recognises: there are no heads to shard by")
+    for node in attention:
+        hq, hkv = g.types[node.inputs[0]].shape[1], g.types[node.inputs[1]].shape[1]
+        if not isinstance(hq, int) or not isinstance(hkv, int):
+            raise ShardingError(f"attention {node.name!r}: head counts must be fixed to shard, got {hq} query / {hkv} KV heads")
+        if hkv % n == 0:
+            seeds.append((node.inputs[1], 1))
+        elif hkv == 1 and hq % n == 0:
+            seeds.append((node.inputs[0], 1))
+            fallback = f"multi-query attention: query heads split {n} ways, the single K/V head replicated on every shard"
+        else:
+            kv_ok = [d for d in _divisors(hkv) if d > 1]
+            hint = f"shard counts that divide the {hkv} KV heads: {kv_ok}" if kv_ok else "it has no KV-head split"
+            if hkv == 1:
+                hint = f"multi-query attention splits its {hq} query heads instead: shard counts {[d for d in _divisors(hq) if d > 1]}"
+            raise ShardingError(f"attention {node.name!r} ({hq} query / {hkv} KV heads) cannot be split into {n} shards; {hint}")
+    return seeds, fallback
+
+
+def _split_axes(g: Graph, classes: AxisClasses, seeds: list[tuple[str, int]], n: int) -> dict[str, int]:
+    split: dict[str, int] = {}
+    for root in {classes.find(s) for s in seeds}:
+        for value, axis in classes.members(root):
+            size = g.types[value].shape[axis]
+            if not isinstance(size, int) or size % n:
+                raise ShardingError(f"value {value!r} {format_shape(g.types[value].shape)}: its head axis {axis} has size {size}, not a multiple of {n} shards")
+            if split.get(value, axis) != axis:
+                raise ShardingError(f"value {value!r} {format_shape(g.types[value].shape)} has head axes {split[value]} and {axis}; graphc splits one")
+            split[value] = axis
+    return split
+
+
+def _partials(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[str]:
+    partial: set[str] = set()
+    for node in g.topological_order():
+        reads_split = [v for v in node.inputs if v in split]
+        if not reads_split or any(o in split for o in node.outputs):
+            if node.name in classes.opaque and (reads_split or any(o in split for o in node.outputs)):
+                raise ShardingError(f"node {node.name!r} ({classes.opaque[node.name]}) touches a head-split value; graphc has no sharding rule for it")
+            continue
+        if isinstance(node.op, Einsum):
+            partial.add(node.outputs[0])  # the split axis is contracted away: one addend per shard
+        elif not (isinstance(node.op, Attention) and len(node.outputs) > 1):
+            raise ShardingError(f"node {node.name!r} ({node.op.kind}) reduces over the head axis of {reads_split[0]!r}; only einsums may (their results are summed)")
+    return partial
+
+
+def _stages(g: Graph, split: Mapping[str, int], partial: set[str]) -> dict[str, int]:
+    """Stage of every node: even stages are sharded, odd ones replicated."""
+    produced: dict[str, int] = {v: 0 for v in g.inputs} | {v: 0 for v in g.initializers}
+    stage_of: dict[str, int] = {}
+    for node in g.topological_order():
+        sharded = any(v in split for v in (*node.inputs, *node.outputs)) or any(o in partial for o in node.outputs)
+        need = 0
+        for v in node.inputs:
+            s = produced[v]
+            if v in g.initializers or v in g.inputs:  # available whole (or sliced by the runner) anywhere
+                continue
+            whole_needed = v in partial or (v in split and not sharded)
+            need = max(need, s + 1 if whole_needed and s % 2 == 0 else s)
+        stage = need + (need % 2) if sharded else need
+        stage_of[node.name] = stage
+        for o in node.outputs:
+            produced[o] = stage
+    _sink(g, stage_of, split, partial)
+    return stage_of
+
+
+def _sink(g: Graph, stage_of: dict[str, int], split: Mapping[str, int], partial: set[str]) -> None:
+    """Move replicated nodes that only feed one later sharded stage into it (each shard computes them).
+
+    Positions and norms of layer ``i + 1`` then sit with the attention that
+    reads them, where the symbolic sizes they use (the cache length) are bound
+    by that stage's inputs, and nothing extra crosses: the stage receives the
+    node's inputs instead of its outputs.
+    """
+    for node in reversed(g.topological_order()):
+        if any(v in split for v in (*node.inputs, *node.outputs)) or any(o in partial or o in g.outputs for o in node.outputs):
+            continue
+        consumers = {stage_of[c.name] for o in node.outputs for c in g.consumers(o)}
+        if len(consumers) == 1:
+            (target,) = consumers
+            if target % 2 == 0 and target > stage_of[node.name]:
+                stage_of[node.name] = target
+
+
+def _shard_type(t: TensorType, axis: int | None, n: int) -> TensorType:
+    if axis is None:
+        return t
+    shape = list(t.shape)
+    shape[axis] = normalize_dim(shape[axis]) // n  # type: ignore[operator]
+    return TensorType(tuple(shape), t.dtype)
+
+
+def _shard_op(g: Graph, node: Node, split: Mapping[str, int], n: int) -> object:
+    op = node.op
+    out_axis = split.get(node.outputs[0])
+    if isinstance(op, Reshape) and out_axis is not None:
+        shape: list[Dim] = list(op.shape)
+        shape[out_axis] = shape[out_axis] // n  # type: ignore[operator]
+        return replace(op, shape=tuple(shape))
+    rank = len(g.types[node.outputs[0]].shape)
+    if isinstance(op, Repeat) and out_axis is not None and out_axis == op.axis % rank and node.inputs[0] not in split:
+        return replace(op, repeats=op.repeats // n)  # multi-query: the one KV head repeated for this shard's query heads only
+    return op
+
+
+def _stage_graph(g: Graph, name: str, nodes: list[Node], inputs: list[str], outputs: list[str], split: Mapping[str, int],
+                 n: int, shard: int | None) -> Graph:
+    sg = Graph(name)
+    parts = n if shard is not None else 1
+    for v in inputs:
+        sg.add_input(v, _shard_type(g.types[v], split.get(v) if shard is not None else None, parts).shape, g.types[v].dtype)
+    for node in nodes:
+        for v in node.inputs:
+            if v in g.initializers and v not in sg.initializers:
+                arr = g.initializers[v]
+                axis = split.get(v) if shard is not None else None
+                if axis is not None:
+                    step = arr.shape[axis] // n
+                    arr = np.take(arr, np.arange(shard * step, (shard + 1) * step), axis=axis)  # type: ignore[operator]
+                sg.add_initializer(v, arr, copy=axis is not None)
+        op = _shard_op(g, node, split, n) if shard is not None else node.op
+        got = sg.add_multi_node(op, node.inputs, node.outputs)  # type: ignore[arg-type]
+        for o, value in zip(node.outputs, got):
+            want = _shard_type(g.types[o], split.get(o) if shard is not None else None, parts)
+            if tuple(value.type.shape) != tuple(want.shape):
+                raise ShardingError(f"node {node.name!r}: shard {shard} infers {format_shape(value.type.shape)} for {o!r}, expected {format_shape(want.shape)}")
+    sg.output(*outputs)
+    sg.verify()
+    return sg
+
+
+def _check_bound(sg: Graph, stage: int) -> None:
+    """Every symbolic size a stage uses must be bound by its inputs' shapes, or the stage cannot run alone."""
+    bound = {sym for v in sg.inputs for d in sg.types[v].shape for sym in dim_symbols(d)}
+    for node in sg.topological_order():
+        used = {sym for o in node.outputs for d in sg.types[o].shape for sym in dim_symbols(d)}
+        for f in fields(node.op):  # type: ignore[arg-type]
+            if "Dim" in str(f.type) or "Shape" in str(f.type):  # size-valued attributes: offsets, target shapes
+                value = getattr(node.op, f.name)
+                for d in value if isinstance(value, tuple) else (value,):
+                    if d is not None:
+                        used |= dim_symbols(d)
+        if used - bound:
+            raise ShardingError(f"stage {stage}: node {node.name!r} uses sizes {sorted(used - bound)} that none of the stage's inputs "
+                                f"{list(sg.inputs)} carries; graphc cannot cut the graph there")
+
+
+def shard(graph: Graph, n: int) -> ShardPlan:
+    """Split ``graph`` into ``n`` exact partitions by KV-head group (see the module doc); ``n`` must divide the KV heads.
+
+    Attention is recognised first (the optimizer's ``fuse_attention``), so the
+    shards hold ``Attention`` nodes; each shard graph can be optimized,
+    exported and run on any backend.  Raises :class:`ShardingError` naming the
+    attention and the valid shard counts when ``n`` does not divide.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ShardingError(f"shard count must be an int >= 1, got {n!r}")
+    n = int(n)
+    g = _fused(graph)
+    seeds, fallback = _seeds(g, n)
+    classes = link_axes(g)
+    split = _split_axes(g, classes, seeds, n) if n > 1 else {}
+    partial = _partials(g, split, classes) if n > 1 else set()
+    stage_of = _stages(g, split, partial)
+    last = max(stage_of.values(), default=0)
+    order = g.topological_order()
+    produced_in = {v: -1 for v in g.inputs} | {o: stage_of[node.name] for node in order for o in node.outputs}
+    stages = []
+    for s in range(last + 1):
+        nodes = [node for node in order if stage_of[node.name] == s]
+        if not nodes:
+            continue
+        inside = {o for node in nodes for o in node.outputs}
+        ins = list(dict.fromkeys(v for node in nodes for v in node.inputs if v not in inside and v not in g.initializers))
+        later = {v for node in order if stage_of[node.name] > s for v in node.inputs} | set(g.outputs)
+        outs = [o for node in nodes for o in node.outputs if o in later]
+        sharded = s % 2 == 0
+        graphs = tuple(_stage_graph(g, f"{g.name}.stage{s}.shard{i}", nodes, ins, outs, split, n, i) for i in range(n)) if sharded else (
+            _stage_graph(g, f"{g.name}.stage{s}", nodes, ins, outs, split, n, None),)
+        _check_bound(graphs[0], s)
+        stages.append(Stage(s, sharded, graphs, tuple(ins), tuple(outs)))
+    types = {v: g.types[v] for v in g.types}
+    return ShardPlan(graph.name, n, tuple(stages), tuple(g.inputs), tuple(g.outputs), split, frozenset(partial), produced_in, fallback, types)
