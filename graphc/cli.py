@@ -233,6 +233,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
     _at_least("--repeats", args.repeats, 1, MAX_REPEATS)
     _at_least("--threads", args.threads, 1, 4096)
+    if args.shards is not None:
+        _at_least("--shards", args.shards, 1, 1024)
     _at_least("--atol", args.atol, 0)
     _at_least("--rtol", args.rtol, 0)
     g, sizes = _graph(args)
@@ -257,6 +259,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             sizes=sizes,
             options=options,
             progress=progress,
+            shards=args.shards,
+            shard_backend=args.shard_backend,
         )
     finally:
         progress.done()
@@ -402,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("--inputs", metavar="FILE.npz", default=None, help="run on these arrays (numpy .npz keyed by input name) instead of random inputs")
+    c.add_argument("--shards", type=int, default=None, metavar="N", help="also split the graph by KV-head group into N shards and run them on N Dask worker processes (needs graphc[distributed])")
+    c.add_argument("--shard-backend", default="numpy", metavar="NAME", help="backend of each shard with --shards (default numpy)")
     c.set_defaults(func=cmd_compare)
 
     e = sub.add_parser("export", parents=[common], help="export a graph to ONNX")

@@ -28,6 +28,7 @@ from graphc.memory import check_allocation, graph_run_bytes
 
 from .backends import backend_names, get_backend, prepare
 from .inputs import format_sizes, check_inputs, random_inputs, symbol_bindings
+from .kernels import default_threads
 
 __all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS", "TOLERANCES", "default_tolerance"]
 
@@ -49,6 +50,8 @@ class BackendResult:
     median_ms: float | None = None
     p90_ms: float | None = None
     peak_mib: float | None = None
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
 
     @property
     def passed(self) -> bool | None:
@@ -172,6 +175,8 @@ def compare(
     options: Mapping[str, Mapping[str, Any]] | None = None,
     hints: Mapping[str, int] | None = None,
     progress: Callable[[str], None] | None = None,
+    shards: int | None = None,
+    shard_backend: str = "numpy",
 ) -> ComparisonReport:
     """Compare ``backends`` on ``graph`` against the float64 NumPy reference.
 
@@ -182,7 +187,10 @@ def compare(
     ``progress`` is called with a line of text at each step (with each
     backend's elapsed time when it finishes).  The float64 reference run is
     checked against the memory cap (:mod:`graphc.memory`) before anything is
-    allocated.
+    allocated.  ``shards``: also split the graph by KV-head group
+    (:func:`graphc.sharding.shard`) and run the shards with ``shard_backend``
+    on a Dask LocalCluster of that many workers (a ``sharded`` row; skipped
+    with the install line when dask is absent).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
         raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
@@ -196,6 +204,12 @@ def compare(
         raise GraphcError(f"backends must be a non-empty list of names ({', '.join(backend_names())}), got {backends!r}")
     for b in backends:
         get_backend(b)  # unknown names fail before anything runs
+    plan = None
+    from graphc.sharding import shard
+
+    if shards is not None:
+        get_backend(shard_backend)
+        plan = shard(graph, shards)  # a shard count that does not divide the heads fails before anything runs
     if inputs is None:
         bindings = symbol_bindings(graph, **check_sizes(sizes, "sizes"))
         _check_reference_memory(graph, bindings)
@@ -230,7 +244,58 @@ def compare(
         result = _run_backend(run_graph, name, opts, inputs, want, repeats, atol, rtol)
         report.results.append(result)
         say(f"[{i}/{len(backends)}] {name}: {result.status} in {time.perf_counter() - t0:.1f}s")
+    if plan is not None:
+        plan = shard(run_graph, plan.n) if run_graph is not graph else plan
+        say(f"sharded x{plan.n}: starting {plan.n} Dask workers, placing the weights")
+        t0 = time.perf_counter()
+        opts = {"sizes": bindings, **dict((options or {}).get(shard_backend, {}))}
+        opts.setdefault("threads", max(1, default_threads() // plan.n))
+        report.results.append(_run_sharded(plan, shard_backend, opts, inputs, want, repeats, atol, rtol))
+        say(f"sharded x{plan.n}: {report.results[-1].status} in {time.perf_counter() - t0:.1f}s")
     return report
+
+
+def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],
+                 repeats: int, atol: float, rtol: float) -> BackendResult:
+    from lowering.dask_shards import sharded_runner
+
+    name = f"sharded x{plan.n} ({backend})"
+    try:
+        runner = sharded_runner(plan, backend=backend, **opts)
+    except BackendUnavailableError as e:
+        return BackendResult(name, "skipped", reason=e.reason)
+    client = runner.executor.client  # type: ignore[attr-defined]
+    try:
+        got = runner.run(inputs)
+        times, sent, received, shard_ms = [], 0, 0, []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.run(inputs)
+            times.append(1e3 * (time.perf_counter() - t0))
+            sent, received = runner.last.bytes_sent, runner.last.bytes_received
+            shard_ms = [1e3 * sum(s) for s in zip(*runner.last.shard_s)]
+    except GraphcError as e:
+        return BackendResult(name, "error", reason=f"{type(e).__name__}: {e}")
+    finally:
+        cluster = client.cluster
+        client.close()
+        cluster.close()
+    err, rel, worst, ok = _errors(got, want, atol, rtol)
+    where = (f"dask, {plan.n} worker processes; per call sent {sent / 2**20:.2f} MiB, received {received / 2**20:.2f} MiB; "
+             f"shard ms {'/'.join(f'{t:.1f}' for t in shard_ms)}")
+    return BackendResult(
+        name,
+        "ok" if ok else "mismatch",
+        provider=where,
+        reason=None if ok else f"outputs differ beyond tolerance (worst: {worst})",
+        max_abs_err=err,
+        max_rel_err=rel,
+        worst_output=worst,
+        median_ms=statistics.median(times),
+        p90_ms=float(np.percentile(times, 90)),
+        bytes_sent=sent,
+        bytes_received=received,
+    )
 
 
 def _check_reference_memory(graph: Graph, bindings: Mapping[str, int]) -> None:

@@ -1,0 +1,142 @@
+"""Shards on ``dask.distributed`` workers: :class:`DaskExecutor` and :func:`run_sharded`.
+
+Shard ``i`` is pinned to worker ``i`` (modulo the workers there are): its
+graphs are sent once and prepared there, and the prepared runner stays in the
+worker's memory as a future, as do the values the shard makes (its part of a
+KV cache).  Tasks are submitted with ``workers=[address]`` and
+``allow_other_workers=False``, so Dask never moves a shard's data to another
+worker: what crosses is what the driver sends (``scatter``) or fetches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from graphc.errors import BackendError, BackendUnavailableError, GraphcError
+from graphc.graph import Graph
+
+from graphc.sharding import ShardPlan, Stage, shard
+
+from .sharded import RunStats, ShardedRunner
+
+__all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster"]
+
+EMBED_BYTES = 1 << 20
+"""Arrays up to this size are sent inside the task message rather than scattered first."""
+INSTALL_HINT = "pip install 'graphc[distributed]' (dask[distributed])"
+
+
+def _distributed() -> Any:
+    try:
+        import distributed
+    except ImportError:
+        raise BackendUnavailableError("dask", f"dask.distributed is not installed; {INSTALL_HINT}") from None
+    return distributed
+
+
+def local_cluster(n_workers: int, threads_per_worker: int = 1, processes: bool = True) -> Any:
+    """A ``distributed.Client`` on a new ``LocalCluster`` of ``n_workers`` worker processes (no dashboard)."""
+    distributed = _distributed()
+    cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=processes,
+                                       dashboard_address=None, memory_limit=0)
+    return distributed.Client(cluster)
+
+
+def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any]) -> Any:
+    from lowering import prepare
+
+    return prepare(graph, backend, **dict(options))
+
+
+def _run_on_worker(runner: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = dict(runner.run(dict(feeds)))
+    out["__seconds__"] = time.perf_counter() - t0
+    return out
+
+
+def _item(d: Mapping[str, Any], key: str) -> Any:
+    return d[key]
+
+
+class DaskExecutor:
+    """Shard ``i`` on worker ``i % workers`` of ``client``; handles are Dask futures kept on that worker."""
+
+    def __init__(self, client: Any, n: int) -> None:
+        self.client, self.n = client, n
+        workers = sorted(client.scheduler_info()["workers"])
+        if not workers:
+            raise BackendUnavailableError("dask", "the Dask client has no workers")
+        self.workers = [workers[i % len(workers)] for i in range(n)]
+        self._runners: dict[tuple[int, int], Any] = {}
+        self._graphs: list[Any] = []  # the scattered graphs: held, or Dask may drop them before the prepare tasks read them
+        self.setup_bytes = 0
+
+    def _submit(self, shard: int, fn: Any, *args: Any) -> Any:
+        return self.client.submit(fn, *args, workers=[self.workers[shard]], allow_other_workers=False, pure=False)
+
+    def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
+        """Send each shard's graph (with its weight slices) to its worker and prepare it there."""
+        for i, g in enumerate(stage.graphs):
+            self.setup_bytes += sum(a.nbytes for a in g.initializers.values())
+            [graph_future] = self.client.scatter([g], workers=[self.workers[i]], hash=False)
+            self._graphs.append(graph_future)
+            self._runners[(stage.index, i)] = self._submit(i, _prepare_on_worker, graph_future, backend, dict(options))
+
+    def put(self, shard: int, array: np.ndarray) -> Any:
+        """Small arrays travel inside the task that reads them (no extra round trip); large ones are scattered to the shard's worker."""
+        if array.nbytes <= EMBED_BYTES:
+            return array
+        [future] = self.client.scatter([array], workers=[self.workers[shard]], hash=False)  # a unique key per send: the same array goes to several workers
+        return future
+
+    def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """Submit the shard's run; a future per output, on the same worker."""
+        result = self._submit(shard, _run_on_worker, self._runners[(stage.index, shard)], dict(feeds))
+        out = {name: self._submit(shard, _item, result, name) for name in (*stage.outputs, "__seconds__")}
+        out["__result__"] = result  # held until the outputs are picked, so Dask does not release it first
+        return out
+
+    def _gather(self, handles: list[Any]) -> list[Any]:
+        try:
+            return list(self.client.gather(handles))
+        except GraphcError:
+            raise
+        except Exception as e:  # a worker's failure arrives here, re-raised by Dask
+            raise BackendError(f"a shard failed on its Dask worker: {type(e).__name__}: {e}") from e
+
+    def fetch(self, handles: list[Any]) -> list[Any]:
+        """Gather the futures' values to the driver (one round trip)."""
+        return self._gather(handles)
+
+
+def sharded_runner(graph: Graph | ShardPlan, n: int | None = None, backend: str = "numpy", client: Any = None, **options: Any) -> ShardedRunner:
+    """A :class:`ShardedRunner` for ``graph`` split ``n`` ways (or a ready plan) on ``client`` (a new LocalCluster of ``n`` workers if None)."""
+    plan = graph if isinstance(graph, ShardPlan) else shard(graph, n if n is not None else 2)
+    if client is None:
+        client = local_cluster(plan.n)
+    return ShardedRunner(plan, DaskExecutor(client, plan.n), backend, **options)
+
+
+def run_sharded(graph: Graph, inputs: Mapping[str, Any], n: int, backend: str = "numpy", client: Any = None,
+                **options: Any) -> tuple[dict[str, Any], RunStats]:
+    """Split ``graph`` into ``n`` shards, run them on Dask (``client``, or a LocalCluster closed afterwards), gather the outputs.
+
+    Returns the outputs and the run's :class:`RunStats`.  For several calls
+    (decode steps with the cache kept on the workers) use
+    :func:`sharded_runner` and ``runner.run(..., resident=[...])``.
+    """
+    own = client is None
+    runner = sharded_runner(graph, n, backend, client, **options)
+    try:
+        out = runner.run(inputs)
+        return out, runner.last
+    finally:
+        if own:
+            cluster = runner.executor.client.cluster  # type: ignore[attr-defined]
+            runner.executor.client.close()  # type: ignore[attr-defined]
+            cluster.close()

@@ -1,0 +1,221 @@
+"""Running a :class:`~graphc.sharding.ShardPlan`: one driver loop over the stages, and where the shards run.
+
+:class:`ShardedRunner` walks the stages in order.  Sharded stages run on the
+executor's shards; replicated stages run in the driver process.  Values live
+where they were made: the parts of a split value (a KV cache, say) stay on
+their shards and are read there by later stages and later calls
+(:class:`Resident`); the driver sends a shard only what the shard does not
+hold (whole inputs, their slices, values a replicated stage made) and fetches
+only what a replicated stage or the caller needs.  Every array that crosses
+between processes is counted in :attr:`RunStats.bytes_sent` and
+:attr:`RunStats.bytes_received`.
+
+:class:`LocalExecutor` runs the shards one after another in this process (the
+exact semantics, for tests and for the single-process comparison);
+:class:`lowering.dask_shards.DaskExecutor` runs them on Dask workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from graphc.errors import InputError, ShardingError
+from graphc.graph import Graph
+
+from graphc.sharding import ShardPlan, Stage
+
+__all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor"]
+
+
+class Executor(Protocol):
+    """Where shard ``i`` of a sharded stage runs: handles are whatever the executor keeps (arrays, futures)."""
+
+    n: int
+
+    def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
+        """Set up every shard's graph of ``stage`` once (weights go to the shards here)."""
+
+    def put(self, shard: int, array: np.ndarray) -> Any:
+        """Send ``array`` to ``shard``; return a handle."""
+
+    def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """Run shard ``shard`` of ``stage`` on handles; return a handle per stage output (and ``"__seconds__"``)."""
+
+    def fetch(self, handles: list[Any]) -> list[Any]:
+        """The arrays (and the ``"__seconds__"`` floats) behind ``handles``, in the driver, in one round trip."""
+
+
+@dataclass
+class Resident:
+    """A value left on the shards (a KV cache between decode steps: each shard's part, or its own copy when replicated); pass it back as an input to keep it there."""
+
+    name: str
+    parts: list[Any]
+    plan_id: int
+
+    def gather(self, runner: ShardedRunner) -> np.ndarray:
+        """The whole array, fetched from the shards."""
+        return runner._whole(self.name, ("parts", self.parts))
+
+
+@dataclass
+class RunStats:
+    """One call's wall time, per-stage shard times and the bytes that crossed between the driver and the shards."""
+
+    wall_s: float = 0.0
+    shard_s: list[list[float]] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class LocalExecutor:
+    """Shards run one after another in this process (no copies: handles are the arrays)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._runners: dict[tuple[int, int], Any] = {}
+
+    def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
+        """Prepare each shard's graph with :func:`lowering.prepare`."""
+        from lowering import prepare
+
+        for i, g in enumerate(stage.graphs):
+            self._runners[(stage.index, i)] = prepare(g, backend, **dict(options))
+
+    def put(self, shard: int, array: np.ndarray) -> Any:
+        """The array itself."""
+        return array
+
+    def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """Run the prepared shard."""
+        t0 = time.perf_counter()
+        out = dict(self._runners[(stage.index, shard)].run(dict(feeds)))
+        out["__seconds__"] = time.perf_counter() - t0
+        return out
+
+    def fetch(self, handles: list[Any]) -> list[Any]:
+        """The arrays themselves."""
+        return list(handles)
+
+
+class ShardedRunner:
+    """Run a plan on an executor with ``backend`` for every stage; weights are placed once, at construction.
+
+    ``run(inputs, resident=(...))`` returns numpy arrays, except the outputs
+    named in ``resident``, which stay on the shards as :class:`Resident`
+    handles (pass them back as inputs: a decode loop's cache never leaves
+    the workers).
+    """
+
+    def __init__(self, plan: ShardPlan, executor: Executor, backend: str = "numpy", **options: Any) -> None:
+        if executor.n != plan.n:
+            raise ShardingError(f"the executor runs {executor.n} shard(s), the plan has {plan.n}")
+        self.plan, self.executor, self.backend = plan, executor, backend
+        self.last = RunStats()
+        self._fetched: dict[tuple[str, int], np.ndarray] = {}
+        self._local: dict[int, Any] = {}
+        from lowering import prepare
+
+        for st in plan.stages:
+            if st.sharded:
+                executor.prepare(st, backend, options)
+            else:
+                self._local[st.index] = prepare(st.graphs[0], backend, **options)
+
+    def _whole(self, name: str, where: tuple[str, Any]) -> np.ndarray:
+        return self._wholes({name: where})[name]
+
+    def _wholes(self, wanted: Mapping[str, tuple[str, Any]], extra: list[Any] | None = None) -> dict[str, np.ndarray]:
+        """Whole arrays of several values, with one fetch from the shards for all of them (and the ``extra`` handles, under ``"__extra__"``)."""
+        out: dict[str, np.ndarray] = {}
+        todo: list[tuple[str, tuple[str, int], list[Any]]] = []
+        for name, (kind, val) in wanted.items():
+            key = (name, id(val))
+            if kind == "whole":
+                out[name] = val
+            elif key in self._fetched:
+                out[name] = self._fetched[key]
+            else:
+                todo.append((name, key, val if name in self.plan.split_axis or name in self.plan.partial else val[:1]))
+        if todo or extra:
+            fetched = self.executor.fetch([h for _, _, parts in todo for h in parts] + list(extra or []))
+            arrays = fetched[: len(fetched) - len(extra or [])]
+            if extra is not None:
+                out["__extra__"] = fetched[len(arrays) :]  # type: ignore[assignment]
+            self.last.bytes_received += sum(a.nbytes for a in arrays)
+            i = 0
+            for name, key, parts in todo:
+                self._fetched[key] = out[name] = self.plan.gather(name, arrays[i : i + len(parts)])
+                i += len(parts)
+        return out
+
+    def _feed(self, name: str, where: tuple[str, Any], shard: int, sent: dict[tuple[str, int], Any]) -> Any:
+        kind, val = where
+        if kind == "parts" and name not in self.plan.partial:
+            return val[shard]  # made on this shard (its part, or its own copy of a replicated value)
+        if (name, shard) not in sent:
+            part = self.plan.split(name, self._whole(name, where), shard)
+            self.last.bytes_sent += part.nbytes
+            sent[(name, shard)] = self.executor.put(shard, part)
+        return sent[(name, shard)]
+
+    def run(self, inputs: Mapping[str, Any], resident: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+        """Run every stage on ``inputs`` (arrays, or :class:`Resident` parts from an earlier call); gather the outputs."""
+        plan = self.plan
+        missing = [n for n in plan.inputs if n not in inputs]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; the sharded graph {plan.name!r} takes {list(plan.inputs)}")
+        unknown = sorted(set(inputs) - set(plan.inputs))
+        if unknown:
+            raise InputError(f"unexpected input(s) {unknown}; the sharded graph {plan.name!r} takes {list(plan.inputs)}")
+        bad = [r for r in resident if r not in plan.outputs]
+        if bad:
+            raise InputError(f"resident output(s) {bad} are not outputs of {plan.name!r}: {list(plan.outputs)}")
+        self.last = RunStats()
+        self._fetched = {}
+        t0 = time.perf_counter()
+        where: dict[str, tuple[str, Any]] = {}
+        for name in plan.inputs:
+            v = inputs[name]
+            if isinstance(v, Resident):
+                if v.plan_id != id(plan):
+                    raise InputError(f"input {name!r}: a resident value of another plan ({v.name!r}); pass a numpy array")
+                where[name] = ("parts", v.parts)
+            elif isinstance(v, np.ndarray):
+                where[name] = ("whole", v)
+            else:
+                raise InputError(f"input {name!r} must be a numpy.ndarray or a Resident, got {type(v).__name__}")
+        seconds: list[list[Any]] = []
+        for st in plan.stages:
+            if st.sharded:
+                sent: dict[tuple[str, int], Any] = {}
+                whole_first = {v: where[v] for v in st.inputs if where[v][0] == "parts" and v in plan.partial}
+                self._wholes(whole_first)  # partial sums this stage needs whole: one fetch for all of them
+                outs = [self.executor.run(st, i, {v: self._feed(v, where[v], i, sent) for v in st.inputs}) for i in range(plan.n)]
+                for o in st.outputs:
+                    where[o] = ("parts", [out[o] for out in outs])
+                seconds.append([out["__seconds__"] for out in outs])
+            else:
+                feeds = self._wholes({v: where[v] for v in st.inputs})
+                outs1 = self._local[st.index].run(feeds)
+                for o in st.outputs:
+                    where[o] = ("whole", outs1[o])
+        keep = {n for n in plan.outputs if n in resident and where[n][0] == "parts" and n not in plan.partial}
+        result: dict[str, Any] = {n: Resident(n, where[n][1], id(plan)) for n in keep}
+        wholes = self._wholes({n: where[n] for n in plan.outputs if n not in keep}, [h for row in seconds for h in row])
+        flat = [float(x) for x in wholes.pop("__extra__", [])]  # shard times come back with the outputs: one round trip
+        result.update(wholes)
+        result = {n: result[n] for n in plan.outputs}
+        self.last.shard_s = [flat[i * plan.n : (i + 1) * plan.n] for i in range(len(seconds))]
+        self.last.wall_s = time.perf_counter() - t0
+        return result
+
+
+def stage_graphs(plan: ShardPlan) -> list[Graph]:
+    """Every graph of every stage (for inspection and export)."""
+    return [g for st in plan.stages for g in st.graphs]

@@ -1,0 +1,268 @@
+"""Sharding by KV-head group: exact partitions, the gathers, the errors, and the Dask runner with the cache kept on the workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference import ref_sdpa
+
+import graphc
+from graphc import AttentionConfig
+from graphc.errors import BackendUnavailableError, InputError, ShardingError
+from graphc.sharding import shard
+from lowering.sharded import LocalExecutor, Resident, ShardedRunner
+from lowering import NumpyInterpreter, prepare, random_inputs
+from lowering.onnx_export import export
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+GQA = AttentionConfig(64, 8, 4)
+MHA = AttentionConfig(48, 6, 6)
+MQA = AttentionConfig(64, 8, 1)
+ROPE = graphc.preset("mistral-7b").with_(d_model=64, n_heads=8, n_kv_heads=4, head_dim=8, sliding_window=3)  # RoPE, sliding window
+
+
+def _decoder(cfg: AttentionConfig, layers: int, kv_cache: bool) -> graphc.Graph:
+    from graphc.attention.decoder import DecoderConfig, decoder_stack_graph
+
+    return decoder_stack_graph([DecoderConfig(cfg, intermediate_size=96)] * layers, seed=3, kv_cache=kv_cache)
+
+
+GRAPHS = {
+    "gqa core": (lambda: graphc.sdpa_graph(GQA), dict(batch=2, seq=5)),
+    "mha core": (lambda: graphc.sdpa_graph(MHA), dict(batch=1, seq=4)),
+    "gqa layer": (lambda: graphc.attention_layer_graph(GQA, seed=0), dict(batch=2, seq=5)),
+    "mha layer": (lambda: graphc.attention_layer_graph(MHA, seed=0), dict(batch=1, seq=3)),
+    "gqa decode": (lambda: graphc.kv_cache_graph(GQA, seed=0), dict(batch=2, seq=1, past_seq=6)),
+    "mqa decode": (lambda: graphc.kv_cache_graph(MQA, seed=0), dict(batch=1, seq=2, past_seq=5)),
+    "gqa stack": (lambda: graphc.attention_stack_graph(GQA, 2, seed=0), dict(batch=1, seq=4)),
+    "decoder stack decode": (lambda: _decoder(GQA, 2, True), dict(batch=1, seq=1, past_seq=5)),
+    "rope window decoder stack": (lambda: _decoder(ROPE, 2, True), dict(batch=2, seq=3, past_seq=5)),
+}
+
+
+def _reference(g: graphc.Graph, feeds: dict) -> dict:
+    return NumpyInterpreter(g, reference=True).run(feeds)  # float64 where it matters, attention decomposed, no sharding
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("kind", GRAPHS)
+def test_sharded_result_equals_the_single_process_result(kind, n):
+    build, sizes = GRAPHS[kind]
+    g = build()
+    if kind.startswith("mha") and n == 4:
+        n = 3  # 6 heads
+    plan = shard(g, n)
+    feeds = random_inputs(g, seed=1, **sizes)
+    want = _reference(g, feeds)
+    got = ShardedRunner(plan, LocalExecutor(n)).run(feeds)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=f"{kind} x{n}: {name}")
+
+
+def test_core_shards_hold_consecutive_kv_groups():
+    """Shard s computes query heads s*Hq/n.. from KV heads s*Hkv/n..: checked against SDPA written out here, head by head."""
+    g = graphc.sdpa_graph(GQA)
+    feeds = random_inputs(g, seed=2, batch=1, seq=3)
+    plan = shard(g, 2)
+    q, k, v = feeds["q_BHSD"], feeds["k_BHkvTD"], feeds["v_BHkvTD"]
+    for s, sg in enumerate(plan.stages[0].graphs):
+        part = prepare(sg, "numpy").run({n: plan.split(n, feeds[n], s) for n in sg.inputs})["attn_BHSD"]
+        want = ref_sdpa(q[:, 4 * s : 4 * s + 4], k[:, 2 * s : 2 * s + 2], v[:, 2 * s : 2 * s + 2], causal=True)
+        np.testing.assert_allclose(part, want, **TOL)
+        tile = ref_sdpa(q[:, 4 * s : 4 * s + 4], k[:, [s, s + 2]], v[:, [s, s + 2]], causal=True)  # h % n_kv grouping: a different answer
+        assert not np.allclose(part, tile, **TOL)
+
+
+def test_layer_plan_splits_projections_and_sums_the_output_projection():
+    g = graphc.kv_cache_graph(GQA, seed=0)
+    plan = shard(g, 2)
+    assert len(plan.stages) == 1 and plan.stages[0].sharded
+    s0 = plan.stages[0].graphs[0]
+    assert s0.initializers["q_proj.weight"].shape == (32, 64)  # 4 of 8 query heads x head_dim 8
+    assert s0.initializers["k_proj.weight"].shape == (16, 64)  # 2 of 4 KV heads
+    assert s0.initializers["o_proj.weight"].shape == (64, 32)  # its columns: a partial sum
+    np.testing.assert_array_equal(plan.stages[0].graphs[1].initializers["k_proj.weight"], g.initializers["k_proj.weight"][16:])
+    assert plan.partial == {"out_BSM"} and plan.split_axis["past_key"] == 1 and plan.split_axis["present_value"] == 1
+    text = str(plan)
+    assert "stage 0 (sharded x2)" in text and "out_BSM: summed over shards" in text and "past_key: split on axis 1" in text
+
+
+def test_decoder_stack_alternates_sharded_and_replicated_stages():
+    """Attention (with its norm and RoPE positions) per shard, then residual + MLP whole; one value crosses each way."""
+    plan = shard(_decoder(ROPE, 2, True), 2)
+    assert [st.sharded for st in plan.stages] == [True, False, True, False]
+    mlp = plan.stages[1].graphs[0]
+    assert any("mlp" in name for name in mlp.initializers) and not any("q_proj" in name for name in mlp.initializers)
+    assert plan.stages[2].inputs == ("model.layers.0.out_BSM", "past_key.1", "past_value.1")
+    assert plan.stages[2].outputs == ("present_key.1", "present_value.1", "model.layers.1.self_attn.out_BSM")
+
+
+def test_every_shard_is_an_ordinary_graph_that_optimizes_exports_and_runs_on_onnxruntime(tmp_path):
+    g = graphc.kv_cache_graph(GQA, seed=0)
+    plan = shard(g, 2)
+    sizes = dict(batch=1, seq=1, past_seq=4)
+    feeds = random_inputs(g, seed=5, **sizes)
+    for s, sg in enumerate(plan.stages[0].graphs):
+        part = {n: plan.split(n, feeds[n], s) for n in sg.inputs}
+        want = prepare(sg, "numpy").run(part)
+        opt = graphc.optimize(sg).graph
+        export(opt, tmp_path / f"shard{s}.onnx", attention="auto", sizes=sizes)
+        got = prepare(opt, "ort-cpu", attention="auto", sizes=sizes).run(part)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], **TOL)
+
+
+@pytest.mark.parametrize(
+    "build, n, fragment",
+    [
+        (lambda: graphc.sdpa_graph(GQA), 3, r"8 query / 4 KV heads\) cannot be split into 3 shards; shard counts that divide the 4 KV heads: \[2, 4\]"),
+        (lambda: graphc.sdpa_graph(AttentionConfig(71 * 8, 71, 1)), 2, r"splits its 71 query heads instead: shard counts \[71\]"),
+        (lambda: graphc.sdpa_graph(GQA), 0, "shard count must be an int >= 1"),
+    ],
+)
+def test_shard_counts_that_do_not_divide_are_refused(build, n, fragment):
+    with pytest.raises(ShardingError, match=fragment):
+        shard(build(), n)
+
+
+def test_a_graph_without_attention_is_refused():
+    g = graphc.Graph("mlp")
+    x = g.input("x", [2, 4])
+    g.output(g.einsum("ab,cb->ac", x, g.add_initializer("w", np.ones((3, 4), np.float32))))
+    with pytest.raises(ShardingError, match="no attention"):
+        shard(g, 2)
+
+
+def test_runner_names_bad_inputs():
+    g = graphc.sdpa_graph(GQA)
+    runner = ShardedRunner(shard(g, 2), LocalExecutor(2))
+    with pytest.raises(InputError, match="missing input"):
+        runner.run({"q_BHSD": np.zeros((1, 8, 2, 16), np.float32)})
+    with pytest.raises(InputError, match="resident output"):
+        runner.run(random_inputs(g, batch=1, seq=2), resident=["nope"])
+
+
+def test_run_sharded_without_dask_says_how_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_distributed(name, *a, **kw):  # type: ignore[no-untyped-def]
+        if name == "distributed" or name.startswith("distributed."):
+            raise ImportError("no distributed")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_distributed)
+    from lowering.dask_shards import run_sharded
+
+    with pytest.raises(BackendUnavailableError, match=r"graphc\[distributed\]"):
+        run_sharded(graphc.sdpa_graph(GQA), {}, 2)
+
+
+# ------------------------------------------------------------------ on Dask
+
+
+@pytest.fixture(scope="module")
+def client():
+    pytest.importorskip("distributed")
+    from lowering.dask_shards import local_cluster
+
+    c = local_cluster(2)
+    yield c
+    cluster = c.cluster
+    c.close()
+    cluster.close()
+
+
+@pytest.mark.parametrize("kind", ["gqa layer", "mha core", "gqa stack"])
+def test_dask_result_equals_the_single_process_result(client, kind):
+    from lowering.dask_shards import run_sharded
+
+    build, sizes = GRAPHS[kind]
+    g = build()
+    feeds = random_inputs(g, seed=4, **sizes)
+    got, stats = run_sharded(g, feeds, 2, client=client)
+    want = _reference(g, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=f"{kind}: {name}")
+    assert len(stats.shard_s) == (2 if kind == "gqa stack" else 1) and all(len(s) == 2 for s in stats.shard_s)
+
+
+@pytest.mark.parametrize("cfg", [GQA, MQA], ids=["gqa", "mqa"])
+def test_decode_steps_keep_the_cache_on_the_workers(client, cfg):
+    """Several decode steps: the cache is sent once, then only the new token goes out and the output comes back."""
+    from lowering.dask_shards import sharded_runner
+
+    g = graphc.kv_cache_graph(cfg, seed=0)
+    runner = sharded_runner(g, 2, client=client)
+    feeds = random_inputs(g, seed=6, batch=1, seq=1, past_seq=7)
+    cache = {"past_key": feeds["past_key"], "past_value": feeds["past_value"]}
+    local = dict(cache)
+    cache_bytes = feeds["past_key"].nbytes + feeds["past_value"].nbytes
+    for step in range(3):
+        x = np.random.default_rng(step).standard_normal((1, 1, cfg.d_model), dtype=np.float32)
+        got = runner.run({"x_BSM": x, **cache}, resident=["present_key", "present_value"])
+        want = _reference(g, {"x_BSM": x, **local})
+        np.testing.assert_allclose(got["out_BSM"], want["out_BSM"], **TOL, err_msg=f"step {step}")
+        sent, received = runner.last.bytes_sent, runner.last.bytes_received
+        if step == 0:
+            assert sent >= cache_bytes  # the cache goes out once (each MQA shard gets the whole single-head cache)
+        else:
+            assert sent == 2 * x.nbytes, sent  # the token, to each shard; never the cache
+        assert received == 2 * want["out_BSM"].nbytes  # one addend of the output per shard
+        assert isinstance(got["present_key"], Resident)  # multi-query: each shard keeps its own copy of the one KV head
+        np.testing.assert_allclose(got["present_key"].gather(runner), want["present_key"], **TOL)
+        cache = {"past_key": got["present_key"], "past_value": got["present_value"]}
+        local = {"past_key": want["present_key"].astype(np.float32), "past_value": want["present_value"].astype(np.float32)}
+
+
+def test_decoder_stack_decode_over_steps_on_dask(client):
+    from lowering.dask_shards import sharded_runner
+
+    g = _decoder(GQA, 2, True)
+    runner = sharded_runner(g, 2, client=client)
+    feeds = random_inputs(g, seed=8, batch=1, seq=1, past_seq=4)
+    caches = [n for n in g.inputs if n.startswith("past_")]
+    presents = [n.replace("past_", "present_") for n in caches]
+    state, local = {n: feeds[n] for n in caches}, {n: feeds[n] for n in caches}
+    for step in range(2):
+        x = np.random.default_rng(10 + step).standard_normal(feeds["x_BSM"].shape, dtype=np.float32)
+        got = runner.run({"x_BSM": x, **state}, resident=presents)
+        want = _reference(g, {"x_BSM": x, **local})
+        np.testing.assert_allclose(got["out_BSM"], want["out_BSM"], **TOL)
+        state = {c: got[p] for c, p in zip(caches, presents)}
+        local = {c: want[p].astype(np.float32) for c, p in zip(caches, presents)}
+        if step:
+            assert runner.last.bytes_sent < sum(feeds[c].nbytes for c in caches)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_cli_compare_adds_a_sharded_row(capsys):
+    pytest.importorskip("distributed")
+    from graphc.cli import main
+
+    code = main(["compare", "--heads", "8", "--kv-heads", "4", "--head-dim", "8", "--seq", "6", "--backends", "numpy", "--shards", "2", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("sharded x2 (numpy)"))
+    assert "PASS" in row and "dask, 2 worker processes; per call sent" in row and "shard ms" in row
+    assert "all backends agree" in out
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--preset", "mistral-7b", "--shards", "3"], "cannot be split into 3 shards; shard counts that divide the 8 KV heads: [2, 4, 8]"),
+        (["--preset", "falcon-7b", "--core", "--shards", "2"], "multi-query attention splits its 71 query heads instead"),
+        (["--preset", "mistral-7b", "--shards", "0"], "--shards"),
+    ],
+)
+def test_cli_refuses_shard_counts_in_one_line(capsys, argv, fragment):
+    from graphc.cli import main
+
+    code = main(["compare", *argv, "--seq", "4", "--backends", "numpy", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
