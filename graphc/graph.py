@@ -485,7 +485,8 @@ class Graph(GraphBuilder):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild from :meth:`__getstate__`'s lists."""
         self.__init__(state["name"])  # type: ignore[misc]
-        self.initializers = dict(state["initializers"])
+        # arrays unpickled from a socket's frames may be unaligned: BLAS refuses those and NumPy falls back to slow loops
+        self.initializers = {k: np.require(a, requirements=("C", "A")) for k, a in state["initializers"].items()}
         for name, t in state["inputs"]:
             self._values[name] = Value(name, t)
             self._inputs.append(name)

@@ -54,9 +54,14 @@ def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any]) -
 
 def _run_on_worker(runner: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out = dict(runner.run(dict(feeds)))
+    out = dict(runner.run({k: _aligned(v) for k, v in feeds.items()}))
     out["__seconds__"] = time.perf_counter() - t0
     return out
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """``a``, copied once if it arrived unaligned (BLAS needs aligned operands)."""
+    return np.require(a, requirements=("C", "A"))
 
 
 def _item(d: Mapping[str, Any], key: str) -> Any:
@@ -92,7 +97,7 @@ class DaskExecutor:
         if array.nbytes <= EMBED_BYTES:
             return array
         [future] = self.client.scatter([array], workers=[self.workers[shard]], hash=False)  # a unique key per send: the same array goes to several workers
-        return future
+        return self._submit(shard, _aligned, future)
 
     def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """Submit the shard's run; a future per output, on the same worker."""

@@ -126,6 +126,18 @@ def test_shard_counts_that_do_not_divide_are_refused(build, n, fragment):
         shard(build(), n)
 
 
+def test_graphs_pickle_to_the_same_graph_with_aligned_read_only_weights():
+    import pickle
+
+    g = graphc.kv_cache_graph(GQA, seed=0)
+    back = pickle.loads(pickle.dumps(g, protocol=5))
+    back.verify()
+    assert str(back) == str(g)
+    for name, arr in back.initializers.items():
+        assert arr.flags.aligned and arr.flags.c_contiguous and not arr.flags.writeable
+        np.testing.assert_array_equal(arr, g.initializers[name])
+
+
 def test_a_graph_without_attention_is_refused():
     g = graphc.Graph("mlp")
     x = g.input("x", [2, 4])
