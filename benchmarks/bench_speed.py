@@ -272,6 +272,41 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+ORT_FUSED = ("ORT Attention-23", "ORT GroupQueryAttention")
+TARGET_CONFIGS = ("mistral-7b", "llama2-70b")
+
+
+def targets(rows: list[dict]) -> str:
+    """The issue's targets per case (mistral-7b, llama2-70b): graphc numpy / torch SDPA, graphc ort-cpu / best onnxruntime fused op, decode GB/s."""
+    out = ["| config | case | cache | numpy / torch SDPA | target | ort-cpu / best ORT fused op | target | faster backend % of read bandwidth (decode B=1 cold: >= 67%) |",
+           "|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["config"], r["case"], r["cache"]) for r in rows if r["config"] in TARGET_CONFIGS))
+    for key in keys:
+        by = {r["variant"]: r for r in rows if (r["config"], r["case"], r["cache"]) == key and "ms" in r}
+        config, case, cache = key
+        cells = []
+        if "graphc numpy" in by and "torch SDPA" in by:
+            ratio = by["graphc numpy"]["ms"] / by["torch SDPA"]["ms"]
+            limit = 1.15 if case.startswith("prefill") else 1.0
+            cells += [f"{ratio:.2f}x", f"<= {limit:.2f}x {'met' if ratio <= limit else 'NOT met'}"]
+        else:
+            cells += ["-", "-"]
+        fused = [by[n]["ms"] for n in ORT_FUSED if n in by]
+        if "graphc ort-cpu" in by and fused:
+            ratio = by["graphc ort-cpu"]["ms"] / min(fused)
+            cells += [f"{ratio:.2f}x", f"<= 1.00x {'met' if ratio <= 1.0 else 'NOT met'}"]
+        else:
+            cells += ["-", "-"]
+        if "gbs" in by.get("graphc ort-cpu", {}) or "gbs" in by.get("graphc numpy", {}):
+            pct = max(by[n].get("pct_bandwidth", 0.0) for n in GRAPHC if n in by)
+            bar = case == "decode 4096 B=1" and cache == "cold"
+            cells.append(f"{pct:.0f}%" + ((" met" if pct >= 100 / 1.5 else " NOT met") if bar else ""))
+        else:
+            cells.append("-")
+        out.append(f"| {config} | {case} | {cache} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def chart(rows: list[dict], path: Path) -> str:
     """A bar chart of time relative to the best peer per case (matplotlib), or why there is none."""
     try:
@@ -308,7 +343,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--layer-cases", default="all", help="decoder-layer cases (speed_layer.py), comma-separated; 'all' or 'none'")
     ap.add_argument("--out", default="docs/bench_speed")
+    ap.add_argument("--summarize", metavar="JSON", help="print the tables of an earlier run's JSON instead of running")
     args = ap.parse_args()
+    if args.summarize:
+        doc = json.loads(Path(args.summarize).read_text())
+        print(doc["machine"])
+        print(markdown(doc["rows"]))
+        print()
+        print(targets(doc["rows"]))
+        return
     configs = [c for c in args.configs.split(",") if c]
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
@@ -337,7 +380,7 @@ def main() -> None:
         t0 = time.perf_counter()
         rows += bench_layer_case(case, args.threads, max(3, args.repeats - 2), limits)
         print(f"  mistral-7b layer / {case}: {time.perf_counter() - t0:.0f} s", flush=True)
-    table = markdown(rows)
+    table = markdown(rows) + "\n\n" + targets(rows)
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,10 +39,10 @@ def _distributed() -> Any:
 
 
 def local_cluster(n_workers: int, threads_per_worker: int = 1, processes: bool = True) -> Any:
-    """A ``distributed.Client`` on a new ``LocalCluster`` of ``n_workers`` worker processes (no dashboard)."""
+    """A ``distributed.Client`` on a new ``LocalCluster`` of ``n_workers`` worker processes."""
     distributed = _distributed()
     cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=processes,
-                                       dashboard_address=None, memory_limit=0)
+                                       dashboard_address=":0", memory_limit=0)  # any free port: never clashes with a running cluster
     return distributed.Client(cluster)
 
 
