@@ -14,9 +14,11 @@ Attention core (Q [B, Hq, Sq, D], K/V [B, Hkv, Skv, D]), float32.  Variants:
   with that op forced); NumPy with ``np.repeat`` of K/V (the naive form).
 
 Method: every variant is prepared and checked against the float64 NumPy
-reference first; then each is timed alone: a 0.5 s pause (so the previous
-runtime's thread pool has gone idle: OpenMP and onnxruntime pools spin after a
-call), one warm-up call, then ``--repeats`` calls.  onnxruntime's intra-op
+reference first and called once to warm up; then ``--repeats`` rounds each
+call every variant once, in a rotating order, after a 0.2 s pause (so the
+previous runtime's thread pool has gone idle: OpenMP and onnxruntime pools
+spin after a call).  Round robin spreads the noise of this shared machine over
+every variant instead of one variant's block of calls.  onnxruntime's intra-op
 threads do not spin at all (``session.intra_op.allow_spinning = 0``), so its
 idle pool does not steal the cores NumPy's and torch's pools use in the same
 process; every runtime gets ``--threads`` threads.  Decode is
@@ -62,7 +64,7 @@ CASES = {
 NAIVE_SCORES_LIMIT = 2 << 30  # bytes of S x S scores the naive NumPy form may materialise
 FUSED_SCORES_LIMIT = 3 << 30  # onnxruntime's CPU Attention op materialises the scores (and its softmax a second copy)
 COLD_BYTES = 512 << 20
-PAUSE_S = 0.5
+PAUSE_S = 0.2
 GRAPHC = ("graphc numpy", "graphc ort-cpu", "graphc import of the torch export, ORT")
 
 
@@ -169,7 +171,7 @@ def _peak_mib(fn: Callable[[dict], np.ndarray], feeds: dict) -> float:
 
 
 def time_variants(runs: dict, feed_list: list[dict], want: np.ndarray, repeats: int, tol: float = 1e-3) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """Check every variant against ``want`` (max abs error <= ``tol``), then time each alone: pause, warm-up, ``repeats`` calls.
+    """Check every variant against ``want`` (max abs error <= ``tol``), then time them in ``repeats`` round-robin rounds, a pause before each call.
 
     Returns the seconds per call of each variant that ran, and a note for each that did not.
     """
@@ -185,11 +187,14 @@ def time_variants(runs: dict, feed_list: list[dict], want: np.ndarray, repeats: 
             notes[name] = f"wrong result: max abs error {err:.1e}"
             continue
         times[name] = []
-    for name in times:  # one variant at a time, after a pause that lets the previous runtime's threads go idle
+    names = list(times)
+    for name in names:  # warm-up: sessions, thread pools, first-call allocations
         time.sleep(PAUSE_S)
         runs[name](feed_list[0])
-        for r in range(repeats):
-            f = feed_list[(r + 1) % len(feed_list)]
+    for r in range(repeats):  # round robin: noise from other tenants spreads over every variant, not one block of calls
+        f = feed_list[(r + 1) % len(feed_list)]
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            time.sleep(PAUSE_S)  # the previous runtime's thread pool goes idle before the next call
             times[name].append(_timed(lambda: runs[name](f)))
     return times, notes
 
@@ -209,7 +214,7 @@ def bench_case(config: str, case: str, threads: int, repeats: int, limits: tuple
     cold = [feeds] + [random_inputs(g, seed=i + 1) for i in range(copies - 1)] if decode else [feeds]
     rows = []
     for temp, feed_list in ((("warm", [feeds]), ("cold", cold)) if decode else (("-", [feeds]),)):
-        times, notes = time_variants(runs, feed_list, want, repeats)
+        times, notes = time_variants(runs, feed_list, want, 3 * repeats if decode else repeats)  # decode calls are short: more of them
         flops = 4 * c["batch"] * cfg.n_heads * c["q_len"] * c["kv_len"] * cfg.hd * (0.5 if c["causal"] else 1.0)
         peak = {n: (lambda n=n: _peak_mib(runs[n], feeds)) for n in ("graphc numpy", "NumPy np.repeat (naive)") if temp != "cold" and not isinstance(runs[n], str)}
         rows += make_rows(dict(config=config, case=case, cache=temp), runs, times, notes, flops, kv_bytes + 2 * feeds["q_BHSD"].nbytes, decode, limits, peak)
