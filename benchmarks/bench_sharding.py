@@ -28,7 +28,7 @@ import numpy as np
 
 import graphc
 from graphc.sharding import shard
-from lowering.dask_shards import local_cluster, sharded_runner
+from lowering.dask_shards import close_cluster, local_cluster, sharded_runner
 from lowering import prepare, random_inputs
 
 CASES = {"prefill 1024": dict(seq=1024, past=0), "decode over 4096": dict(seq=1, past=4096)}
@@ -128,9 +128,7 @@ def main() -> None:
     try:
         rows = bench(args.config, args.shards, args.repeats, client)
     finally:
-        cluster = client.cluster
-        client.close()
-        cluster.close()
+        close_cluster(client)
     header = f"machine: {platform.machine()}, {os.cpu_count()} cores; config {args.config} attention layer, float32, batch 1; numpy backend in every process"
     table = markdown(rows)
     print(header)

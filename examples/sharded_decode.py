@@ -18,7 +18,7 @@ import numpy as np
 import graphc
 from graphc.attention.decoder import DecoderConfig, decoder_stack_graph
 from graphc.sharding import shard
-from lowering.dask_shards import local_cluster, sharded_runner
+from lowering.dask_shards import close_cluster, local_cluster, sharded_runner
 from lowering import prepare, random_inputs
 
 
@@ -50,9 +50,7 @@ def main() -> None:
         np.testing.assert_allclose(key, want["present_key.0"], rtol=1e-5, atol=1e-5)
         print(f"layer 0 cache gathered from the workers: {key.shape}, equal to the single-process cache")
     finally:
-        cluster = client.cluster
-        client.close()
-        cluster.close()
+        close_cluster(client)
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def compare(
 
 def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],
                  repeats: int, atol: float, rtol: float) -> BackendResult:
-    from lowering.dask_shards import sharded_runner
+    from lowering.dask_shards import close_cluster, sharded_runner
 
     name = f"sharded x{plan.n} ({backend})"
     try:
@@ -277,24 +277,27 @@ def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[
     except GraphcError as e:
         return BackendResult(name, "error", reason=f"{type(e).__name__}: {e}")
     finally:
-        cluster = client.cluster
-        client.close()
-        cluster.close()
-    err, rel, worst, ok = _errors(got, want, atol, rtol)
+        close_cluster(client)
     where = (f"dask, {plan.n} worker processes; per call sent {sent / 2**20:.2f} MiB, received {received / 2**20:.2f} MiB; "
              f"shard ms {'/'.join(f'{t:.1f}' for t in shard_ms)}")
+    return _result(name, where, got, want, atol, rtol, times, bytes_sent=sent, bytes_received=received)
+
+
+def _result(name: str, provider: str | None, got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], atol: float, rtol: float,
+            times: list[float], **extra: Any) -> BackendResult:
+    """A backend's row: errors against the reference, PASS/FAIL, median and p90 of ``times`` (ms)."""
+    err, rel, worst, ok = _errors(got, want, atol, rtol)
     return BackendResult(
         name,
         "ok" if ok else "mismatch",
-        provider=where,
+        provider=provider,
         reason=None if ok else f"outputs differ beyond tolerance (worst: {worst})",
         max_abs_err=err,
         max_rel_err=rel,
         worst_output=worst,
         median_ms=statistics.median(times),
         p90_ms=float(np.percentile(times, 90)),
-        bytes_sent=sent,
-        bytes_received=received,
+        **extra,
     )
 
 
@@ -317,22 +320,10 @@ def _run_backend(
         times = _timed(lambda: runner.run(inputs), repeats)
     except GraphcError as e:
         return BackendResult(name, "error", provider=runner.provider, reason=f"{type(e).__name__}: {e}")
-    err, rel, worst, ok = _errors(got, want, atol, rtol)
     peak = None
     if name == "numpy":
         tracemalloc.start()
         runner.run(inputs)
         peak = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
-    return BackendResult(
-        name,
-        "ok" if ok else "mismatch",
-        provider=runner.provider,
-        reason=None if ok else f"outputs differ beyond tolerance (worst: {worst})",
-        max_abs_err=err,
-        max_rel_err=rel,
-        worst_output=worst,
-        median_ms=statistics.median(times),
-        p90_ms=float(np.percentile(times, 90)),
-        peak_mib=peak,
-    )
+    return _result(name, runner.provider, got, want, atol, rtol, times, peak_mib=peak)

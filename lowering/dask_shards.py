@@ -23,7 +23,7 @@ from graphc.sharding import ShardPlan, Stage, shard
 
 from .sharded import RunStats, ShardedRunner
 
-__all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster"]
+__all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
 
 EMBED_BYTES = 1 << 20
 """Arrays up to this size are sent inside the task message rather than scattered first."""
@@ -44,6 +44,14 @@ def local_cluster(n_workers: int, threads_per_worker: int = 1, processes: bool =
     cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=processes,
                                        dashboard_address=":0", memory_limit=0)  # any free port: never clashes with a running cluster
     return distributed.Client(cluster)
+
+
+def close_cluster(client: Any) -> None:
+    """Close ``client`` and the cluster it was made with (as :func:`local_cluster` makes them)."""
+    cluster = client.cluster
+    client.close()
+    if cluster is not None:
+        cluster.close()
 
 
 def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any]) -> Any:
@@ -142,6 +150,4 @@ def run_sharded(graph: Graph, inputs: Mapping[str, Any], n: int, backend: str = 
         return out, runner.last
     finally:
         if own:
-            cluster = runner.executor.client.cluster  # type: ignore[attr-defined]
-            runner.executor.client.close()  # type: ignore[attr-defined]
-            cluster.close()
+            close_cluster(runner.executor.client)  # type: ignore[attr-defined]

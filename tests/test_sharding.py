@@ -178,13 +178,11 @@ def test_run_sharded_without_dask_says_how_to_install(monkeypatch):
 @pytest.fixture(scope="module")
 def client():
     pytest.importorskip("distributed")
-    from lowering.dask_shards import local_cluster
+    from lowering.dask_shards import close_cluster, local_cluster
 
     c = local_cluster(2)
     yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
+    close_cluster(c)
 
 
 @pytest.mark.parametrize("kind", ["gqa layer", "mha core", "gqa stack"])
