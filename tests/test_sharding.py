@@ -185,7 +185,7 @@ def client():
     close_cluster(c)
 
 
-@pytest.mark.parametrize("kind", ["gqa layer", "mha core", "gqa stack"])
+@pytest.mark.parametrize("kind", ["gqa layer", "mha layer", "mha core", "gqa stack", "mqa decode"])
 def test_dask_result_equals_the_single_process_result(client, kind):
     from lowering.dask_shards import run_sharded
 
