@@ -10,7 +10,6 @@ worker: what crosses is what the driver sends (``scatter``) or fetches.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +20,7 @@ from graphc.graph import Graph
 
 from graphc.sharding import ShardPlan, Stage, shard
 
-from .sharded import RunStats, ShardedRunner
+from .sharded import RunStats, ShardedRunner, timed_run
 
 __all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
 
@@ -61,10 +60,7 @@ def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any]) -
 
 
 def _run_on_worker(runner: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    out = dict(runner.run({k: _aligned(v) for k, v in feeds.items()}))
-    out["__seconds__"] = time.perf_counter() - t0
-    return out
+    return timed_run(runner, {k: _aligned(v) for k, v in feeds.items()})
 
 
 def _aligned(a: np.ndarray) -> np.ndarray:

@@ -18,18 +18,24 @@ exact semantics, for tests and for the single-process comparison);
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from graphc.errors import InputError, ShardingError
-from graphc.graph import Graph
-
 from graphc.sharding import ShardPlan, Stage
 
-__all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor"]
+__all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run"]
+
+
+def timed_run(runner: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:
+    """``runner.run(feeds)``'s outputs plus ``"__seconds__"``, the time it took (every executor reports shard times this way)."""
+    t0 = time.perf_counter()
+    out = dict(runner.run(dict(feeds)))
+    out["__seconds__"] = time.perf_counter() - t0
+    return out
 
 
 class Executor(Protocol):
@@ -93,10 +99,7 @@ class LocalExecutor:
 
     def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """Run the prepared shard."""
-        t0 = time.perf_counter()
-        out = dict(self._runners[(stage.index, shard)].run(dict(feeds)))
-        out["__seconds__"] = time.perf_counter() - t0
-        return out
+        return timed_run(self._runners[(stage.index, shard)], feeds)
 
     def fetch(self, handles: list[Any]) -> list[Any]:
         """The arrays themselves."""
@@ -128,10 +131,10 @@ class ShardedRunner:
                 self._local[st.index] = prepare(st.graphs[0], backend, **options)
 
     def _whole(self, name: str, where: tuple[str, Any]) -> np.ndarray:
-        return self._wholes({name: where})[name]
+        return self._wholes({name: where})[0][name]
 
-    def _wholes(self, wanted: Mapping[str, tuple[str, Any]], extra: list[Any] | None = None) -> dict[str, np.ndarray]:
-        """Whole arrays of several values, with one fetch from the shards for all of them (and the ``extra`` handles, under ``"__extra__"``)."""
+    def _wholes(self, wanted: Mapping[str, tuple[str, Any]], extra: Sequence[Any] = ()) -> tuple[dict[str, np.ndarray], list[Any]]:
+        """Whole arrays of several values, and the values behind the ``extra`` handles, with one fetch from the shards for all of them."""
         out: dict[str, np.ndarray] = {}
         todo: list[tuple[str, tuple[str, int], list[Any]]] = []
         for name, (kind, val) in wanted.items():
@@ -142,17 +145,16 @@ class ShardedRunner:
                 out[name] = self._fetched[key]
             else:
                 todo.append((name, key, val if name in self.plan.split_axis or name in self.plan.partial else val[:1]))
-        if todo or extra:
-            fetched = self.executor.fetch([h for _, _, parts in todo for h in parts] + list(extra or []))
-            arrays = fetched[: len(fetched) - len(extra or [])]
-            if extra is not None:
-                out["__extra__"] = fetched[len(arrays) :]  # type: ignore[assignment]
-            self.last.bytes_received += sum(a.nbytes for a in arrays)
-            i = 0
-            for name, key, parts in todo:
-                self._fetched[key] = out[name] = self.plan.gather(name, arrays[i : i + len(parts)])
-                i += len(parts)
-        return out
+        if not todo and not extra:
+            return out, []
+        fetched = self.executor.fetch([h for _, _, parts in todo for h in parts] + list(extra))
+        arrays, extras = fetched[: len(fetched) - len(extra)], fetched[len(fetched) - len(extra) :]
+        self.last.bytes_received += sum(a.nbytes for a in arrays)
+        i = 0
+        for name, key, parts in todo:
+            self._fetched[key] = out[name] = self.plan.gather(name, arrays[i : i + len(parts)])
+            i += len(parts)
+        return out, extras
 
     def _feed(self, name: str, where: tuple[str, Any], shard: int, sent: dict[tuple[str, int], Any]) -> Any:
         kind, val = where
@@ -201,14 +203,14 @@ class ShardedRunner:
                     where[o] = ("parts", [out[o] for out in outs])
                 seconds.append([out["__seconds__"] for out in outs])
             else:
-                feeds = self._wholes({v: where[v] for v in st.inputs})
+                feeds, _ = self._wholes({v: where[v] for v in st.inputs})
                 outs1 = self._local[st.index].run(feeds)
                 for o in st.outputs:
                     where[o] = ("whole", outs1[o])
         keep = {n for n in plan.outputs if n in resident and where[n][0] == "parts" and n not in plan.partial}
         result: dict[str, Any] = {n: Resident(n, where[n][1], id(plan)) for n in keep}
-        wholes = self._wholes({n: where[n] for n in plan.outputs if n not in keep}, [h for row in seconds for h in row])
-        flat = [float(x) for x in wholes.pop("__extra__", [])]  # shard times come back with the outputs: one round trip
+        wholes, times = self._wholes({n: where[n] for n in plan.outputs if n not in keep}, [h for row in seconds for h in row])
+        flat = [float(x) for x in times]  # shard times come back with the outputs: one round trip
         result.update(wholes)
         result = {n: result[n] for n in plan.outputs}
         self.last.shard_s = [flat[i * plan.n : (i + 1) * plan.n] for i in range(len(seconds))]
@@ -216,6 +218,3 @@ class ShardedRunner:
         return result
 
 
-def stage_graphs(plan: ShardPlan) -> list[Graph]:
-    """Every graph of every stage (for inspection and export)."""
-    return [g for st in plan.stages for g in st.graphs]

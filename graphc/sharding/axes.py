@@ -110,13 +110,12 @@ def _link_node(c: AxisClasses, g: Graph, node: Node) -> None:
             places = [p for p in places if not _is_one(t[p[0]].shape[p[1]])]
             for p in places[1:]:
                 c.union(places[0], p)
-    elif isinstance(op, ELEMENTWISE) or isinstance(op, Rotary):
-        if isinstance(op, Rotary):  # positions carry no head axis
-            x, out = node.inputs[0], node.outputs[0]
-            for i in range(len(t[x].shape)):
-                c.union((x, i), (out, i))
-        else:
-            _link_aligned(c, g, node)
+    elif isinstance(op, ELEMENTWISE):
+        _link_aligned(c, g, node)
+    elif isinstance(op, Rotary):  # x's axes map one to one; the positions carry no head axis
+        x, out = node.inputs[0], node.outputs[0]
+        for i in range(len(t[x].shape)):
+            c.union((x, i), (out, i))
     elif isinstance(op, Transpose):
         for k, p in enumerate(op.perm):
             c.union((node.inputs[0], p), (node.outputs[0], k))

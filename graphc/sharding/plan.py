@@ -57,8 +57,7 @@ class ShardPlan:
     """The result of :func:`shard`: stages, and how every crossing value is split or rebuilt.
 
     ``split_axis[v]``: the head axis of a split value; ``partial``: values
-    that are one addend per shard; ``produced_in[v]``: the stage that computes
-    ``v`` (graph inputs: -1).
+    that are one addend per shard.
     """
 
     name: str
@@ -68,7 +67,6 @@ class ShardPlan:
     outputs: tuple[str, ...]
     split_axis: Mapping[str, int]
     partial: frozenset[str]
-    produced_in: Mapping[str, int]
     fallback: str | None = None
     types: Mapping[str, TensorType] = field(default_factory=dict)
 
@@ -77,11 +75,9 @@ class ShardPlan:
         axis = self.split_axis.get(name)
         if axis is None:
             return array
-        size = array.shape[axis]
-        if size % self.n:
-            raise ShardingError(f"{name!r}: axis {axis} has {size} entries, not a multiple of {self.n} shards")
-        step = size // self.n
-        return np.take(array, np.arange(shard * step, (shard + 1) * step), axis=axis)
+        if array.shape[axis] % self.n:
+            raise ShardingError(f"{name!r}: axis {axis} has {array.shape[axis]} entries, not a multiple of {self.n} shards")
+        return _part(array, axis, shard, self.n)
 
     def gather(self, name: str, parts: Sequence[np.ndarray]) -> np.ndarray:
         """The whole value ``name`` from its per-shard parts: concatenated (split), summed (partial) or shard 0's."""
@@ -106,6 +102,12 @@ class ShardPlan:
         for name in sorted(self.partial & set(self.outputs)):
             lines.append(f"  {name}: summed over shards")
         return "\n".join(lines)
+
+
+def _part(array: np.ndarray, axis: int, shard: int, n: int) -> np.ndarray:
+    """Chunk ``shard`` of ``n`` contiguous chunks of ``array`` along ``axis`` (a copy)."""
+    step = array.shape[axis] // n
+    return np.take(array, np.arange(shard * step, (shard + 1) * step), axis=axis)
 
 
 def _fused(graph: Graph) -> Graph:
@@ -245,8 +247,7 @@ def _stage_graph(g: Graph, name: str, nodes: list[Node], inputs: list[str], outp
                 arr = g.initializers[v]
                 axis = split.get(v) if shard is not None else None
                 if axis is not None:
-                    step = arr.shape[axis] // n
-                    arr = np.take(arr, np.arange(shard * step, (shard + 1) * step), axis=axis)  # type: ignore[operator]
+                    arr = _part(arr, axis, shard, n)  # type: ignore[arg-type]
                 sg.add_initializer(v, arr, copy=axis is not None)
         op = _shard_op(g, node, split, n) if shard is not None else node.op
         got = sg.add_multi_node(op, node.inputs, node.outputs)  # type: ignore[arg-type]
@@ -294,7 +295,6 @@ def shard(graph: Graph, n: int) -> ShardPlan:
     stage_of = _stages(g, split, partial)
     last = max(stage_of.values(), default=0)
     order = g.topological_order()
-    produced_in = {v: -1 for v in g.inputs} | {o: stage_of[node.name] for node in order for o in node.outputs}
     stages = []
     for s in range(last + 1):
         nodes = [node for node in order if stage_of[node.name] == s]
@@ -310,4 +310,4 @@ def shard(graph: Graph, n: int) -> ShardPlan:
         _check_bound(graphs[0], s)
         stages.append(Stage(s, sharded, graphs, tuple(ins), tuple(outs)))
     types = {v: g.types[v] for v in g.types}
-    return ShardPlan(graph.name, n, tuple(stages), tuple(g.inputs), tuple(g.outputs), split, frozenset(partial), produced_in, fallback, types)
+    return ShardPlan(graph.name, n, tuple(stages), tuple(g.inputs), tuple(g.outputs), split, frozenset(partial), fallback, types)
