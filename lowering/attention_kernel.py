@@ -127,7 +127,7 @@ def blocked_attention(
         if offset is not None:
             # only keys after the block's first query's last key (the diagonal band), or before its window, can be hidden
             lo = c0 if window is not None else max(c0, min(c, i0 + offset + 1))
-            hidden = hidden_keys(i0, i1, c, offset, window)[:, lo:]
+            hidden = hidden_keys(i0, i1, c - lo, offset - lo, window)  # keys lo..c-1 only, counted from lo
             if hidden.any():
                 np.copyto(s.reshape(b1 - b0, groups, r, c - c0)[..., lo - c0 :], neg_inf, where=hidden)
         total = exp_rows_(s)
