@@ -53,6 +53,9 @@ import graphc
 from graphc.errors import GraphcError
 from lowering import prepare, random_inputs
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import torch_sdpa  # noqa: E402
+
 CONFIGS = ("mistral-7b", "llama2-70b", "falcon-7b", "llama2-7b")
 CASES = {
     "causal prefill 1024": dict(batch=1, q_len=1024, kv_len=1024, causal=True),
@@ -118,29 +121,13 @@ def _naive(feeds: dict, causal: bool, scale: float) -> np.ndarray:
     return np.matmul(s, v)
 
 
-def _torch(threads: int, causal: bool) -> Callable[[dict], np.ndarray] | str:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    torch.set_num_threads(threads)
-    cache: dict[int, tuple] = {}
-
-    def run(feeds: dict) -> np.ndarray:
-        t = cache.setdefault(id(feeds), tuple(torch.from_numpy(feeds[k]) for k in ("q_BHSD", "k_BHkvTD", "v_BHkvTD")))
-        with torch.no_grad():
-            return torch.nn.functional.scaled_dot_product_attention(*t, is_causal=causal, enable_gqa=True).numpy()
-
-    return run
-
-
 def variants(g: graphc.Graph, sizes: dict, threads: int, causal: bool, scale: float) -> dict[str, Callable[[dict], np.ndarray] | str]:
     """Every variant's run function, or the reason it cannot run."""
     out: dict[str, Callable[[dict], np.ndarray] | str] = {}
     opt = graphc.optimize(g).graph  # no hints, as a user calls it
     out["graphc numpy"] = _runner(lambda: prepare(opt, "numpy", threads=threads, sizes=sizes))
     out["graphc ort-cpu"] = _runner(lambda: prepare(opt, "ort-cpu", attention="auto", threads=threads, sizes=sizes))
-    out["torch SDPA"] = _torch(threads, causal)
+    out["torch SDPA"] = torch_sdpa((), threads, causal) or "torch is not installed"
     q, kv = sizes["batch"] * g.types["q_BHSD"].shape[1] * sizes["q_len"], sizes["kv_len"]
     if q * kv * 4 > FUSED_SCORES_LIMIT:
         out["ORT Attention-23"] = f"skipped: the CPU kernel materialises {q * kv * 4 / 2**30:.1f} GiB of scores"
@@ -362,7 +349,6 @@ def main() -> None:
     for c in cases:
         if c not in CASES:
             raise SystemExit(f"unknown case {c!r}; cases: {', '.join(CASES)}")
-    sys.path.insert(0, str(Path(__file__).parent))
     from speed_layer import LAYER_CASES
 
     layer_cases = list(LAYER_CASES) if args.layer_cases == "all" else [c for c in args.layer_cases.split(",") if c and c != "none"]
