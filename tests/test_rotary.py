@@ -145,3 +145,32 @@ def test_random_rotary_decomposition_equals_the_op(style, half, extra, seq, offs
     want = _plain_rope(feeds["x"], np.arange(offset, offset + seq), style, 2 * half, 10000.0)
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(prepare(g, backend).run(feeds)["y"], want, atol=1e-5, err_msg=backend)
+
+
+@pytest.mark.parametrize("past", [2048, 4096, 8192])
+def test_float32_rope_at_long_positions_stays_within_compare_tolerance(past):
+    """Positions past ~2k: float32 angles were off by up to angle * 6e-8 rad, and ``compare`` reported FAIL (4.7e-4 at 4096).
+
+    The float32 run on every backend is checked against the exact rotation (float64 loop, float32 frequencies as transformers).
+    """
+    g = _graph("half", None, offset=past)
+    x = np.random.default_rng(1).standard_normal((1, 3, 4, 8)).astype(np.float32) * 3
+    inv = rope_inv_freq(8, 10000.0).astype(np.float64)
+    theta = np.arange(past, past + 4, dtype=np.float64)[:, None] * inv[None, :]
+    c, s = np.cos(theta), np.sin(theta)
+    xd = x.astype(np.float64)
+    want = np.concatenate([xd[..., :4] * c - xd[..., 4:] * s, xd[..., 4:] * c + xd[..., :4] * s], axis=-1)
+    for backend in BACKENDS:
+        got = prepare(g, backend).run({"x": x})["y"]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=backend)
+
+
+def test_compare_passes_a_float32_decode_step_over_a_long_cache():
+    """``graphc compare --preset mistral-7b --decode --past 4096`` reported FAIL on every backend (RoPE angles in float32)."""
+    from graphc import kv_cache_graph, preset
+    from lowering import compare
+
+    cfg = preset("mistral-7b").with_(d_model=512, n_heads=4, n_kv_heads=2)
+    report = compare(kv_cache_graph(cfg, seed=0), sizes={"batch": 1, "seq": 1, "past_seq": 4096}, backends=["numpy", "ort-cpu"], repeats=1)
+    assert report.ok, str(report)
+    assert max(r.max_abs_err for r in report.results) < 2e-5, str(report)
