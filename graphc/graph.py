@@ -38,6 +38,7 @@ from .errors import (
     UndefinedValueError,
 )
 from .ops import Op, TensorType, check_dtype
+from .weights import check_mapped_files
 
 __all__ = ["Value", "Node", "Graph", "ValueLike"]
 
@@ -240,6 +241,7 @@ class Graph(GraphBuilder):
         """
         self._claim(name)
         arr = np.asarray(array)
+        check_mapped_files([arr])  # a memory-mapped checkpoint that shrank would SIGBUS on the copy below
         if copy or arr.flags.writeable:
             arr = np.array(arr, copy=True)
             arr.setflags(write=False)

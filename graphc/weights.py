@@ -10,15 +10,20 @@
 - a mapping of names to arrays or torch tensors (a model's ``state_dict()``).
 
 The safetensors format is read directly (an 8-byte header length, a JSON header
-of dtypes, shapes and byte offsets, then the raw little-endian data); bfloat16
-uses ``ml_dtypes``.  ``dtype=`` converts every tensor (a copy).  Errors name the
+of dtypes, shapes and byte offsets, then the raw little-endian data) under the
+format's rules, and the ``safetensors`` library's parser must accept the file
+too; bfloat16 uses ``ml_dtypes``.  A folder's ``model.safetensors.index.json``
+may only name files inside the folder (links into a transformers cache's
+``blobs`` folder are allowed, as the cache lays them out).  ``dtype=`` converts every tensor (a copy).  Errors name the
 file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,7 @@ import numpy as np
 from .errors import SerializationError, WeightError
 from .ops import check_dtype
 
-__all__ = ["load_weights", "read_safetensors", "SAFETENSORS_DTYPES", "bfloat16"]
+__all__ = ["load_weights", "read_safetensors", "check_mapped_files", "SAFETENSORS_DTYPES", "bfloat16"]
 
 try:  # ml_dtypes comes with onnx
     from ml_dtypes import bfloat16
@@ -39,66 +44,211 @@ SAFETENSORS_DTYPES: dict[str, Any] = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U8": np.uint8, "BOOL": np.bool_, "BF16": bfloat16,
 }
-_MAX_HEADER = 100 * 2**20
+_MAX_HEADER = 100_000_000  # the safetensors library's limit
+_U64 = 2**64
+_INDEX = "model.safetensors.index.json"
+_MAPPED: dict[int, tuple[int, str, int, int, int]] = {}  # map address -> (end address, file, size, inode, mtime_ns) while mapped
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _U64
+
+
+def _header_entries(path: Path, header: dict[str, Any], data_bytes: int) -> list[tuple[str, Any, tuple[int, ...], int, int]]:
+    """The tensors of a parsed header as ``(name, dtype, shape, start, stop)``, checked by the safetensors format's rules.
+
+    As the ``safetensors`` library: shapes and offsets are unsigned integers, element counts do not overflow 64
+    bits, each tensor's bytes are its element count times its item size, and the tensors, ordered by offset,
+    tile the data section exactly (no gap, no overlap, nothing after the last one).
+    """
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise SerializationError(f"{path}: __metadata__ must map names to strings, got {meta!r}")
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise SerializationError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (expected dtype, shape and data_offsets)")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise SerializationError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise SerializationError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end], non-negative integers")
+        if not isinstance(dtype, str) or SAFETENSORS_DTYPES.get(dtype) is None:
+            readable = ", ".join(k for k, v in SAFETENSORS_DTYPES.items() if v is not None)
+            raise SerializationError(f"{path}: tensor {name!r} has dtype {dtype!r}; graphc reads {readable}")
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        if nbytes >= _U64:
+            raise SerializationError(f"{path}: tensor {name!r} shape {shape} overflows 64-bit byte counts")
+        start, stop = offsets
+        if stop - start != nbytes:
+            raise SerializationError(f"{path}: tensor {name!r} ({dtype}{shape}) needs {nbytes} bytes, its data_offsets {offsets} span {stop - start}")
+        entries.append((name, SAFETENSORS_DTYPES[dtype], tuple(shape), start, stop))
+    end = 0
+    for name, _, _, start, stop in sorted(entries, key=lambda e: (e[3], e[4])):
+        if start != end:
+            what = "overlaps the tensor before it" if start < end else f"leaves bytes {end}..{start} unused"
+            raise SerializationError(f"{path}: tensor {name!r} at bytes {start}..{stop} {what}; tensors must tile the data section")
+        end = stop
+    if end != data_bytes:
+        raise SerializationError(f"{path}: the tensors cover {end} bytes of a {data_bytes}-byte data section (truncated, or bytes after the last tensor)")
+    return entries
+
+
+def _library_check(path: Path) -> None:
+    """The ``safetensors`` library's own parser must accept the file too (it is the format's reference)."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - a core dependency
+        return
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except Exception as e:  # noqa: BLE001 - SafetensorError and friends
+        raise SerializationError(f"{path}: the safetensors library refuses this file: {e}") from None
 
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of one ``.safetensors`` file as a read-only memory-mapped array."""
+    """Every tensor of one ``.safetensors`` file as a read-only memory-mapped array.
+
+    The header is checked by the format's rules (see :func:`_header_entries`) and by the ``safetensors``
+    library's parser; any file it refuses, graphc refuses.  Raises :class:`SerializationError` naming the file
+    and the tensor.
+    """
     path = Path(path)
     try:
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
             head = f.read(8)
             if len(head) < 8:
                 raise SerializationError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
             (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER:
-                raise SerializationError(f"{path}: not a safetensors file (header length {n} bytes)")
-            header = json.loads(f.read(n))
-        size = path.stat().st_size
+            if n > _MAX_HEADER or 8 + n > st.st_size:
+                raise SerializationError(f"{path}: not a safetensors file (header length {n} bytes in a {st.st_size}-byte file)")
+            text = f.read(n).decode("utf-8")
+            header = json.loads(text, object_pairs_hook=_no_duplicates)
     except OSError as e:
         raise SerializationError(f"cannot read weights file {str(path)!r}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SerializationError(f"{path}: not a safetensors file (its header is not JSON: {e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SerializationError(f"{path}: not a safetensors file (its header is not valid JSON: {e})") from None
     if not isinstance(header, dict):
         raise SerializationError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    out: dict[str, np.ndarray] = {}
     base = 8 + n
-    raw = np.memmap(path, dtype=np.uint8, mode="r") if size > base else np.zeros(0, np.uint8)
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, stop) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SerializationError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-        np_dtype = SAFETENSORS_DTYPES.get(dtype)
-        if np_dtype is None:
-            raise SerializationError(f"{path}: tensor {name!r} has dtype {dtype!r}; graphc reads {', '.join(k for k, v in SAFETENSORS_DTYPES.items() if v is not None)}")
-        itemsize = np.dtype(np_dtype).itemsize
-        count = int(np.prod(shape)) if shape else 1
-        if stop - start != count * itemsize or base + stop > size:
-            raise SerializationError(f"{path}: tensor {name!r} ({dtype}{shape}) does not fit its bytes {start}..{stop} of a {size}-byte file")
+    entries = _header_entries(path, header, st.st_size - base)
+    _library_check(path)
+    out: dict[str, np.ndarray] = {}
+    if st.st_size > base:
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        addr = raw.__array_interface__["data"][0]
+        _MAPPED[addr] = (addr + raw.size, str(path), st.st_size, st.st_ino, st.st_mtime_ns)
+        weakref.finalize(raw, _MAPPED.pop, addr, None)  # views keep `raw` alive; the entry goes with the map
+    else:
+        raw = np.zeros(0, np.uint8)
+    for name, np_dtype, shape, start, stop in entries:
         out[name] = raw[base + start : base + stop].view(np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
     return out
 
 
-def _files(source: str | Path | Iterable[str | Path]) -> list[Path]:
+def check_mapped_files(arrays: Iterable[Any]) -> None:
+    """Raise :class:`WeightError` if a file that ``arrays`` are memory-mapped from changed since it was read.
+
+    A memory map of a file that shrinks afterwards kills the process with SIGBUS on the first read past the new
+    end; builders and backends call this before they touch the weights, so such a checkpoint is an error instead.
+    """
+    if not _MAPPED:
+        return
+    seen: set[int] = set()
+    for arr in arrays:
+        if not isinstance(arr, np.ndarray) or not arr.size:
+            continue
+        addr = arr.__array_interface__["data"][0]
+        for start, (end, name, size, ino, mtime) in list(_MAPPED.items()):
+            if not start <= addr < end or start in seen:
+                continue
+            seen.add(start)
+            try:
+                st = os.stat(name)
+            except OSError as e:
+                raise WeightError(f"weights file {name!r} is gone since it was loaded ({e.strerror or e}); load the checkpoint again") from None
+            if st.st_size != size or st.st_ino != ino or st.st_mtime_ns != mtime:
+                raise WeightError(f"weights file {name!r} changed since it was loaded ({size} bytes then, {st.st_size} now); load the checkpoint again")
+
+
+def _inside(root: Path, path: Path) -> bool:
+    return os.path.commonpath([str(root), str(path)]) == str(root)
+
+
+def _confined(folder: Path, entry: Any, where: str) -> Path:
+    """``folder / entry``, refused unless it stays inside ``folder``.
+
+    ``entry`` must be a relative path that does not climb out of the folder; where it is a symbolic link, its
+    target must lie in the folder too, or in the ``blobs`` folder of a transformers cache repo when ``folder``
+    is one of its ``snapshots`` (that is how the cache lays files out).
+    """
+    if not isinstance(entry, str) or not entry or "\0" in entry:
+        raise SerializationError(f"{where}: file name {entry!r} is not a relative path")
+    if os.path.isabs(entry) or Path(entry).is_absolute():
+        raise SerializationError(f"{where}: file {entry!r} is an absolute path; a checkpoint names files inside its folder {str(folder)!r}")
+    root = folder.resolve()
+    lexical = Path(os.path.normpath(root / entry))
+    if not _inside(root, lexical):
+        raise SerializationError(f"{where}: file {entry!r} leaves the checkpoint folder {str(folder)!r}; refused")
+    real = lexical.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    if not any(_inside(a, real) for a in allowed):
+        raise SerializationError(f"{where}: file {entry!r} is a link to {str(real)!r}, outside the checkpoint folder {str(folder)!r}; refused")
+    return lexical
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        doc = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+    except OSError as e:
+        raise SerializationError(f"cannot read {str(index)!r}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SerializationError(f"{index}: not a safetensors index (not valid JSON: {e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise SerializationError(f"{index}: not a safetensors index (expected an object with a \"weight_map\" of tensor name -> file name)")
+    return weight_map
+
+
+def _files(source: str | Path | Iterable[str | Path]) -> tuple[list[Path], dict[str, str] | None]:
+    """The files to read, and the index's weight map when the source is a folder with one."""
     if isinstance(source, (str, Path)):
         p = Path(source)
         if p.is_dir():
-            index = p / "model.safetensors.index.json"
+            index = p / _INDEX
             if index.exists():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (OSError, ValueError, KeyError) as e:
-                    raise SerializationError(f"{index}: not a safetensors index ({e})") from None
-                return [p / f for f in sorted(set(weight_map.values()))]
+                weight_map = _read_index(index)
+                return [_confined(p, f, str(index)) for f in sorted(set(weight_map.values()))], weight_map
             files = sorted(p.glob("*.safetensors"))
             if not files:
                 raise SerializationError(f"{p}: no .safetensors files in this directory")
-            return files
-        return [p]
-    return [Path(s) for s in source]
+            return [_confined(p, f.name, str(p)) for f in files], None
+        return [p], None
+    if isinstance(source, bytes) or not isinstance(source, Iterable):
+        raise WeightError(f"weights must be a .safetensors path, a folder, a list of paths or a state dict, got {type(source).__name__}")
+    paths = list(source)
+    bad = [x for x in paths if not isinstance(x, (str, Path))]
+    if bad:
+        raise WeightError(f"a list of weight files holds {type(bad[0]).__name__} {bad[0]!r}; expected paths")
+    return [Path(s) for s in paths], None
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
@@ -125,11 +275,15 @@ def load_weights(
         out = {name: _as_array(name, value) for name, value in source.items()}
     else:
         out = {}
-        for path in _files(source):
+        files, weight_map = _files(source)
+        for path in files:
             for name, arr in read_safetensors(path).items():
                 if name in out:
                     raise SerializationError(f"tensor {name!r} is in more than one file (again in {path})")
                 out[name] = arr
+        missing = sorted(set(weight_map or ()) - set(out))
+        if missing:
+            raise SerializationError(f"{_INDEX} lists {len(missing)} tensor(s) no file holds, e.g. {missing[0]!r} (in {weight_map[missing[0]]!r})")
     if prefix:
         out = {k: v for k, v in out.items() if k.startswith(prefix)}
     if dtype is not None:

@@ -24,6 +24,7 @@ from graphc.errors import BackendError, BackendUnavailableError, ExecutionError,
 from graphc.graph import Graph
 from graphc.memory import check_allocation, graph_run_bytes
 from graphc.optimizer import lower
+from graphc.weights import check_mapped_files
 
 from .inputs import check_inputs
 from .numpy_interpreter import NumpyInterpreter
@@ -205,6 +206,7 @@ def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
     Raises :class:`BackendUnavailableError` if the backend cannot run here.
     """
     spec = get_backend(backend)
+    check_mapped_files(graph.initializers.values())  # weights memory-mapped from a file that changed since
     reason = spec.unavailable()
     if reason:
         raise BackendUnavailableError(backend, reason)
