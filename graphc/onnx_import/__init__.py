@@ -6,6 +6,6 @@ semantics, and ops graphc does not model pass through as opaque nodes.
 """
 
 from .importer import ATTENTION_SEMANTICS, from_onnx, supported_ops
-from .loading import MAX_DIM, load_model
+from .loading import MAX_DIM, load_model, read_model
 
-__all__ = ["ATTENTION_SEMANTICS", "from_onnx", "supported_ops", "load_model", "MAX_DIM"]
+__all__ = ["ATTENTION_SEMANTICS", "from_onnx", "supported_ops", "load_model", "read_model", "MAX_DIM"]

@@ -127,11 +127,26 @@ class ImportContext:
         self.constants: dict[int, tuple[np.ndarray, str]] = {}  # id(array) -> (array, graph value): each array becomes one constant
 
     # ------------------------------------------------------------ errors
+    def where(self) -> str:
+        """``node 'name' (OpType)`` for the node being converted, or ``model``."""
+        n = self.node
+        if n is None:
+            return "model"
+        label = n.name or (n.output[0] if n.output else "") or "<unnamed>"
+        return f"node {label!r} ({(n.domain + '::') if n.domain else ''}{n.op_type})"
+
     def error(self, message: str) -> OnnxImportError:
         """An import error that names the node being converted."""
-        n = self.node
-        where = f"node {n.name or n.output[0]!r} ({(n.domain + '::') if n.domain else ''}{n.op_type})" if n is not None else "model"
-        return OnnxImportError(f"{where}: {message}")
+        return OnnxImportError(f"{self.where()}: {message}")
+
+    def axis(self, axis: object, rank: int, what: str, extra: int = 0) -> int:
+        """``axis`` of a rank-``rank`` tensor in ``0..rank-1+extra``, counted from the end when negative; out of range is an error.
+
+        ``extra`` is 1 where the axis may name the position after the last one (``Flatten``, ``Unsqueeze``'s output).
+        """
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -rank <= int(axis) < rank + extra:
+            raise self.error(f"{what} {axis!r} is out of range for rank {rank} (valid: {-rank}..{rank + extra - 1})")
+        return int(axis) + rank if axis < 0 else int(axis)
 
     # ------------------------------------------------------------ values
     def get(self, name: str) -> Imported | None:
@@ -210,7 +225,7 @@ class ImportContext:
             raise self.error(f"{base}: dtype {arr.dtype} has no graphc equivalent")
         if arr.dtype.kind in "iu" and arr.dtype != np.int32:
             arr = arr.astype(np.int64)
-        return self.graph.add_initializer(self.graph.fresh_name(_clean(base)), arr).name
+        return self.graph.add_initializer(self.graph.fresh_name(_clean(base)), arr, copy=arr.flags.writeable).name
 
     def add(self, op: Any, inputs: Sequence[str], base: str = "t") -> str:
         """Add a single-output node and return its value name."""

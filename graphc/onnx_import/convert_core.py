@@ -139,6 +139,13 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
 
 # ---------------------------------------------------------------- elementwise
 def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
+    if op_type in ("Max", "Min") and len(ins) != 2:  # variadic: one input is itself, more fold left
+        if len(ins) == 1:
+            return [ins[0]]
+        acc = _binary(ctx, ins[:2], attrs, op_type)[0]
+        for x in ins[2:]:
+            acc = _binary(ctx, [acc, x], attrs, op_type)[0]
+        return [acc]
     folded = sym_binary(op_type, ins)
     if folded is not None:
         return [folded]
@@ -184,7 +191,13 @@ def _where(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if folded is not None:
         return [folded]
     if isinstance(cond, np.ndarray) and cond.size == 1:
-        return [x if bool(cond.reshape(())) else y]
+        pick = x if bool(cond.reshape(())) else y
+        try:
+            out_shape = broadcast_shapes(broadcast_shapes(cond.shape, ctx.shape_of(x)), ctx.shape_of(y))
+        except GraphcError as e:
+            raise ctx.error(f"Where operands do not broadcast: {e}") from None
+        if tuple(ctx.shape_of(pick)) == tuple(out_shape):  # the other operand does not widen the result
+            return [pick]
     c = ctx.tensor(cond, "Where condition")
     if isinstance(x, (Filled, Broadcast)) or isinstance(y, (Filled, Broadcast)):
         shape = ctx.graph.types[c].shape
@@ -292,8 +305,8 @@ def _einsum(ctx: ImportContext, ins: list, attrs: dict) -> list:
 def _softmax(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     rank = ctx.graph.types[x].rank
-    axis = attrs.get("axis", -1 if ctx.opset >= 13 else 1)
-    if ctx.opset < 13 and axis % rank != rank - 1:
+    axis = ctx.axis(attrs.get("axis", -1 if ctx.opset >= 13 else 1), rank, "Softmax axis")
+    if ctx.opset < 13 and axis != rank - 1:
         raise ctx.error(f"Softmax before opset 13 flattens from axis {axis}; only the last axis is supported (rank {rank})")
     return [ctx.add(Softmax(axis), [x], "softmax")]
 
@@ -310,7 +323,7 @@ def _reshape(ctx: ImportContext, ins: list, attrs: dict) -> list:
 def _flatten(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
-    axis = attrs.get("axis", 1) % (len(shape) + 1) if shape else 0
+    axis = ctx.axis(attrs.get("axis", 1), len(shape), "Flatten axis", extra=1)
     from ..dims import dim_prod
 
     return [ctx.add(Reshape((dim_prod(shape[:axis]), dim_prod(shape[axis:]))), [x], "flatten")]
@@ -320,6 +333,8 @@ def _transpose(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     rank = ctx.graph.types[x].rank
     perm = tuple(attrs.get("perm", range(rank - 1, -1, -1)))
+    if sorted(perm) != list(range(rank)):
+        raise ctx.error(f"Transpose perm {list(perm)} is not a permutation of 0..{rank - 1}")
     if perm == tuple(range(rank)):
         return [x]
     return [ctx.add(Transpose(perm), [x], "transpose")]
@@ -335,25 +350,28 @@ def _axes(ctx: ImportContext, ins: list, attrs: dict, what: str) -> tuple[int, .
 
 def _unsqueeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if isinstance(ins[0], Filled):
-        axes = _axes(ctx, ins, attrs, "Unsqueeze") or ()
-        shape = list(ins[0].shape)
-        for a in sorted(x % (len(shape) + len(axes)) for x in axes):
-            shape.insert(a, 1)
-        return [Filled(ins[0].value, tuple(shape))]
+        return [Filled(ins[0].value, _unsqueezed(ctx, ins[0].shape, _axes(ctx, ins, attrs, "Unsqueeze") or ()))]
     x = ctx.tensor(ins[0])
-    shape = list(ctx.graph.types[x].shape)
-    axes = _axes(ctx, ins, attrs, "Unsqueeze") or ()
+    shape = _unsqueezed(ctx, ctx.graph.types[x].shape, _axes(ctx, ins, attrs, "Unsqueeze") or ())
+    return [ctx.add(Reshape(shape), [x], "unsqueeze")]
+
+
+def _unsqueezed(ctx: ImportContext, shape: Sequence[Dim], axes: Sequence[int]) -> tuple[Dim, ...]:
     out_rank = len(shape) + len(axes)
-    for a in sorted(a % out_rank for a in axes):
-        shape.insert(a, 1)
-    return [ctx.add(Reshape(tuple(shape)), [x], "unsqueeze")]
+    where = sorted(ctx.axis(a, out_rank, "Unsqueeze axis") for a in axes)
+    if len(set(where)) != len(where):
+        raise ctx.error(f"Unsqueeze axes {list(axes)} repeat an axis")
+    out = list(shape)
+    for a in where:
+        out.insert(a, 1)
+    return tuple(out)
 
 
 def _squeeze(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
     axes = _axes(ctx, ins, attrs, "Squeeze")
-    drop = {a % len(shape) for a in axes} if axes is not None else {i for i, d in enumerate(shape) if d == 1}
+    drop = {ctx.axis(a, len(shape), "Squeeze axis") for a in axes} if axes is not None else {i for i, d in enumerate(shape) if d == 1}
     for a in drop:
         if shape[a] != 1:
             raise ctx.error(f"Squeeze axis {a} has size {shape[a]!r}, not 1")
@@ -368,7 +386,7 @@ def _concat(ctx: ImportContext, ins: list, attrs: dict) -> list:
     values = [ctx.tensor(x) for x in present]
     if len(values) == 1:
         return values
-    return [ctx.add(Concat(attrs["axis"]), values, "concat")]
+    return [ctx.add(Concat(ctx.axis(attrs["axis"], ctx.graph.types[values[0]].rank, "Concat axis")), values, "concat")]
 
 
 def _slice_bounds(size: Dim, start: Dim, stop: Dim) -> tuple[Dim, Dim]:
@@ -392,10 +410,12 @@ def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
     starts, ends = ctx.ints(ins[1], "Slice starts"), ctx.ints(ins[2], "Slice ends")
     axes = ctx.ints(ins[3], "Slice axes") if len(ins) > 3 and ins[3] is not None else tuple(range(len(starts)))
     steps = ctx.ints(ins[4], "Slice steps") if len(ins) > 4 and ins[4] is not None else (1,) * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        raise ctx.error(f"Slice starts, ends, axes and steps must have one length, got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
     for start, stop, axis, step in zip(starts, ends, axes, steps):
         if not isinstance(axis, int) or not isinstance(step, int) or step < 1:
             raise ctx.error(f"Slice axis/step must be constants with step >= 1, got axis {axis!r} step {step!r}")
-        a = axis % len(shape)
+        a = ctx.axis(axis, len(shape), "Slice axis")
         lo, hi = _slice_bounds(shape[a], start, stop)
         if normalize_dim(lo) == 0 and normalize_dim(hi) == normalize_dim(shape[a]) and step == 1:
             continue
@@ -407,7 +427,7 @@ def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
 def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
-    axis = attrs.get("axis", 0) % len(shape)
+    axis = ctx.axis(attrs.get("axis", 0), len(shape), "Split axis")
     if len(ins) > 1 and ins[1] is not None:
         sizes: Sequence[Dim] = ctx.ints(ins[1], "Split sizes")
     elif "split" in attrs:
@@ -417,6 +437,13 @@ def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
             raise ctx.error(f"Split of symbolic axis {shape[axis]!r} into equal parts needs explicit sizes")
         part = -(-shape[axis] // n_out)
         sizes = [min(part, shape[axis] - i * part) for i in range(n_out)]
+    if len(sizes) != n_out:
+        raise ctx.error(f"Split sizes {list(sizes)} name {len(sizes)} parts for {n_out} outputs")
+    if any(isinstance(d, int) and d < 0 for d in sizes):
+        raise ctx.error(f"Split sizes {list(sizes)} must be >= 0")
+    total = normalize_dim(sum(sizes, start=0) if all(isinstance(d, int) for d in sizes) else _dim_sum(sizes))
+    if isinstance(total, int) and isinstance(shape[axis], int) and total != shape[axis]:
+        raise ctx.error(f"Split sizes {list(sizes)} add up to {total}, axis {axis} has size {shape[axis]}")
     outs, start = [], 0
     for size in sizes:
         stop = dim_add(start, size)
@@ -427,7 +454,13 @@ def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
 
 def _gather(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x, idx = ctx.tensor(ins[0]), ins[1]
-    axis = attrs.get("axis", 0)
+    shape = ctx.graph.types[x].shape
+    axis = ctx.axis(attrs.get("axis", 0), len(shape), "Gather axis")
+    known = simplify(idx)
+    if isinstance(known, np.ndarray) and known.size and isinstance(shape[axis], int):
+        n = shape[axis]
+        if known.dtype.kind not in "iu" or known.min() < -n or known.max() >= n:
+            raise ctx.error(f"Gather indices {known.reshape(-1)[:8].tolist()} are out of range for axis {axis} of size {n} (valid: {-n}..{n - 1})")
     return [ctx.add(Gather(axis), [x, ctx.tensor(idx, "Gather indices")], "gather")]
 
 
@@ -526,6 +559,9 @@ def _reduce(ctx: ImportContext, ins: list, attrs: dict, fn: str) -> list:
         if attrs.get("noop_with_empty_axes", 0):
             return [x]
         axes = tuple(range(rank))
+    axes = tuple(ctx.axis(a, rank, "Reduce axis") for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ctx.error(f"Reduce axes {list(axes)} repeat an axis")
     return [ctx.add(Reduce(fn, axes, bool(attrs.get("keepdims", 1))), [x], f"reduce_{fn}")]
 
 
@@ -534,7 +570,23 @@ def _identity(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _dropout(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """Inference-mode dropout is the identity; training mode (random) is refused unless its ratio is 0."""
+    training = ins[2] if len(ins) > 2 else None
+    if training is not None:
+        mode = simplify(training)
+        if not isinstance(mode, np.ndarray):
+            raise ctx.error("Dropout's training_mode is a run-time input; graphc imports inference graphs (export the model in eval mode)")
+        ratio = simplify(ins[1]) if len(ins) > 1 and ins[1] is not None else np.array(0.5)
+        if bool(mode.reshape(-1)[0]) and not (isinstance(ratio, np.ndarray) and float(ratio.reshape(-1)[0]) == 0.0):
+            raise ctx.error("Dropout in training mode is random; graphc imports inference graphs (export the model in eval mode)")
     return [ins[0]]
+
+
+def _dim_sum(dims: Sequence[Dim]) -> Dim:
+    total: Dim = 0
+    for d in dims:
+        total = dim_add(total, d)
+    return total
 
 
 def _shape_values_first(op_type: str, fn: Converter) -> Converter:

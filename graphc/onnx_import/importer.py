@@ -30,7 +30,8 @@ from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
 from .convert_contrib import CONTRIB_CONVERTERS
 from .convert_core import CORE_CONVERTERS, SPLIT
 from .convert_fused import FUSED_CONVERTERS
-from .loading import load_model
+from .loading import read_model
+from .schema import SchemaChecker
 
 __all__ = ["from_onnx", "supported_ops", "ATTENTION_SEMANTICS"]
 
@@ -55,7 +56,10 @@ def _dim(d: onnx.TensorShapeProto.Dimension, fallback: str) -> Dim:
         return int(d.dim_value)
     if d.HasField("dim_param") and d.dim_param:
         try:
-            return normalize_dim(d.dim_param.replace(" ", ""))
+            dim = normalize_dim(d.dim_param.replace(" ", ""))
+            if isinstance(dim, int):  # dim_param "2" names a size, whatever it is at run time
+                return "d_" + _clean_name(d.dim_param).replace(".", "_").replace(":", "_").replace("/", "_").replace("-", "_")
+            return dim
         except GraphcError:
             return _clean_name(d.dim_param).replace(".", "_").replace(":", "_").replace("/", "_").replace("-", "_")
     return fallback
@@ -83,9 +87,75 @@ def _constant(ctx: ImportContext, attrs: dict) -> np.ndarray:
     raise ctx.error(f"Constant with attribute(s) {sorted(attrs)} is not supported (value, value_float(s), value_int(s))")
 
 
+def _fold_elements(node: onnx.NodeProto, arrays: list[np.ndarray | None]) -> int | None:
+    """The element count a folded node would produce, for the ops whose output can dwarf their inputs; ``None`` when unknown.
+
+    Checked before the reference evaluator runs, so a ``ConstantOfShape([2**20, 2**20])`` is never allocated.
+    """
+
+    def count(shape: object) -> int:
+        n = 1
+        for d in np.asarray(shape).reshape(-1).tolist():
+            n *= max(int(d), 0)
+        return n
+
+    op = node.op_type
+    try:
+        if op == "ConstantOfShape" and arrays[0] is not None:
+            return count(arrays[0])
+        if op == "Expand" and arrays[0] is not None and arrays[1] is not None:
+            dims = [int(d) for d in arrays[1].reshape(-1)]
+            src = list(arrays[0].shape)
+            width = max(len(dims), len(src))
+            dims, src = [1] * (width - len(dims)) + dims, [1] * (width - len(src)) + src
+            return count([max(a, b) for a, b in zip(dims, src)])
+        if op == "Range" and all(a is not None for a in arrays[:3]):
+            start, limit, delta = (float(np.asarray(a).reshape(-1)[0]) for a in arrays[:3])  # type: ignore[union-attr]
+            return int(max(np.ceil((limit - start) / delta), 0)) if delta else None
+        if op == "Tile" and arrays[0] is not None and arrays[1] is not None:
+            return arrays[0].size * count(arrays[1])
+        if op == "MatMul" and arrays[0] is not None and arrays[1] is not None and arrays[0].ndim >= 2 and arrays[1].ndim >= 2:
+            a, b = arrays[0].shape, arrays[1].shape
+            return count([*np.broadcast_shapes(a[:-2], b[:-2]), a[-2], b[-1]])
+    except (TypeError, ValueError, OverflowError, IndexError):
+        return None
+    return None
+
+
+def _safe_to_propagate(model: onnx.ModelProto) -> bool:
+    """Whether ONNX's shape inference may propagate values: it computes ``Range``/``ConstantOfShape``/``Expand``
+    outputs in full (a ``Range(0, 3e9)`` takes 24 GB there), so a model with a large one is inferred without it."""
+    known: dict[str, np.ndarray] = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
+            if int(np.prod(t.dims, dtype=np.int64)) <= 64:
+                known[t.name] = numpy_helper.to_array(t)
+    for vi in model.graph.input:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value") and d.dim_value > _FOLD_LIMIT:
+                return False
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.output:
+            try:
+                value = np.asarray(helper.get_attribute_value(node.attribute[0]) if node.attribute[0].type != onnx.AttributeProto.TENSOR else numpy_helper.to_array(node.attribute[0].t))
+            except Exception:  # noqa: BLE001 - a malformed Constant is reported when it is converted
+                continue
+            if value.size <= 64:
+                known[node.output[0]] = value
+        elif node.op_type in ("Range", "ConstantOfShape", "Expand", "Tile"):
+            estimate = _fold_elements(node, [known.get(i) for i in node.input])
+            if estimate is not None and estimate > _FOLD_LIMIT:
+                return False
+    return True
+
+
 def _fold(ctx: ImportContext, node: onnx.NodeProto, arrays: list[np.ndarray | None]) -> list[np.ndarray] | None:
-    """Run one standard node on known arrays with ONNX's reference evaluator; ``None`` when it cannot."""
+    """Run one standard node on known arrays with ONNX's reference evaluator; ``None`` when it cannot or the result would be large."""
     from onnx.reference import ReferenceEvaluator
+
+    estimate = _fold_elements(node, arrays)
+    if estimate is not None and estimate > _FOLD_LIMIT:
+        return None  # converted as a lazy value or a graph op; errors, if any, are then about shapes, not memory
 
     names = [f"i{k}" if a is not None else "" for k, a in enumerate(arrays)]
     outs = [f"o{k}" for k in range(len(node.output))]
@@ -141,18 +211,19 @@ def from_onnx(
     """
     if attention_semantics not in ATTENTION_SEMANTICS:
         raise UnknownNameError("attention semantics", str(attention_semantics), ATTENTION_SEMANTICS)
-    model = load_model(source)
+    model, mapped = read_model(source)
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=_safe_to_propagate(model))
     except Exception:  # noqa: BLE001 - shape inference is only a source of types for opaque nodes
         inferred = model
     g = Graph(_clean_name(name or model.graph.name or "imported"))
     ctx = ImportContext(g, opsets["ai.onnx"], strict, attention_semantics)
+    schemas = SchemaChecker(model.ir_version, opsets, frozenset(k for (d, k) in FUSED_CONVERTERS if d == ""))
     for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
         ctx.onnx_types[vi.name] = vi.type
     try:
-        _import_graph(ctx, model, opsets)
+        _import_graph(ctx, model, opsets, schemas, mapped)
     except OnnxImportError:
         raise
     except GraphcError as e:
@@ -161,12 +232,14 @@ def from_onnx(
     return g
 
 
-def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int]) -> None:
+def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int], schemas: SchemaChecker, mapped: Mapping[str, np.ndarray]) -> None:
     g = ctx.graph
     init_names = set()
     for t in model.graph.initializer:
         try:
-            ctx.env[t.name] = arr = numpy_helper.to_array(t)
+            arr = mapped[t.name] if t.name in mapped else numpy_helper.to_array(t)
+            arr.setflags(write=False)  # graphs keep read-only arrays without copying them
+            ctx.env[t.name] = arr
             ctx.array_names[id(arr)] = t.name
         except Exception as e:  # noqa: BLE001 - a malformed tensor
             raise OnnxImportError(f"initializer {t.name!r} cannot be read: {e}") from None
@@ -184,7 +257,14 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
     bound = {v for v in ctx.env.values() if isinstance(v, str)}
     for node in model.graph.node:
         ctx.node = node
-        _convert_node(ctx, node, opsets, bound)
+        ins = [ctx.get(i) for i in node.input]
+        schemas.check(node, [ctx.dtype_of(x) if x is not None else None for x in ins], ctx.where())
+        try:
+            _convert_node(ctx, node, ins, opsets, bound)
+        except GraphcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a node the converter did not expect: named, never a raw traceback
+            raise ctx.error(f"graphc cannot convert this node ({type(e).__name__}: {e})") from None
     ctx.node = None
     outputs = []
     for vi in model.graph.output:
@@ -200,10 +280,9 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
     g.output(*outputs)
 
 
-def _convert_node(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int], bound: set[str]) -> None:
+def _convert_node(ctx: ImportContext, node: onnx.NodeProto, ins: list, opsets: Mapping[str, int], bound: set[str]) -> None:
     attrs = _attrs(node)
     domain = node.domain if node.domain not in ("", "ai.onnx") else ""
-    ins = [ctx.get(i) for i in node.input]
     before = len(ctx.graph.types)
     if domain == "" and node.op_type == "Constant":
         outs: list[Imported] = [_constant(ctx, attrs)]

@@ -3,7 +3,7 @@
 Checks, before any conversion: the file exists and parses as an ONNX
 ``ModelProto`` with a graph; external data lives inside the model's folder
 (an absolute path or ``..`` that leaves it is refused), exists and is long
-enough; the standard opset is one the installed ``onnx`` knows; no declared
+enough (it is then memory-mapped, not read, by :func:`read_model`); the standard opset is one the installed ``onnx`` knows; no declared
 dim exceeds :data:`MAX_DIM`.
 """
 
@@ -12,20 +12,52 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
 from ..errors import OnnxImportError
+from ..memory import check_allocation
 
-__all__ = ["load_model", "MAX_DIM", "MIN_IMPORT_OPSET"]
+__all__ = ["load_model", "read_model", "MAX_DIM", "MIN_IMPORT_OPSET", "MAX_PROTO_BYTES"]
 
 MAX_DIM = 1 << 32
 """The largest size graphc accepts for one axis of a declared tensor (no attention model comes near it)."""
 MIN_IMPORT_OPSET = 7
+MAX_PROTO_BYTES = 2**31
+"""The largest ONNX protobuf file graphc reads (protobuf's own limit); weights beyond it live in external data."""
 
 
 def load_model(source: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelProto:
-    """Return the checked model of ``source`` (a ``ModelProto`` or a path), with external data loaded."""
+    """Return the checked model of ``source`` (a ``ModelProto`` or a path), with external data loaded into it.
+
+    The external data's total size is checked against graphc's memory cap before anything is read.
+    """
+    model, folder = _read(source)
+    if folder is not None:
+        refs = _external_refs(model, folder)
+        check_allocation(sum(length for _, _, _, length in refs), "loading the model's external data")
+        if refs:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            try:
+                load_external_data_for_model(model, str(folder))
+            except (OSError, ValueError) as e:
+                raise OnnxImportError(f"cannot load the model's external data from {str(folder)!r}: {e}") from None
+    return model
+
+
+def read_model(source: onnx.ModelProto | str | os.PathLike[str]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The checked model of ``source`` and its external initializers as read-only memory maps (nothing is copied)."""
+    model, folder = _read(source)
+    mapped: dict[str, np.ndarray] = {}
+    if folder is not None:
+        for t, path, offset, length in _external_refs(model, folder):
+            mapped[t.name] = _map_tensor(t, path, offset, length)
+    return model, mapped
+
+
+def _read(source: onnx.ModelProto | str | os.PathLike[str]) -> tuple[onnx.ModelProto, Path | None]:
     if isinstance(source, onnx.ModelProto):
         model, folder = source, None
     elif isinstance(source, (str, os.PathLike)):
@@ -34,6 +66,9 @@ def load_model(source: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelPr
             raise OnnxImportError(f"ONNX model {str(path)!r} does not exist")
         if not path.is_file():
             raise OnnxImportError(f"ONNX model {str(path)!r} is not a file")
+        size = path.stat().st_size
+        if size > MAX_PROTO_BYTES:
+            raise OnnxImportError(f"ONNX model {str(path)!r} is {size} bytes; a protobuf file holds at most 2 GiB (larger weights go in external data)")
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -44,12 +79,10 @@ def load_model(source: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelPr
         raise OnnxImportError(f"from_onnx takes an onnx.ModelProto or a path, got {type(source).__name__}")
     _check_opsets(model)
     _check_dims(model)
-    if folder is not None:
-        _load_external(model, folder)
-    elif any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+    if folder is None and any(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in model.graph.initializer):
         missing = next(t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data)
         raise OnnxImportError(f"initializer {missing!r} keeps its data in an external file; pass the model's path, not a ModelProto, so graphc can find it")
-    return model
+    return model, folder
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:
@@ -98,16 +131,21 @@ def _nbytes(t: onnx.TensorProto) -> int | None:
     return n * itemsize
 
 
-def _load_external(model: onnx.ModelProto, folder: Path) -> None:
-    """Check every external-data reference, then load the data (refusing paths outside ``folder``)."""
-    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model
+def _external_refs(model: onnx.ModelProto, folder: Path) -> list[tuple[onnx.TensorProto, Path, int, int]]:
+    """Every external-data reference as ``(tensor, file, offset, length)``, checked: inside ``folder``, present, long enough."""
+    from onnx.external_data_helper import ExternalDataInfo
 
-    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    if not external:
-        return
-    for t in external:
-        info = ExternalDataInfo(t)
-        location = info.location
+    refs = []
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            info = ExternalDataInfo(t)
+            location = info.location
+            offset = int(info.offset or 0)
+            length = int(info.length) if info.length else None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise OnnxImportError(f"initializer {t.name!r}: malformed external data entry ({e})") from None
         if not location:
             raise OnnxImportError(f"initializer {t.name!r} is marked external but names no file")
         target = (folder / location).resolve()
@@ -116,13 +154,27 @@ def _load_external(model: onnx.ModelProto, folder: Path) -> None:
         if not target.is_file():
             raise OnnxImportError(f"initializer {t.name!r}: external data file {location!r} is missing (looked in {str(folder)!r})")
         size = target.stat().st_size
-        offset = int(info.offset or 0)
-        length = int(info.length) if info.length else _nbytes(t)
+        need = _nbytes(t)
+        if need is None:
+            raise OnnxImportError(f"initializer {t.name!r}: external data of element type {t.data_type} is not supported")
         if length is None:
-            length = size - offset
-        if offset < 0 or offset + length > size:
+            length = need
+        if offset < 0 or length < 0:
+            raise OnnxImportError(f"initializer {t.name!r}: external data offset {offset} and length {length} must be >= 0")
+        if length != need:
+            raise OnnxImportError(f"initializer {t.name!r}: external data length {length} bytes, but its shape {list(t.dims)} needs {need}")
+        if offset + length > size:
             raise OnnxImportError(f"initializer {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}")
+        refs.append((t, target, offset, length))
+    return refs
+
+
+def _map_tensor(t: onnx.TensorProto, path: Path, offset: int, length: int) -> np.ndarray:
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+    shape = tuple(int(d) for d in t.dims)
+    if length == 0:
+        return np.zeros(shape, dtype)
     try:
-        load_external_data_for_model(model, str(folder))
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
     except (OSError, ValueError) as e:
-        raise OnnxImportError(f"cannot load the model's external data from {str(folder)!r}: {e}") from None
+        raise OnnxImportError(f"initializer {t.name!r}: cannot map its external data from {str(path)!r}: {e}") from None

@@ -65,8 +65,8 @@ def sym_binary(op_type: str, ins: Sequence[Imported | None]) -> Imported | None:
                 out.append(x)
             elif isinstance(x, int) and isinstance(y, int):
                 out.append(max(x, y) if op_type == "Max" else min(x, y))
-            elif op_type == "Max" and y in (0, 1) or op_type == "Max" and x in (0, 1):  # sizes are >= 1 ... max(size, 1) is the size
-                out.append(y if x in (0, 1) else x)
+            elif op_type == "Max" and (y == 0 and dim_is_nonnegative(x) or x == 0 and dim_is_nonnegative(y)):  # max(size, 0) is the size
+                out.append(y if x == 0 else x)
             else:
                 return None
         elif op_type == "Equal":
@@ -137,6 +137,9 @@ def sym_layout(ctx: ImportContext, op_type: str, ins: Sequence[Imported | None],
         parts = [as_dims(x) for x in ins if x is not None]
         if any(p is None for p in parts) or all(isinstance(x, np.ndarray) for x in ins if x is not None):
             return None
+        if any(p.scalar for p in parts):  # type: ignore[union-attr]
+            raise ctx.error("Concat of a rank-0 shape value; Concat needs rank >= 1")
+        ctx.axis(attrs.get("axis"), 1, "Concat axis")  # shape values are 1-D: axis 0 or -1
         return simplify(SymInts(tuple(d for p in parts for d in p.values)))  # type: ignore[union-attr]
     if first is None or isinstance(ins[0], np.ndarray) and op_type not in ("Gather",):
         return None
@@ -145,12 +148,23 @@ def sym_layout(ctx: ImportContext, op_type: str, ins: Sequence[Imported | None],
             return None
         idx = ctx.known(ins[1], "Gather indices")
         n = len(first.values)
-        picked = tuple(first.values[int(i) % n] for i in idx.reshape(-1))
+        if first.scalar:
+            raise ctx.error("Gather from a rank-0 shape value; Gather needs rank >= 1")
+        ctx.axis(attrs.get("axis", 0), 1, "Gather axis")
+        if idx.ndim > 1:
+            return None
+        if idx.dtype.kind not in "iu" or (idx.size and (idx.min() < -n or idx.max() >= n)):
+            raise ctx.error(f"Gather indices {idx.reshape(-1)[:8].tolist()} are out of range for a shape of {n} values (valid: {-n}..{n - 1})")
+        picked = tuple(first.values[int(i)] for i in idx.reshape(-1))
         return simplify(SymInts(picked, idx.ndim == 0))
     if op_type == "Slice":
         starts, ends = ctx.ints(ins[1], "Slice starts"), ctx.ints(ins[2], "Slice ends")
         steps = ctx.ints(ins[4], "Slice steps") if len(ins) > 4 and ins[4] is not None else (1,)
-        if not all(isinstance(x, int) for x in (*starts, *ends, *steps)):
+        axes = ctx.ints(ins[3], "Slice axes") if len(ins) > 3 and ins[3] is not None else (0,)
+        if first.scalar or not len(starts) == len(ends) == len(axes) == len(steps) == 1:
+            return None
+        ctx.axis(axes[0], 1, "Slice axis")
+        if not all(isinstance(x, int) for x in (*starts, *ends, *steps)) or steps[0] == 0:
             return None
         return simplify(SymInts(first.values[slice(int(starts[0]), int(ends[0]), int(steps[0]))]))
     if op_type == "Unsqueeze":
