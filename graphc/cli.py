@@ -261,6 +261,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             progress=progress,
             shards=args.shards,
             shard_backend=args.shard_backend,
+            reference_model=args.model if args.model is not None and not args.hf_config else None,
         )
     finally:
         progress.done()

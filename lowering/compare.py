@@ -177,6 +177,7 @@ def compare(
     progress: Callable[[str], None] | None = None,
     shards: int | None = None,
     shard_backend: str = "numpy",
+    reference_model: Any = None,
 ) -> ComparisonReport:
     """Compare ``backends`` on ``graph`` against the float64 NumPy reference.
 
@@ -190,7 +191,10 @@ def compare(
     allocated.  ``shards``: also split the graph by KV-head group
     (:func:`graphc.sharding.shard`) and run the shards with ``shard_backend``
     on a Dask LocalCluster of that many workers (a ``sharded`` row; skipped
-    with the install line when dask is absent).
+    with the install line when dask is absent).  ``reference_model``: the
+    ONNX model (path or ``ModelProto``) ``graph`` was imported from; the
+    reference is then that model run by onnxruntime (or ONNX's reference
+    evaluator), not graphc's own import (:mod:`lowering.onnx_reference`).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
         raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
@@ -224,13 +228,23 @@ def compare(
 
         say("optimizing")
         run_graph = _optimize(graph, hints=hints or bindings).graph
-    say("reference: numpy float64, attention decomposed")
+    if reference_model is not None:
+        from .onnx_reference import onnx_model_reference
+
+        reference, run_reference = onnx_model_reference(reference_model, graph)
+    else:
+        reference = "numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)"
+
+        def run_reference(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(feeds)
+
+    say(f"reference: {reference.split(' (')[0]}")
     t0 = time.perf_counter()
-    want = prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(inputs)
+    want = run_reference(inputs)
     say(f"reference done in {time.perf_counter() - t0:.1f}s")
     report = ComparisonReport(
         graph=graph.name,
-        reference="numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)",
+        reference=reference,
         optimized=optimize,
         atol=atol,
         rtol=rtol,

@@ -329,3 +329,34 @@ def test_mutants_import_equal_to_onnxruntime_or_are_refused(model):
     for vi, w in zip(model.graph.output, want):
         assert got[vi.name].shape == w.shape
         np.testing.assert_allclose(got[vi.name], w, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- compare's reference is the original model
+def _relu_model():
+    w = numpy_helper.from_array(RNG.standard_normal((6, 4)).astype(np.float32), "w")
+    return _model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], [_vi("x", F, ["batch", 6])], [_vi("y", F, ["batch", 4])], [w])
+
+
+def test_compare_of_an_imported_graph_checks_against_the_original_model(tmp_path, monkeypatch):
+    """A wrong conversion must show as FAIL: the reference is onnxruntime on the file, not graphc's own import."""
+    from graphc.onnx_import import convert_core
+    from lowering import compare
+    from graphc.ops import Unary
+
+    model = _relu_model()
+    good = compare(from_onnx(model), sizes={"batch": 3}, backends=["numpy", "ort-cpu"], repeats=1, reference_model=model)
+    assert good.ok and "onnxruntime" in good.reference and "original ONNX model" in good.reference
+    wrong = lambda ctx, ins, attrs: [ctx.add(Unary("neg"), [ctx.tensor(ins[0])], "relu")]  # noqa: E731 - a broken converter
+    monkeypatch.setitem(convert_core.CORE_CONVERTERS, "Relu", wrong)
+    bad = compare(from_onnx(model), sizes={"batch": 3}, backends=["numpy", "ort-cpu"], repeats=1, reference_model=model)
+    assert not bad.ok and bad.failed == ["numpy", "ort-cpu"]
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    assert main(["compare", str(path), "--backends", "numpy", "--repeats", "1", "--quiet"]) == 1  # the CLI uses the file too
+
+
+def test_compare_cli_names_the_onnx_reference(tmp_path, capsys):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_relu_model().SerializeToString())
+    assert main(["compare", str(path), "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
+    assert "reference: onnxruntime" in capsys.readouterr().out
