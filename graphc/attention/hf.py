@@ -10,6 +10,7 @@ them), logit softcap, the attention scale and which projections have a bias.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from graphc.errors import AttentionConfigError, SerializationError, UnknownNameE
 from .config import AttentionConfig, RopeConfig
 from .decoder import DecoderConfig
 
-__all__ = ["attention_config_from_hf", "decoder_config_from_hf", "decoder_weights_from_hf", "decoder_configs_from_hf", "read_hf_config", "HF_FAMILIES", "HF_ACTIVATIONS"]
+__all__ = ["attention_config_from_hf", "decoder_config_from_hf", "decoder_weights_from_hf", "decoder_configs_from_hf", "read_hf_config", "HF_FAMILIES", "HF_ACTIVATIONS", "MAX_LAYERS"]
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "falcon")
 """``model_type`` values whose attention graphc builds from a transformers config."""
@@ -32,7 +33,7 @@ def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, An
             doc = json.loads(Path(config).read_text(encoding="utf-8"))
         except OSError as e:
             raise SerializationError(f"cannot read config {str(config)!r}: {e.strerror or e}") from None
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise SerializationError(f"{config}: not a JSON config: {e}") from None
         if not isinstance(doc, dict):
             raise SerializationError(f"{config}: a config.json holds a JSON object, got {type(doc).__name__}")
@@ -44,60 +45,112 @@ def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, An
     raise AttentionConfigError(f"expected a config dict, a config.json path or a transformers config, got {type(config).__name__}")
 
 
+MAX_LAYERS = 1024
+"""The most layers graphc builds from one config (the largest public decoders have ~130); more is taken as a typo."""
+_MISSING = object()
+
+
 def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
     if key not in cfg or cfg[key] is None:
         if default is ...:
             raise AttentionConfigError(f"config of model_type {cfg.get('model_type')!r} lacks {key!r}")
         return default
     v = cfg[key]
-    if isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)) or not isinstance(v, typ):
-        raise AttentionConfigError(f"config field {key!r} must be {typ}, got {type(v).__name__} {v!r}")
+    kinds = typ if isinstance(typ, tuple) else (typ,)
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise AttentionConfigError(f"config field {key!r} must be {names}, got {type(v).__name__} {v!r}")
     return v
 
 
+def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., least: int = 1, most: int | None = None) -> int:
+    """An int field in ``least..most`` (a float such as ``4.7`` is refused, not truncated)."""
+    v = _get(cfg, key, int, default)
+    if v is None:
+        return v
+    if v < least or most is not None and v > most:
+        bound = f"{least}..{most}" if most is not None else f">= {least}"
+        raise AttentionConfigError(f"config field {key!r} must be an int {bound}, got {v!r}")
+    return int(v)
+
+
+def _number(cfg: Mapping[str, Any], key: str, default: Any = ..., positive: bool = True) -> float:
+    """A finite number field (> 0 unless ``positive=False``)."""
+    v = _get(cfg, key, (int, float), default)
+    if v is None:
+        return v
+    if not math.isfinite(v) or positive and v <= 0:
+        raise AttentionConfigError(f"config field {key!r} must be a finite number{' > 0' if positive else ''}, got {v!r}")
+    return float(v)
+
+
+def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+    return bool(_get(cfg, key, bool, default))
+
+
 def _rope(cfg: Mapping[str, Any], head_dim: int) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
+    params = cfg.get("rope_parameters")
+    source = "rope_parameters"
     if not params:  # older config.json: rope_theta and rope_scaling
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        params, source = cfg.get("rope_scaling") or {}, "rope_scaling"
+    if not isinstance(params, Mapping):
+        raise AttentionConfigError(f"config field {source!r} must be an object (rope_type, factor, ...), got {type(params).__name__} {params!r}")
+    params = dict(params)
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0)
+    if not isinstance(kind, str):
+        raise AttentionConfigError(f"{source}.rope_type must be a string, got {kind!r}")
+    theta = _number(params, "rope_theta", None) or _number(cfg, "rope_theta", 10000.0)
+    partial = _number(cfg, "partial_rotary_factor", None) or _number(params, "partial_rotary_factor", 1.0)
+    if partial > 1.0:
+        raise AttentionConfigError(f"config field 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
     rotary_dim = None if partial == 1.0 else int(head_dim * partial)
     if kind == "default":
         return RopeConfig("half", rotary_dim, theta)
+    where = {**params, "model_type": f"{cfg.get('model_type')}'s {source}"}
     if kind == "linear":
-        return RopeConfig("half", rotary_dim, theta, "linear", float(params["factor"]))
+        return RopeConfig("half", rotary_dim, theta, "linear", _number(where, "factor"))
     if kind == "llama3":
         return RopeConfig(
             "half",
             rotary_dim,
             theta,
             "llama3",
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params["original_max_position_embeddings"]),
+            _number(where, "factor"),
+            _number(where, "low_freq_factor"),
+            _number(where, "high_freq_factor"),
+            _int(where, "original_max_position_embeddings"),
         )
     raise AttentionConfigError(f"rope_type {kind!r} is not supported; supported: default, linear, llama3")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(cfg: Mapping[str, Any]) -> list[str] | None:
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or not all(isinstance(t, str) and t in LAYER_TYPES for t in types):
+        raise AttentionConfigError(f"config field 'layer_types' must be a list of {' / '.join(LAYER_TYPES)}, got {types!r}"[:300])
+    return types
+
+
 def _window(cfg: Mapping[str, Any], family: str, layer: int) -> int | None:
-    window = cfg.get("sliding_window")
+    window = _int(cfg, "sliding_window", None)
+    layer_types = _layer_types(cfg)
     if window is None:
         return None
-    layer_types = cfg.get("layer_types")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not _flag(cfg, "use_sliding_window", False):
         return None
     if layer_types is not None:
         if not 0 <= layer < len(layer_types):
             raise AttentionConfigError(f"layer {layer} is out of range for {len(layer_types)} layer_types")
-        return int(window) if layer_types[layer] == "sliding_attention" else None
+        return window if layer_types[layer] == "sliding_attention" else None
     if family in ("qwen2", "qwen3"):
-        return int(window) if layer >= int(cfg.get("max_window_layers", 0)) else None
+        return window if layer >= _int(cfg, "max_window_layers", 0, least=0) else None
     if family == "gemma2":
-        return int(window) if layer % 2 == 0 else None  # even layers slide, odd layers are global
-    return int(window)
+        return window if layer % 2 == 0 else None  # even layers slide, odd layers are global
+    return window
 
 
 def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer: int = 0) -> AttentionConfig:
@@ -109,28 +162,28 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
     family = cfg.get("model_type")
     if family not in HF_FAMILIES:
         raise UnknownNameError("model_type", str(family), HF_FAMILIES)
-    d_model = _get(cfg, "hidden_size", int)
-    heads = _get(cfg, "num_attention_heads", int)
-    kv_heads = _get(cfg, "num_key_value_heads", int, heads)
+    d_model = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads", heads)
     if family == "falcon":
-        if cfg.get("alibi"):
+        if _flag(cfg, "alibi", False):
             raise AttentionConfigError("Falcon with alibi=True is not supported yet (ALiBi biases); rotary Falcon models are")
-        kv_heads = _get(cfg, "num_kv_heads", int, heads) if cfg.get("new_decoder_architecture") else (1 if cfg.get("multi_query", True) else heads)
-    head_dim = _get(cfg, "head_dim", int, d_model // heads if heads else 0)
+        kv_heads = _int(cfg, "num_kv_heads", heads) if _flag(cfg, "new_decoder_architecture", False) else (1 if _flag(cfg, "multi_query", True) else heads)
+    head_dim = _int(cfg, "head_dim", max(d_model // heads, 1))
     biases: tuple[str, ...] | None = None  # None: all four projections follow `bias`
     bias = False
     if family == "qwen2":
         biases = ("q_proj", "k_proj", "v_proj")
-    elif _get(cfg, "attention_bias", bool, False) or (family == "falcon" and _get(cfg, "bias", bool, False)):
+    elif _flag(cfg, "attention_bias", False) or (family == "falcon" and _flag(cfg, "bias", False)):
         bias = True
     scale = None
     softcap = None
     qk_norm = None
     if family == "gemma2":
-        scale = float(_get(cfg, "query_pre_attn_scalar", (int, float), head_dim)) ** -0.5
-        softcap = cfg.get("attn_logit_softcapping")
+        scale = _number(cfg, "query_pre_attn_scalar", head_dim) ** -0.5
+        softcap = _number(cfg, "attn_logit_softcapping", None)
     if family == "qwen3":
-        qk_norm = float(_get(cfg, "rms_norm_eps", (int, float), 1e-6))
+        qk_norm = _number(cfg, "rms_norm_eps", 1e-6)
     return AttentionConfig(
         d_model,
         heads,
@@ -140,7 +193,7 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
         bias=bias,
         scale=scale,
         sliding_window=_window(cfg, family, layer),
-        softcap=None if softcap is None else float(softcap),
+        softcap=softcap,
         rope=_rope(cfg, head_dim),
         biases=biases,
         qk_norm_eps=qk_norm,
@@ -157,42 +210,47 @@ def decoder_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer: 
     attention = attention_config_from_hf(cfg, layer)
     family = cfg["model_type"]
     if family == "falcon":
-        new_arch = bool(cfg.get("new_decoder_architecture"))
-        norms = cfg.get("num_ln_in_parallel_attn") or (2 if new_arch else 1)
+        new_arch = _flag(cfg, "new_decoder_architecture", False)
+        norms = _int(cfg, "num_ln_in_parallel_attn", None, most=2) or (2 if new_arch else 1)
         return DecoderConfig(
             attention,
-            _get(cfg, "ffn_hidden_size", int, 4 * attention.d_model),
+            _int(cfg, "ffn_hidden_size", 4 * attention.d_model),
             mlp="plain",
-            activation=HF_ACTIVATIONS[cfg.get("activation") or "gelu"],
+            activation=_activation(cfg, "activation", "gelu"),
             norm="layer",
-            norm_eps=float(_get(cfg, "layer_norm_epsilon", (int, float), 1e-5)),
-            mlp_bias=bool(cfg.get("bias", False)),
-            parallel=new_arch or bool(cfg.get("parallel_attn", True)),
-            parallel_norms=int(norms) if new_arch else 1,
+            norm_eps=_number(cfg, "layer_norm_epsilon", 1e-5),
+            mlp_bias=_flag(cfg, "bias", False),
+            parallel=new_arch or _flag(cfg, "parallel_attn", True),
+            parallel_norms=norms if new_arch else 1,
         )
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if act not in HF_ACTIVATIONS:
-        raise UnknownNameError("hidden_act", str(act), tuple(HF_ACTIVATIONS))
+    key = "hidden_activation" if cfg.get("hidden_activation") is not None else "hidden_act"
     return DecoderConfig(
         attention,
-        _get(cfg, "intermediate_size", int),
+        _int(cfg, "intermediate_size"),
         mlp="gated",
-        activation=HF_ACTIVATIONS[act],
+        activation=_activation(cfg, key, "silu"),
         norm="rms",
-        norm_eps=float(_get(cfg, "rms_norm_eps", (int, float), 1e-6)),
+        norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
         norm_offset=1.0 if family == "gemma2" else 0.0,
         sandwich_norms=family == "gemma2",
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=_flag(cfg, "mlp_bias", False),
     )
+
+
+def _activation(cfg: Mapping[str, Any], key: str, default: str) -> str:
+    act = _get(cfg, key, str, default)
+    if act not in HF_ACTIVATIONS:
+        raise UnknownNameError(f"config field {key!r} value", str(act), tuple(HF_ACTIVATIONS))
+    return HF_ACTIVATIONS[act]
 
 
 def decoder_configs_from_hf(config: Mapping[str, Any] | str | Path | Any, n_layers: int | None = None) -> list[DecoderConfig]:
     """One :class:`DecoderConfig` per layer (``num_hidden_layers``, or the first ``n_layers``): windows may alternate."""
     cfg = read_hf_config(config)
-    total = int(_get(cfg, "num_hidden_layers", int))
+    total = _int(cfg, "num_hidden_layers", most=MAX_LAYERS)
     n = total if n_layers is None else n_layers
-    if not 1 <= n <= total:
-        raise AttentionConfigError(f"n_layers must be in 1..{total} (num_hidden_layers), got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= total:
+        raise AttentionConfigError(f"n_layers must be an int in 1..{total} (num_hidden_layers), got {n!r}")
     return [decoder_config_from_hf(cfg, i) for i in range(n)]
 
 
