@@ -20,6 +20,7 @@ import numpy as np
 from .errors import DimError
 
 __all__ = [
+    "MAX_SIZE",
     "check_sizes",
     "Dim",
     "Shape",
@@ -44,6 +45,8 @@ __all__ = [
 
 Dim = int | str
 Shape = tuple[Dim, ...]
+MAX_SIZE = 2**48
+"""The largest static size of one axis graphc accepts in a declared shape (far past any real tensor)."""
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _TERM = re.compile(r"\s*([+-])?\s*([^+-]+)")
@@ -145,6 +148,8 @@ def normalize_shape(shape: Iterable[Dim]) -> Shape:
         nd = normalize_dim(d)
         if isinstance(nd, int) and nd < 0:
             raise DimError(f"dimension {d!r} in shape {tuple(shape)!r} is negative")
+        if isinstance(nd, int) and nd > MAX_SIZE:
+            raise DimError(f"dimension {d!r} in shape {tuple(shape)!r} exceeds {MAX_SIZE} (2**48), the largest axis graphc accepts")
         out.append(nd)
     return tuple(out)
 

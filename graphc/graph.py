@@ -114,6 +114,18 @@ def _name_of(v: ValueLike) -> str:
     return v.name if isinstance(v, Value) else v
 
 
+def _operand_name(graph: "Graph", v: ValueLike) -> str:
+    """The name of operand ``v``; a :class:`Value` handle must belong to ``graph`` (not to another graph of the same names)."""
+    if isinstance(v, Value):
+        if graph._values.get(v.name) is not v:
+            raise UndefinedValueError(f"value {v.name!r} is a handle from another graph (or a replaced value), not of graph {graph.name!r}; "
+                                      "pass this graph's values (or their names)")
+        return v.name
+    if not isinstance(v, str):
+        raise GraphError(f"an operand must be a Value of graph {graph.name!r} or a value name, got {type(v).__name__} {v!r}")
+    return v
+
+
 class _TypesView(Mapping[str, TensorType]):
     """Read-only name -> type view of a graph's values."""
 
@@ -161,6 +173,8 @@ class Graph(GraphBuilder):
     """
 
     def __init__(self, name: str = "graph") -> None:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"a graph's name must be a non-empty string, got {type(name).__name__} {name!r}")
         self.name = name
         self._values: dict[str, Value] = {}
         self._inputs: list[str] = []
@@ -278,7 +292,7 @@ class Graph(GraphBuilder):
         before: str | None = None,
     ) -> tuple[Value, ...]:
         """Add a node with one output per name in ``names`` (default: fresh names) and return them."""
-        in_names = tuple(_name_of(v) for v in inputs)
+        in_names = tuple(_operand_name(self, v) for v in inputs)
         n_out = op.num_outputs
         if names is None:
             base = op.kind.lower()
@@ -318,7 +332,7 @@ class Graph(GraphBuilder):
     def output(self, *values: ValueLike) -> None:
         """Mark ``values`` as graph outputs (in order)."""
         for v in values:
-            name = _name_of(v)
+            name = _operand_name(self, v)
             if name not in self._values:
                 raise UndefinedValueError(f"graph output {name!r} is not defined")
             if name in self._output_uses:
@@ -570,7 +584,7 @@ class Graph(GraphBuilder):
         n = self._nodes[node]
         for i in n.inputs:
             self._drop_use(i, n)
-        n.inputs = tuple(_name_of(v) for v in inputs)
+        n.inputs = tuple(_operand_name(self, v) for v in inputs)
         for i in n.inputs:
             if i in self._values:
                 self._add_use(i, n)
@@ -582,7 +596,7 @@ class Graph(GraphBuilder):
         The new definition must infer exactly the old types, so readers stay valid.
         """
         node = self._nodes[name]
-        names = tuple(_name_of(v) for v in inputs)
+        names = tuple(_operand_name(self, v) for v in inputs)
         types = self._infer(name, op, names)
         old = tuple(self._values[o].type for o in node.outputs)
         if types != old:

@@ -19,7 +19,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from .errors import CycleError, GraphcError, SerializationError
+from .errors import CycleError, DuplicateNameError, GraphcError, SerializationError
 from .graph import Graph, Node
 from .numerics import contiguous
 from .ops import OP_TYPES, Op, TensorType
@@ -160,7 +160,12 @@ def graph_from_dict(doc: Any) -> Graph:
 
 def _dependency_order(pending: list[tuple[str, Op, list[str], list[str], list[TensorType]]]) -> list[tuple[str, Op, list[str], list[str], list[TensorType]]]:
     """The nodes of a document in an order where each reads only what came before (file order kept where valid)."""
-    producer = {n: k for k, p in enumerate(pending) for n in p[3]}
+    producer: dict[str, int] = {}
+    for k, p in enumerate(pending):
+        for n in p[3]:
+            if n in producer:
+                raise DuplicateNameError(f"{p[0]}: value {n!r} is already produced by {pending[producer[n]][0]}; every value has one producer")
+            producer[n] = k
     dag = nx.DiGraph()
     dag.add_nodes_from(range(len(pending)))
     for k, p in enumerate(pending):
@@ -183,6 +188,8 @@ def save_graph(graph: Graph, path: str | Path, include_weights: bool = True) -> 
 
 def load_graph(path: str | Path) -> Graph:
     """Read a graph written by :func:`save_graph`; errors name the file and the field."""
+    if not isinstance(path, (str, Path)):
+        raise SerializationError(f"load_graph takes a file path, got {type(path).__name__} {path!r}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:

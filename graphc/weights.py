@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .dims import MAX_SIZE
 from .errors import SerializationError, WeightError
 from .ops import check_dtype
 
@@ -84,6 +85,8 @@ def _header_entries(path: Path, header: dict[str, Any], data_bytes: int) -> list
             raise SerializationError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of non-negative integers")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
             raise SerializationError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end], non-negative integers")
+        if any(d > MAX_SIZE for d in shape):
+            raise SerializationError(f"{path}: tensor {name!r} has shape {shape}; graphc reads axes up to {MAX_SIZE} (2**48)")
         if not isinstance(dtype, str) or SAFETENSORS_DTYPES.get(dtype) is None:
             readable = ", ".join(k for k, v in SAFETENSORS_DTYPES.items() if v is not None)
             raise SerializationError(f"{path}: tensor {name!r} has dtype {dtype!r}; graphc reads {readable}")

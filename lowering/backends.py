@@ -206,6 +206,9 @@ def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
     Raises :class:`BackendUnavailableError` if the backend cannot run here.
     """
     spec = get_backend(backend)
+    threads = options.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4096):
+        raise BackendError(f"threads must be an int in 1..4096 (or None for the cores available), got {threads!r}")
     check_mapped_files(graph.initializers.values())  # weights memory-mapped from a file that changed since
     reason = spec.unavailable()
     if reason:

@@ -27,6 +27,7 @@ from graphc.errors import (
     DuplicateNameError,
     EinsumSpecError,
     ExportError,
+    GraphError,
     GraphcError,
     InputError,
     OpError,
@@ -219,7 +220,39 @@ CASES: list = [
         id="guard-weights",
     ),
     pytest.param(lambda t: set_memory_cap("lots"), GraphcError, ["'lots'", "GiB"], id="guard-bad-cap"),
+    # ---- earlier raw tracebacks and silent bindings
+    pytest.param(lambda t: CFG.kv_cache_bytes(1, 16, dtype="floaty"), UnknownNameError, ["dtype 'floaty'", "float32"], id="config-cache-bytes-unknown-dtype"),
+    pytest.param(lambda t: Graph("t").input("x", [10**30, 3]), DimError, ["exceeds", "2**48"], id="builder-huge-dim"),
+    pytest.param(lambda t: load_graph(_graph_file(t, _set("inputs.0.shape", [10**30, 3]))), SerializationError, ["inputs[0]", "exceeds"], id="load-huge-dim"),
+    pytest.param(lambda t: load_graph(None), SerializationError, ["file path", "NoneType"], id="load-graph-none"),
+    pytest.param(lambda t: Graph(name=None), GraphError, ["name", "NoneType"], id="graph-name-none"),
+    pytest.param(
+        lambda t: (a := _g(), b := _g(), b.output(b.softmax(a.value("x")))), UndefinedValueError, ["'x'", "another graph"], id="builder-value-of-another-graph"
+    ),
+    pytest.param(
+        lambda t: (a := _g(), b := _g(), b.output(a.value("x"))), UndefinedValueError, ["another graph"], id="builder-output-of-another-graph"
+    ),
+    pytest.param(
+        lambda t: graphc.serialize.graph_from_dict(_two_nodes_one_name()), DuplicateNameError, ["'y'", "nodes[0]", "one producer"], id="load-two-nodes-one-name"
+    ),
+    pytest.param(lambda t: run(_softmax_graph(), {"x": np.ones((2, 3), np.float32)}, threads=0), BackendError, ["threads", "0"], id="run-zero-threads"),
+    pytest.param(lambda t: run(_softmax_graph(), {"x": np.ones((2, 3), np.float32)}, backend="ort-cpu", threads=-1), BackendError, ["threads", "-1"], id="run-negative-threads"),
 ]
+
+
+def _softmax_graph() -> Graph:
+    g = _g()
+    g.output(g.softmax("x", name="y"))
+    return g
+
+
+def _two_nodes_one_name() -> dict:
+    g = _g()
+    g.output(g.exp(g.softmax("x", name="y"), name="z"))
+    doc = graphc.serialize.graph_to_dict(g)
+    doc["nodes"][1]["name"] = "y"
+    doc["outputs"] = ["y"]
+    return doc
 
 
 @pytest.fixture(autouse=True)
