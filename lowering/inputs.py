@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from graphc.errors import DimError, InputError
 from graphc.graph import Graph
 from graphc.memory import check_allocation
 
-__all__ = ["check_inputs", "random_inputs", "symbol_bindings", "input_shapes", "input_bytes", "format_sizes"]
+__all__ = ["check_inputs", "check_arrays", "random_inputs", "symbol_bindings", "input_shapes", "input_bytes", "format_sizes"]
 
 
 def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
@@ -30,18 +31,24 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
         raise InputError(f"missing input(s) {missing}; graph {graph.name!r} takes {graph.inputs}")
     if extra:
         raise InputError(f"unexpected input(s) {extra}; graph {graph.name!r} takes {graph.inputs}")
+    return check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, graph.name, require_all=True)
+
+
+def check_arrays(arrays: Mapping[str, object], types: Mapping[str, Any], graph_name: str, require_all: bool = False) -> dict[str, int]:
+    """Check each array's type, dtype, rank and sizes against ``types[name]``; return the symbol bindings they imply."""
     env: dict[str, int] = {}
     items = []
-    for name in graph.inputs:
-        arr = feeds[name]
-        t = graph.types[name]
+    for name, arr in arrays.items():
+        t = types[name]
         if not isinstance(arr, np.ndarray):
             raise InputError(f"input {name!r} must be a numpy.ndarray, got {type(arr).__name__}")
         if str(arr.dtype) != t.dtype:
             raise InputError(f"input {name!r} has dtype {arr.dtype}, expected {t.dtype}")
+        if arr.ndim != len(t.shape):
+            raise InputError(f"input {name!r} of graph {graph_name!r} has rank {arr.ndim} {list(arr.shape)}, expected rank {len(t.shape)} {list(t.shape)}")
         items.append((t.shape, arr.shape, f"input {name!r}"))
     try:
-        bind_shapes(items, env, require_all=True)
+        bind_shapes(items, env, require_all=require_all)
     except DimError as e:
         raise InputError(str(e)) from None
     return env

@@ -27,6 +27,8 @@ import numpy as np
 from graphc.errors import InputError, ShardingError
 from graphc.sharding import ShardPlan, Stage
 
+from .inputs import check_arrays
+
 __all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run"]
 
 
@@ -192,6 +194,7 @@ class ShardedRunner:
                 where[name] = ("whole", v)
             else:
                 raise InputError(f"input {name!r} must be a numpy.ndarray or a Resident, got {type(v).__name__}")
+        check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types, plan.name)
         seconds: list[list[Any]] = []
         for st in plan.stages:
             if st.sharded:

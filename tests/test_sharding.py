@@ -276,3 +276,15 @@ def test_cli_refuses_shard_counts_in_one_line(capsys, argv, fragment):
     code = main(["compare", *argv, "--seq", "4", "--backends", "numpy", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sharded_run_checks_input_ranks_before_splitting():
+    """A rank-1 past_key reached the splitter as a raw IndexError."""
+    from lowering.sharded import LocalExecutor, ShardedRunner
+
+    g = graphc.kv_cache_graph(graphc.AttentionConfig(64, 4, 2, head_dim=16), seed=0)
+    runner = ShardedRunner(shard(g, 2), LocalExecutor(2))
+    feeds = random_inputs(g, batch=1, seq=1, past_seq=4)
+    feeds["past_key"] = np.ones(8, np.float32)
+    with pytest.raises(InputError, match=r"'past_key'.*rank 1.*expected rank 4"):
+        runner.run(feeds)
