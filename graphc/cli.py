@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from . import __version__, memory
 from .attention import PRESETS, AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
+from .attention.hf import HF_FAMILIES
 from .dims import dim_symbols
 from .errors import GraphcError
 from .graph import Graph
@@ -61,7 +62,7 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="with an ONNX model or --graph: size of a symbolic dim (default: batch dims --batch, others --seq)")
     src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
     src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
-    src.add_argument("--hf-config", metavar="FILE", help="a transformers config.json: a decoder stack of that model (llama, mistral, qwen2, qwen3, gemma2)")
+    src.add_argument("--hf-config", metavar="FILE", help=f"a transformers config.json: a decoder stack of that model ({', '.join(HF_FAMILIES)})")
     src.add_argument("--weights", metavar="PATH", help="with --hf-config: a .safetensors file or a directory of them (memory-mapped; default random)")
     src.add_argument("--layers", type=int, default=None, help="layers of the stack (--hf-config: default all; info: default the preset's)")
     src.add_argument("--heads", type=int, help="custom config: query heads")
@@ -357,7 +358,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """Print a config's parameters, KV-cache memory, savings and FLOPs."""
+    """Print a config's parameters, KV-cache memory, savings and FLOPs; or, for an ONNX model or a saved graph, what it holds."""
+    if args.model is not None or args.graph:
+        if args.model is not None and args.graph:
+            raise UsageError("give either an ONNX model or --graph, not both")
+        g = _import_onnx(args.model, args.strict, args.attention_semantics) if args.model is not None else load_graph(args.graph)
+        print(_describe_graph(g, args.model or args.graph))
+        return 0
     cfg = _config(args)
     seq = 4096 if args.seq is None else args.seq
     for flag, v in (("--seq", seq), ("--batch", args.batch), ("--layers", args.layers)):
@@ -380,6 +387,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, seq, args.dtype, layers)
     print(f"  KV cache, all {layers} layers: {total / 2**30:.3f} GiB (MHA with the same heads: {mha_total / 2**30:.3f} GiB)")
     return 0
+
+
+def _describe_graph(g: Graph, source: str) -> str:
+    """What ``graphc info`` prints for a graph: interface, ops, parameters, and what the optimizer recognises."""
+    def shape(name: str) -> str:
+        t = g.types[name]
+        return f"{name} [{', '.join(str(d) for d in t.shape)}] {t.dtype}"
+
+    params = sum(int(a.size) for a in g.initializers.values())
+    weight_bytes = sum(int(a.nbytes) for a in g.initializers.values())
+    opt = optimize(g).graph
+    counts = ", ".join(f"{k} {v}" for k, v in g.op_counts().items())
+    after = ", ".join(f"{k} {v}" for k, v in opt.op_counts().items())
+    lines = [
+        f"{source}: graph {g.name!r}, {len(g.nodes)} nodes, {params:,} parameters ({weight_bytes / 2**20:,.1f} MiB)",
+        f"  inputs:  {'; '.join(shape(n) for n in g.inputs)}",
+        f"  outputs: {'; '.join(shape(n) for n in g.outputs)}",
+        f"  ops: {counts}",
+        f"  optimized: {len(opt.nodes)} nodes, {opt.op_counts().get('Attention', 0)} attention op(s) recognised; {after}",
+    ]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

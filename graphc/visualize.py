@@ -54,8 +54,12 @@ def to_dot(graph: Graph, title: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+_NO_DOT = ("SVG output needs the Graphviz 'dot' program (apt install graphviz, brew install graphviz; the graphviz Python package "
+           "alone is not enough) or use --format dot")
+
+
 def to_svg(graph: Graph, title: str | None = None) -> bytes:
-    """The graph as SVG, rendered by the Graphviz ``dot`` program or the ``graphviz`` Python package."""
+    """The graph as SVG, rendered by the Graphviz ``dot`` program (directly, or through the ``graphviz`` Python package)."""
     dot = to_dot(graph, title)
     exe = shutil.which("dot")
     if exe:
@@ -66,8 +70,8 @@ def to_svg(graph: Graph, title: str | None = None) -> bytes:
     try:
         import graphviz  # type: ignore[import-not-found]
     except ImportError:
-        raise GraphcError(
-            "SVG output needs Graphviz: install the 'dot' program (apt install graphviz, brew install graphviz) "
-            "or use --format dot"
-        ) from None
-    return graphviz.Source(dot).pipe(format="svg")
+        raise GraphcError(_NO_DOT) from None
+    try:
+        return graphviz.Source(dot).pipe(format="svg")
+    except Exception as e:  # noqa: BLE001 - graphviz.ExecutableNotFound when the package is there but the program is not
+        raise GraphcError(f"{_NO_DOT} (the graphviz Python package runs the same program: {type(e).__name__})") from None

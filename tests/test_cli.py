@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 
@@ -105,7 +106,7 @@ def test_show_text_dot_and_svg(capsys, tmp_path):
     if code == 0:
         assert svg.read_text().lstrip().startswith(("<?xml", "<svg"))
     else:
-        assert code == 2 and "SVG output needs Graphviz" in err
+        assert code == 2 and "Graphviz 'dot' program" in err
 
 
 def test_optimize_explain_and_round_trip(capsys, tmp_path):
@@ -165,3 +166,48 @@ def test_compare_core_decode_binds_the_past_length(capsys):
     code, out, _ = _run(capsys, "compare", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--core", "--decode", "--past", "9",
                         "--backends", "numpy,onnx-reference,ort-cpu", "--repeats", "1")
     assert code == 0 and "all backends agree" in out
+
+
+def test_svg_without_the_dot_program_is_one_line(monkeypatch, capsys):
+    """The graphviz Python package without Graphviz's dot raised a raw ExecutableNotFound."""
+    import sys
+    import types
+
+    import graphc.visualize as visualize
+
+    class ExecutableNotFound(RuntimeError):
+        pass
+
+    def pipe(self, format):  # noqa: A002 - graphviz's own argument name
+        raise ExecutableNotFound("failed to execute PosixPath('dot')")
+
+    fake = types.SimpleNamespace(Source=type("Source", (), {"__init__": lambda self, dot: None, "pipe": pipe}))
+    monkeypatch.setitem(sys.modules, "graphviz", fake)
+    monkeypatch.setattr(visualize.shutil, "which", lambda name: None)
+    assert main(["show", "--preset", "mistral-7b", "--core", "--format", "svg"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Graphviz 'dot' program" in err[0]
+
+
+def test_info_describes_an_onnx_model(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "m.onnx"))
+    assert main(["info", str(tmp_path / "m.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "12 parameters" in out and "x [b, 4] float32" in out and "y [b, 3] float32" in out
+
+
+def test_info_prints_per_projection_biases(capsys):
+    assert main(["info", "--preset", "qwen2-7b"]) == 0
+    assert "bias=q_proj,k_proj,v_proj" in capsys.readouterr().out
+
+
+def test_hf_config_help_lists_every_family(capsys):
+    with pytest.raises(SystemExit):
+        main(["info", "--help"])
+    assert "falcon" in capsys.readouterr().out

@@ -224,7 +224,7 @@ class AttentionConfig:
         per_token = self.kv_cache_bytes(1, 1, dtype, n_layers)
         lines = [
             f"{self.kind}: d_model={self.d_model}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.hd}, group_size={self.group_size}",
-            f"  causal={self.causal}, bias={self.bias}, scale={self.softmax_scale:.6g}"
+            f"  causal={self.causal}, bias={','.join(self.biases) if self.biases is not None else self.bias}, scale={self.softmax_scale:.6g}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
             + (f", right_window={self.right_window}" if self.right_window is not None else "")
             + (f", softcap={self.softcap:g}" if self.softcap is not None else ""),
