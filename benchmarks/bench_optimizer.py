@@ -8,8 +8,9 @@ and a 1-token decode over a 4096-token cache.  Times are medians over the
 repeats after one warm-up; for decode, calls rotate over enough input copies
 that K/V do not stay in cache.  Peak memory is tracemalloc's peak during one
 call (NumPy reports its buffers to tracemalloc).  The unoptimized graph is the
-naive NumPy peer (``np.repeat`` of K/V); torch SDPA is measured in the same run
-when torch is installed.
+naive NumPy peer (``np.repeat`` of K/V).  Other runtimes (torch SDPA,
+onnxruntime) are timed against graphc by ``bench_speed.py``, in one run under
+one method.  Prints the Markdown table the README shows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import graphc
 from lowering import NumpyInterpreter, prepare, random_inputs
 
-from _common import median_ms, torch_sdpa
+from _common import median_ms
 
 CASES = {
     "prefill": dict(batch=1, q_len=1024, kv_len=1024),
@@ -63,8 +64,6 @@ def bench(preset: str, case: str, repeats: int) -> dict:
         "opt_peak_mib": _peak(opt, feeds_list[0]) / 2**20,
         "model_repeat_mib": report.before.repeat_bytes / 2**20,
     }
-    sdpa = torch_sdpa(feeds_list, os.cpu_count() or 1, causal=CASES[case]["q_len"] == CASES[case]["kv_len"])
-    row["torch_sdpa_ms"] = None if sdpa is None else median_ms(sdpa, feeds_list, repeats)
     return row
 
 
@@ -77,19 +76,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = [bench(p, c, args.repeats) for p in args.presets.split(",") for c in args.cases.split(",")]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, numpy {np.__version__}, python {platform.python_version()}")
-    head = f"{'preset':<12} {'case':<8} {'heads':>6} {'unopt ms':>9} {'opt ms':>8} {'speedup':>8} {'unopt peak MiB':>15} {'opt peak MiB':>13} {'torch SDPA ms':>14} {'opt/torch':>10}"
-    print(head)
-    print("-" * len(head))
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; numpy {np.__version__}; float32, batch 1, causal; medians of {args.repeats} calls\n")
+    print("| preset | case | as written ms | optimized ms | speedup | peak MiB before / after | max abs diff |")
+    print("|---|---|---|---|---|---|---|")
+    labels = {"prefill": "causal prefill 1024", "decode": "decode 1 over 4096"}
     for r in rows:
-        torch_ms = r["torch_sdpa_ms"]
-        t_txt = "-" if torch_ms is None else f"{torch_ms:.2f}"
-        ratio = "-" if torch_ms is None else f"{r['opt_ms'] / torch_ms:.2f}"
-        print(
-            f"{r['preset']:<12} {r['case']:<8} {r['heads']:>6} {r['unopt_ms']:>9.2f} {r['opt_ms']:>8.2f} {r['unopt_ms'] / r['opt_ms']:>7.2f}x "
-            f"{r['unopt_peak_mib']:>15.1f} {r['opt_peak_mib']:>13.1f} "
-            f"{t_txt:>14} {ratio:>10}"
-        )
+        print(f"| {r['preset']} ({r['heads']}) | {labels[r['case']]} | {r['unopt_ms']:.1f} | {r['opt_ms']:.1f} | {r['unopt_ms'] / r['opt_ms']:.2f}x "
+              f"| {r['unopt_peak_mib']:.1f} / {r['opt_peak_mib']:.1f} | {r['max_abs_diff']:.1e} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

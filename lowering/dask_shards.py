@@ -10,6 +10,8 @@ worker: what crosses is what the driver sends (``scatter``) or fetches.
 
 from __future__ import annotations
 
+import atexit
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,14 +44,17 @@ def local_cluster(n_workers: int, threads_per_worker: int = 1, processes: bool =
     distributed = _distributed()
     cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=processes,
                                        dashboard_address=":0", memory_limit=0)  # any free port: never clashes with a running cluster
-    return distributed.Client(cluster)
+    client = distributed.Client(cluster)
+    atexit.register(close_cluster, client)  # a script that never closes it exits quietly (workers would log lost data)
+    return client
 
 
 def close_cluster(client: Any) -> None:
     """Close ``client`` and the cluster it was made with (as :func:`local_cluster` makes them)."""
     cluster = client.cluster
-    client.close()
-    if cluster is not None:
+    if client.status not in ("closed", "closing"):
+        client.close()
+    if cluster is not None and cluster.status.name not in ("closed", "closing"):
         cluster.close()
 
 
@@ -77,6 +82,7 @@ class DaskExecutor:
 
     def __init__(self, client: Any, n: int) -> None:
         self.client, self.n = client, n
+        self.owns_client = False  # True when sharded_runner made the cluster: close() then shuts it down
         workers = sorted(client.scheduler_info()["workers"])
         if not workers:
             raise BackendUnavailableError("dask", "the Dask client has no workers")
@@ -95,6 +101,11 @@ class DaskExecutor:
             [graph_future] = self.client.scatter([g], workers=[self.workers[i]], hash=False)
             self._graphs.append(graph_future)
             self._runners[(stage.index, i)] = self._submit(i, _prepare_on_worker, graph_future, backend, dict(options))
+
+    def close(self) -> None:
+        """Shut down the cluster if this executor's runner made it (a client you passed in stays open)."""
+        if self.owns_client:
+            close_cluster(self.client)
 
     def put(self, shard: int, array: np.ndarray) -> Any:
         """Small arrays travel inside the task that reads them (no extra round trip); large ones are scattered to the shard's worker."""
@@ -126,9 +137,12 @@ class DaskExecutor:
 def sharded_runner(graph: Graph | ShardPlan, n: int | None = None, backend: str = "numpy", client: Any = None, **options: Any) -> ShardedRunner:
     """A :class:`ShardedRunner` for ``graph`` split ``n`` ways (or a ready plan) on ``client`` (a new LocalCluster of ``n`` workers if None)."""
     plan = graph if isinstance(graph, ShardPlan) else shard(graph, n if n is not None else 2)
-    if client is None:
+    own = client is None
+    if own:
         client = local_cluster(plan.n)
-    return ShardedRunner(plan, DaskExecutor(client, plan.n), backend, **options)
+    executor = DaskExecutor(client, plan.n)
+    executor.owns_client = own
+    return ShardedRunner(plan, executor, backend, **options)
 
 
 def run_sharded(graph: Graph, inputs: Mapping[str, Any], n: int, backend: str = "numpy", client: Any = None,

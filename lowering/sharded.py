@@ -132,6 +132,18 @@ class ShardedRunner:
             else:
                 self._local[st.index] = prepare(st.graphs[0], backend, **options)
 
+    def close(self) -> None:
+        """Release the executor (a LocalCluster that :func:`~lowering.dask_shards.sharded_runner` started is shut down)."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "ShardedRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _whole(self, name: str, where: tuple[str, Any]) -> np.ndarray:
         return self._wholes({name: where})[0][name]
 
