@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -152,9 +153,11 @@ BAD = {
     "gather index past a static axis": (_node_model(helper.make_node("Gather", ["x", "i"], ["y"], axis=1), X23, [_i64("i", [0, 3])]), "out of range for axis 1 of size 3"),
     "attention with zero heads": (
         _model([helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=0, kv_num_heads=0)], [_vi(n, F, [1, 4, 8]) for n in "qkv"], [_vi("y", F, None)], opset=23),
-        "Attention",
+        "q_num_heads=0; head counts must be >= 1",
     ),
     "unknown standard op": (_node_model(helper.make_node("NoSuchOp", ["x"], ["y"]), X23), "No Op registered for NoSuchOp"),
+    "keepdims that is not a flag": (_node_model(helper.make_node("ReduceSum", ["x", "a"], ["y"], keepdims=-1), X23, [_i64("a", [1])]), "keepdims=-1; it is a flag"),
+    "transpose of Gemm not a flag": (_node_model(helper.make_node("Gemm", ["x", "x"], ["y"], transB=2), X23), "transB=2"),
 }
 
 
@@ -309,7 +312,10 @@ def _mutants(draw):
     return model
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MUTANTS = 3000 if os.environ.get("GRAPHC_FUZZ") == "nightly" else 300
+
+
+@settings(max_examples=MUTANTS, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutants())
 def test_mutants_import_equal_to_onnxruntime_or_are_refused(model):
     try:

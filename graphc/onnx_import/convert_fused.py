@@ -48,6 +48,11 @@ def _attention(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if rank == 3:
         if "q_num_heads" not in attrs or "kv_num_heads" not in attrs:
             raise ctx.error("Attention with 3D inputs needs the q_num_heads and kv_num_heads attributes")
+        for key in ("q_num_heads", "kv_num_heads"):
+            if attrs[key] < 1:
+                raise ctx.error(f"Attention {key}={attrs[key]}; head counts must be >= 1")
+        if attrs["q_num_heads"] % attrs["kv_num_heads"]:
+            raise ctx.error(f"Attention q_num_heads={attrs['q_num_heads']} is not a multiple of kv_num_heads={attrs['kv_num_heads']}")
         q = _split_heads(ctx, q, attrs["q_num_heads"], "q")
         k = _split_heads(ctx, k, attrs["kv_num_heads"], "k")
         v = _split_heads(ctx, v, attrs["kv_num_heads"], "v")

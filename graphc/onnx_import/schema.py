@@ -6,7 +6,8 @@ opset does not define, a wrong input or output count, a missing required
 attribute, an unknown attribute or one of the wrong type.  On top of it, the
 schema's type constraints are checked against the types graphc knows for the
 inputs: every input bound to one type parameter (``T`` of ``Add``) has the
-same element type, and that type is one the parameter allows.  Contrib
+same element type, and that type is one the parameter allows; flag attributes
+(``keepdims``, ``transA`` ...) are 0 or 1.  Contrib
 domains (``com.microsoft``) have no ``onnx.defs`` schema; their converters
 check what they read.
 """
@@ -21,7 +22,7 @@ from onnx import checker, defs
 
 from ..errors import OnnxImportError
 
-__all__ = ["check_node_schema", "onnx_type_string"]
+__all__ = ["SchemaChecker", "onnx_type_string", "FLAG_ATTRIBUTES"]
 
 _GRAPHC_TO_ONNX = {
     "float32": "tensor(float)", "float64": "tensor(double)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
@@ -39,6 +40,14 @@ def onnx_type_string(dtype: str | np.dtype) -> str:
     except (TypeError, KeyError, ValueError):
         return f"tensor({name})"
     return f"tensor({onnx.TensorProto.DataType.Name(code).lower()})"
+
+
+FLAG_ATTRIBUTES = frozenset({
+    "keepdims", "noop_with_empty_axes", "transA", "transB", "upper", "allowzero", "reverse", "exclusive", "is_causal",
+    "select_last_index", "ceil_mode", "count_include_pad", "interleaved", "do_rotary", "unidirectional",
+})
+"""Int attributes that are flags: the schemas type them as ints, and runtimes disagree on values other than 0 and 1
+(onnxruntime's reductions keep dims only for ``keepdims == 1``), so graphc refuses those values."""
 
 
 def _checker_context(ir_version: int, opsets: Mapping[str, int]) -> checker.C.CheckerContext:
@@ -72,6 +81,9 @@ class SchemaChecker:
         except (checker.ValidationError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise OnnxImportError(f"{where}: not a valid {node.op_type} node under opset {self.opsets.get(domain or 'ai.onnx')}: {first}") from None
+        for a in node.attribute:
+            if a.name in FLAG_ATTRIBUTES and a.type == onnx.AttributeProto.INT and a.i not in (0, 1):
+                raise OnnxImportError(f"{where}: attribute {a.name}={a.i}; it is a flag, 0 or 1 (runtimes read other values differently)")
         if domain not in ("", "ai.onnx.ml"):
             return
         try:
