@@ -4,6 +4,10 @@
   an imported decoder: ``ReduceMean(x * x)``).
 - :class:`Gather` indexes one axis with a runtime index tensor (``position_ids``
   into a RoPE cos/sin cache, token ids into an embedding table).
+- :class:`Arange` is ``start .. stop-1`` for dims known at run time (positions
+  of a length no tensor of the graph has as an axis).
+- :class:`BroadcastTo` stretches size-1 axes to a (symbolic) shape: an
+  ``Expand`` whose result is used as it is, not only broadcast into another op.
 - :class:`ShapeValues` is a small int64 tensor whose entries are dims, such as
   ``[batch, seq, 4096]``: what an ONNX ``Shape`` computation evaluates to when it
   must exist at run time (an input of an op graphc passes through unchanged).
@@ -17,11 +21,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from .dims import Dim, dim_sub, eval_dim, normalize_dim
-from .errors import DimError, DTypeMismatchError, OpError, UnknownNameError
-from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
+from .dims import Dim, Shape, dim_sub, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
+from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
+from .ops import FLOAT_DTYPES, Dims, Op, TensorType, broadcast_shapes, register_op
 
-__all__ = ["Reduce", "Gather", "Slice", "ShapeValues", "REDUCE_FUNCTIONS"]
+__all__ = ["Reduce", "Gather", "Slice", "ShapeValues", "Arange", "BroadcastTo", "REDUCE_FUNCTIONS"]
 
 REDUCE_FUNCTIONS = ("sum", "mean", "max", "min")
 
@@ -184,3 +188,61 @@ class ShapeValues(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         out = np.array([eval_dim(d, dims) for d in self.values], np.int64)
         return out.reshape(()) if self.scalar else out
+
+
+@register_op
+@dataclass(frozen=True)
+class Arange(Op):
+    """The int64 positions ``start, start+1, ..., stop-1`` for dims known at run time (an ONNX ``Range`` over shape values).
+
+    Its length ``stop - start`` is the output's (symbolic) dim, so it broadcasts against tensors of that length.
+    """
+
+    start: Dim
+    stop: Dim
+    arity: ClassVar[int | None] = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "start", normalize_dim(self.start))
+            object.__setattr__(self, "stop", normalize_dim(self.stop))
+        except DimError as e:
+            raise OpError(f"Arange: {e}") from None
+
+    def check_arity(self, n: int) -> None:
+        if n:
+            raise OpError(f"Arange takes no inputs, got {n}")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        return TensorType((dim_sub(self.stop, self.start),), "int64")
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        start, stop = eval_dim(self.start, dims), eval_dim(self.stop, dims)
+        if stop < start:
+            raise OpError(f"Arange: stop {self.stop}={stop} is below start {self.start}={start}")
+        return np.arange(start, stop, dtype=np.int64)
+
+
+@register_op
+@dataclass(frozen=True)
+class BroadcastTo(Op):
+    """``x`` broadcast to ``shape`` (an ONNX ``Expand`` to a shape computed from dims): size-1 axes stretch."""
+
+    shape: Shape
+    arity: ClassVar[int | None] = 1
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "shape", normalize_shape(self.shape))
+        except DimError as e:
+            raise OpError(f"BroadcastTo: {e}") from None
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        (x,) = ins
+        out = broadcast_shapes(x.shape, self.shape, "BroadcastTo")
+        if tuple(out) != tuple(self.shape):
+            raise ShapeMismatchError(f"BroadcastTo: {format_shape(x.shape)} does not broadcast to {format_shape(self.shape)} (it gives {format_shape(out)})")
+        return TensorType(self.shape, x.dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        return np.ascontiguousarray(np.broadcast_to(args[0], eval_shape(self.shape, dims)))

@@ -33,7 +33,7 @@ from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
 from graphc.rotary import Positions
-from graphc.tensor_ops import Gather, Reduce, ShapeValues, Slice
+from graphc.tensor_ops import Arange, BroadcastTo, Gather, Reduce, ShapeValues, Slice
 
 from .contraction import plan_matmul
 from .onnx_chunked import chunked_unsupported, emit_chunked_attention
@@ -342,6 +342,11 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         axis = op.axis % g.types[ins[0]].rank
         one = lambda v: b.const(np.array([v], np.int64), "i")  # noqa: E731
         b.op("Slice", [ins[0], b.dim(op.start), b.dim(op.stop), one(axis), one(op.step)], out)
+    elif isinstance(op, BroadcastTo):
+        b.op("Expand", [ins[0], b.shape(op.shape)], out)
+    elif isinstance(op, Arange):
+        scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
+        b.op("Range", [scalar(op.start), scalar(op.stop), b.const(np.array(1, np.int64), "one")], out)
     elif isinstance(op, ShapeValues):
         values = b.shape(op.values)
         if op.scalar:

@@ -27,11 +27,13 @@ from typing import Any, Union
 import numpy as np
 import onnx
 
-from ..dims import Dim, format_shape, is_static, normalize_dim
-from ..errors import OnnxImportError
+from ..dims import Dim, format_shape, is_static, is_symbol, normalize_dim
+from ..einsum_spec import parse_einsum
+from ..errors import EinsumSpecError, OnnxImportError, ShapeMismatchError
 from ..graph import Graph
-from ..ops import Cast
-from ..tensor_ops import ShapeValues
+from ..ops import Binary, Cast, Compare, Concat, Einsum, Where
+from ..tensor_ops import BroadcastTo, ShapeValues
+from .unify import DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
 
 __all__ = ["SymInts", "Filled", "Triangle", "MaskSum", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
 
@@ -125,6 +127,8 @@ class ImportContext:
         self.notes: list[str] = []
         self.array_names: dict[int, str] = {}  # id(initializer array) -> its ONNX name
         self.constants: dict[int, tuple[np.ndarray, str]] = {}  # id(array) -> (array, graph value): each array becomes one constant
+        self.aliases: dict[str, Dim] = {}  # free symbol -> the dim the model proved it equal to (see .unify)
+        self.free: dict[str, int] = {}  # free symbols (graph inputs', opaque outputs') -> the order they were met
 
     # ------------------------------------------------------------ errors
     def where(self) -> str:
@@ -214,9 +218,12 @@ class ImportContext:
         if isinstance(v, SymInts):
             out = self.graph.add_node(ShapeValues(v.values, v.scalar), [], self.graph.fresh_name("shape_values")).name
             return out if v.dtype == "int64" else self.add(Cast(v.dtype), [out], "shape_values_cast")
-        if isinstance(v, Broadcast):
-            raise self.error(f"{what}: an Expand of {v.name!r} to the symbolic shape {format_shape(v.shape)} is only supported where it broadcasts into another operand")
-        raise self.error(f"{what}: a constant fill of symbolic shape {format_shape(v.shape)} is only supported where it broadcasts into another operand")
+        if isinstance(v, Broadcast):  # used as it is: materialised
+            return self.add(BroadcastTo(v.shape), [v.name], "expand")
+        if isinstance(v, Filled):
+            fill = self.constant(np.asarray(v.value).reshape(()), "fill")
+            return self.add(BroadcastTo(v.shape), [fill], "filled")
+        raise self.error(f"{what}: a triangular mask of symbolic shape {format_shape(v.shape)} is only supported where it is added to or multiplies a tensor")
 
     def constant(self, arr: np.ndarray, base: str = "const") -> str:
         """A new initializer holding ``arr`` (converted to a graphc dtype)."""
@@ -228,8 +235,48 @@ class ImportContext:
         return self.graph.add_initializer(self.graph.fresh_name(_clean(base)), arr, copy=arr.flags.writeable).name
 
     def add(self, op: Any, inputs: Sequence[str], base: str = "t") -> str:
-        """Add a single-output node and return its value name."""
-        return self.graph.add_node(op, list(inputs), self.graph.fresh_name(_clean(base))).name
+        """Add a single-output node and return its value name.
+
+        A shape error between two dims of which one is a free symbol raises :class:`DimConflict` (the import then
+        starts again with the two unified, see :mod:`.unify`).
+        """
+        try:
+            return self.graph.add_node(op, list(inputs), self.graph.fresh_name(_clean(base))).name
+        except (ShapeMismatchError, EinsumSpecError) as e:
+            conflict = self._conflict(op, [self.graph.types[i].shape for i in inputs if i in self.graph.types])
+            if conflict is not None:
+                raise DimConflict(conflict[0], conflict[1], e) from None
+            raise
+
+    def _conflict(self, op: Any, shapes: list[tuple[Dim, ...]]) -> tuple[str, Dim] | None:
+        if isinstance(op, (Binary, Compare, Where)):
+            return conflict_in_broadcast(shapes, self.free)
+        if isinstance(op, Concat):
+            rank = len(shapes[0])
+            axis = op.axis % rank if rank else 0
+            pairs = [(s[k], t[k]) for s in shapes for t in shapes if len(s) == len(t) == rank for k in range(rank) if k != axis]
+            return conflict_in_pairs(pairs, self.free)
+        if isinstance(op, Einsum):
+            spec = parse_einsum(op.spec)
+            seen: dict[str, list[Dim]] = {}
+            for term, shape in zip(spec.inputs, shapes):
+                for ch, d in zip(term, shape):
+                    seen.setdefault(ch, []).append(d)
+            return conflict_in_pairs(((ds[0], d) for ds in seen.values() for d in ds[1:]), self.free)
+        return None
+
+    def unify(self, a: Dim, b: Dim) -> None:
+        """Raise :class:`DimConflict` when ``a`` and ``b`` differ and one is a free symbol (the caller's dims must agree)."""
+        conflict = conflict_in_pairs([(a, b)], self.free)
+        if conflict is not None:
+            raise DimConflict(conflict[0], conflict[1], ShapeMismatchError(f"dims {a!r} and {b!r} must be equal"))
+
+    def declare_dim(self, d: Dim) -> Dim:
+        """A dim of a graph input or an opaque output: aliases applied; a bare symbol becomes a free symbol."""
+        d = substitute(normalize_dim(d), self.aliases)
+        if isinstance(d, str) and is_symbol(d) and d not in self.free:
+            self.free[d] = len(self.free)
+        return d
 
     def dim(self, d: Dim) -> Dim:
         """Normalize a dim, with the error on the node."""

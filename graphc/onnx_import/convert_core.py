@@ -21,7 +21,7 @@ from ..dims import Dim, dim_add, dim_sub, format_shape, normalize_dim
 from ..errors import GraphcError
 from ..ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
 from ..rotary import Positions
-from ..tensor_ops import Gather, Reduce, Slice
+from ..tensor_ops import Arange, Gather, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 
@@ -253,6 +253,7 @@ def _einsum_matmul(ctx: ImportContext, a: str, b: str) -> str:
             tb.append(own)
             out_batch.append(ch)
         else:
+            ctx.unify(x, y)
             raise ctx.error(f"MatMul batch dims {x!r} and {y!r} do not broadcast (shapes {format_shape(sa)}, {format_shape(sb)})")
     m, k, n = next(letters), next(letters), next(letters)
     spec_a = "".join(ta) + ("" if va else m) + k
@@ -537,7 +538,9 @@ def _range(ctx: ImportContext, ins: list, attrs: dict) -> list:
                 pos = ctx.add(Positions(axis, start.values[0]), [name], "range")
                 dtype = ctx.dtype_of(ins[0])
                 return [pos if dtype == "int64" else ctx.add(Cast(dtype), [pos], "range_cast")]
-    raise ctx.error(f"Range of symbolic length {length!r}: no tensor has an axis of that size to take positions from")
+    pos = ctx.graph.add_node(Arange(start.values[0], limit.values[0]), [], ctx.graph.fresh_name("range")).name  # no axis of that length yet
+    dtype = ctx.dtype_of(ins[0])
+    return [pos if dtype == "int64" else ctx.add(Cast(dtype), [pos], "range_cast")]
 
 
 def _trilu(ctx: ImportContext, ins: list, attrs: dict) -> list:

@@ -32,6 +32,7 @@ from .convert_core import CORE_CONVERTERS, SPLIT
 from .convert_fused import FUSED_CONVERTERS
 from .loading import read_model
 from .schema import SchemaChecker
+from .unify import MAX_UNIFICATIONS, DimConflict
 
 __all__ = ["from_onnx", "supported_ops", "ATTENTION_SEMANTICS"]
 
@@ -180,7 +181,7 @@ def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int])
         tt = t.tensor_type if t is not None and t.HasField("tensor_type") else None
         if tt is None or tt.elem_type not in ONNX_TO_DTYPE or not tt.HasField("shape"):
             raise ctx.error(f"{where} is not modelled by graphc and ONNX shape inference gives no type for its output {out!r}; declare it in value_info")
-        shapes.append(tuple(_dim(d, f"{_clean_name(out)}_dim{a}") for a, d in enumerate(tt.shape.dim)))
+        shapes.append(tuple(ctx.declare_dim(_dim(d, f"{_clean_name(out)}_dim{a}")) for a, d in enumerate(tt.shape.dim)))
         dtypes.append(ONNX_TO_DTYPE[tt.elem_type])
     proto = onnx.NodeProto(op_type=node.op_type, domain=node.domain)
     proto.attribute.extend(node.attribute)
@@ -217,17 +218,27 @@ def from_onnx(
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=_safe_to_propagate(model))
     except Exception:  # noqa: BLE001 - shape inference is only a source of types for opaque nodes
         inferred = model
-    g = Graph(_clean_name(name or model.graph.name or "imported"))
-    ctx = ImportContext(g, opsets["ai.onnx"], strict, attention_semantics)
     schemas = SchemaChecker(model.ir_version, opsets, frozenset(k for (d, k) in FUSED_CONVERTERS if d == ""))
-    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
-        ctx.onnx_types[vi.name] = vi.type
-    try:
-        _import_graph(ctx, model, opsets, schemas, mapped)
-    except OnnxImportError:
-        raise
-    except GraphcError as e:
-        raise ctx.error(str(e)) from None
+    aliases: dict[str, Dim] = {}
+    for _ in range(MAX_UNIFICATIONS + 1):
+        g = Graph(_clean_name(name or model.graph.name or "imported"))
+        ctx = ImportContext(g, opsets["ai.onnx"], strict, attention_semantics)
+        ctx.aliases = dict(aliases)
+        for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+            ctx.onnx_types[vi.name] = vi.type
+        try:
+            _import_graph(ctx, model, opsets, schemas, mapped)
+        except DimConflict as c:  # two dims the model proves equal: unify them and import again
+            if len(aliases) >= MAX_UNIFICATIONS:
+                raise ctx.error(str(c.error)) from None
+            aliases[str(c.a)] = c.b
+            continue
+        except OnnxImportError:
+            raise
+        except GraphcError as e:
+            raise ctx.error(str(e)) from None
+        break
+    ctx.notes[:0] = [f"assumed {sym} == {d} (the model's ops require it; checked when the model runs)" for sym, d in aliases.items()]
     g.verify()
     return g
 
@@ -252,7 +263,8 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
             raise OnnxImportError(f"graph input {vi.name!r} has a type graphc does not support ({onnx.helper.printable_type(vi.type)}); supported: {', '.join(ONNX_TO_DTYPE.values())}")
         if not tt.HasField("shape"):
             raise OnnxImportError(f"graph input {vi.name!r} declares no shape; graphc needs the rank")
-        shape = tuple(_dim(d, f"{_clean_name(vi.name)}_dim{a}".replace("/", "_").replace(".", "_").replace(":", "_").replace("-", "_")) for a, d in enumerate(tt.shape.dim))
+        shape = tuple(ctx.declare_dim(_dim(d, f"{_clean_name(vi.name)}_dim{a}".replace("/", "_").replace(".", "_").replace(":", "_").replace("-", "_")))
+                      for a, d in enumerate(tt.shape.dim))
         ctx.env[vi.name] = g.add_input(_clean_name(vi.name), shape, ONNX_TO_DTYPE[tt.elem_type]).name
     bound = {v for v in ctx.env.values() if isinstance(v, str)}
     for node in model.graph.node:
@@ -261,7 +273,7 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
         schemas.check(node, [ctx.dtype_of(x) if x is not None else None for x in ins], ctx.where())
         try:
             _convert_node(ctx, node, ins, opsets, bound)
-        except GraphcError:
+        except (GraphcError, DimConflict):
             raise
         except Exception as e:  # noqa: BLE001 - a node the converter did not expect: named, never a raw traceback
             raise ctx.error(f"graphc cannot convert this node ({type(e).__name__}: {e})") from None

@@ -1,0 +1,101 @@
+"""Dims that a model's ops prove equal are unified at import (and checked at run time); ONNX Range over dims no tensor
+has as an axis, and Expand to a symbolic shape used as it is, import as their own ops and run on every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from conftest import installed
+from onnx import TensorProto, helper, numpy_helper
+
+from graphc import Graph, optimize
+from graphc.errors import InputError
+from graphc.onnx_import import from_onnx
+from graphc.tensor_ops import Arange, BroadcastTo
+from lowering import run
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+BACKENDS = installed("numpy", "onnx-reference", "ort-cpu", "torch")
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    m = helper.make_model(helper.make_graph(nodes, "m", inputs, outputs, list(inits)), opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 10
+    return m
+
+
+def _vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def _check(model, feeds):
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    g = from_onnx(model)
+    for backend in BACKENDS:
+        got = run(optimize(g).graph, feeds, backend=backend)
+        for name, w in zip(g.outputs, want):
+            assert got[name].shape == w.shape, backend
+            np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=backend)
+    return g
+
+
+def test_two_names_for_one_length_are_unified_and_checked_at_run_time():
+    """scores [b, s, s] + mask [b, 1, total]: the exporter named the mask's length apart; it must equal s."""
+    nodes = [helper.make_node("MatMul", ["x", "xt"], ["scores"]), helper.make_node("Add", ["scores", "mask"], ["y"])]
+    model = _model(nodes, [_vi("x", F, ["b", "s", 4]), _vi("xt", F, ["b", 4, "s"]), _vi("mask", F, ["b", 1, "total"])], [_vi("y", F, None)])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 4), np.float32), "xt": rng.standard_normal((2, 4, 3), np.float32), "mask": rng.standard_normal((2, 1, 3), np.float32)}
+    g = _check(model, feeds)
+    assert g.types["mask"].shape == ("b", 1, "s")  # the later name gave way
+    with pytest.raises(InputError, match="mask"):
+        run(g, {**feeds, "mask": np.zeros((2, 1, 5), np.float32)})
+
+
+def test_a_fresh_dim_unifies_with_a_constant():
+    """onnxruntime-genai names a cache head axis kv_cache_dim; it meets a weight of 4 columns."""
+    w = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "c"], ["y"])]
+    model = _model(nodes, [_vi("x", F, ["b", 3]), _vi("c", F, ["b", "kv_cache_dim"])], [_vi("y", F, None)], [w])
+    feeds = {"x": np.ones((2, 3), np.float32), "c": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    g = _check(model, feeds)
+    assert g.types["c"].shape == ("b", 4)
+
+
+def test_range_over_a_sum_of_dims_no_tensor_has():
+    """Range(0, past + seq) built from two shapes: the positions of a length no axis of the graph has (yet)."""
+    nodes = [
+        helper.make_node("Shape", ["past"], ["sp"], start=1, end=2),
+        helper.make_node("Shape", ["x"], ["sx"], start=1, end=2),
+        helper.make_node("Add", ["sp", "sx"], ["total"]),
+        helper.make_node("Squeeze", ["total", "zero"], ["t"]),
+        helper.make_node("Range", ["start", "t", "one"], ["pos"]),
+        helper.make_node("Cast", ["pos"], ["posf"], to=F),
+        helper.make_node("Unsqueeze", ["posf", "zero"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"), numpy_helper.from_array(np.array(0, np.int64), "start"),
+             numpy_helper.from_array(np.array(1, np.int64), "one")]
+    model = _model(nodes, [_vi("past", F, [1, "p"]), _vi("x", F, [1, "s"])], [_vi("y", F, None)], inits)
+    feeds = {"past": np.zeros((1, 5), np.float32), "x": np.zeros((1, 2), np.float32)}
+    g = _check(model, feeds)
+    assert "Arange" in g.op_counts()
+
+
+def test_expand_to_a_symbolic_shape_used_as_it_is():
+    """An Expand whose result is an output (not broadcast into another op): materialised as BroadcastTo."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Unsqueeze", ["v", "zero"], ["v1"]),
+             helper.make_node("Expand", ["v1", "s"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero")]
+    model = _model(nodes, [_vi("x", F, ["b", 3]), _vi("v", F, [3])], [_vi("y", F, None)], inits)
+    g = _check(model, {"x": np.zeros((4, 3), np.float32), "v": np.arange(3, dtype=np.float32)})
+    assert "BroadcastTo" in g.op_counts()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_arange_and_broadcast_to_ops_on_every_backend(backend):
+    g = Graph("ops")
+    x = g.input("x", ["b", "n"])
+    pos = g.add_node(Arange(2, "n+2"), [], "pos")
+    g.output(g.add_node(BroadcastTo(("b", "n")), [g.add(g.cast(pos, "float32"), x)], "y"))
+    x = np.ones((3, 4), np.float32)
+    np.testing.assert_array_equal(run(g, {"x": x}, backend=backend)["y"], np.arange(2, 6, dtype=np.float32)[None, :] + x)
