@@ -152,8 +152,12 @@ class Slice(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         x = args[0]
         a = self.axis % x.ndim
+        start, stop = eval_dim(self.start, dims), eval_dim(self.stop, dims)
+        if not 0 <= start <= stop <= x.shape[a]:  # an import's assumption (x[-8:] of an axis >= 8) that this run breaks
+            raise DimError(f"Slice: bounds {self.start}..{self.stop} = {start}..{stop} fall outside axis {a} of size {x.shape[a]} "
+                           f"(with {', '.join(f'{k}={v}' for k, v in dims.items())})")
         index = [slice(None)] * x.ndim
-        index[a] = slice(eval_dim(self.start, dims), eval_dim(self.stop, dims), self.step)
+        index[a] = slice(start, stop, self.step)
         return x[tuple(index)]
 
 

@@ -185,6 +185,13 @@ def _logical(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
     return [ctx.add(Where(), [a, b, false] if op_type == "And" else [a, true, b], op_type.lower())]
 
 
+def _is_nan(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``IsNaN(x)``: ``x != x`` (sdpa's guard for fully masked rows)."""
+    x = ctx.tensor(ins[0])
+    same = ctx.add(Compare("equal"), [x, x], "is_number")
+    return [ctx.add(Where(), [same, ctx.constant(np.array(False), "false"), ctx.constant(np.array(True), "true")], "is_nan")]
+
+
 def _where(ctx: ImportContext, ins: list, attrs: dict) -> list:
     cond, x, y = ins
     folded = sym_where(cond, x, y)
@@ -612,6 +619,7 @@ CORE_CONVERTERS: dict[str, Converter] = {
     **{op: _with(_compare, op) for op in _COMPARE},
     **{op: _with(_logical, op) for op in ("And", "Or", "Not")},
     "Where": _where,
+    "IsNaN": _is_nan,
     "Cast": _shape_values_first("Cast", _cast),
     "MatMul": _matmul,
     "Gemm": _gemm,

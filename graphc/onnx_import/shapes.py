@@ -217,6 +217,12 @@ def reshape_target(ctx: ImportContext, in_shape: Sequence[Dim], target: Sequence
             denominator.append(nd)
     q = symbolic_quotient(dim_prod(numerator), dim_prod(denominator))
     if q is None:
+        # view(batch, -1) with batch taken from another input: the axes before the -1 (and after it, from the end)
+        # keep their place, so a free symbol there is the input's dim (unified, and checked when the model runs)
+        for i in range(min(infer_at, len(in_shape))):
+            ctx.unify(out[i], in_shape[i])
+        for i in range(1, min(len(out) - infer_at, len(in_shape))):
+            ctx.unify(out[-i], in_shape[-i])
         raise ctx.error(f"Reshape: cannot infer the -1 in {list(target)} from input shape {list(in_shape)} symbolically")
     out[infer_at] = q
     return tuple(out)

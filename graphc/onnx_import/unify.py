@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..dims import Dim, dim_add, dim_mul, dim_symbols, dim_terms, is_symbol, normalize_dim
+from ..dims import Dim, dim_add, dim_mul, dim_prod, dim_sub, dim_symbols, dim_terms, is_symbol, normalize_dim
 
 __all__ = ["DimConflict", "substitute", "conflict_in_broadcast", "conflict_in_pairs", "MAX_UNIFICATIONS"]
 
@@ -83,6 +83,15 @@ def choose(x: Dim, y: Dim, free: Mapping[str, int]) -> tuple[str, Dim] | None:
     """
     fx, fy = _free(x, free), _free(y, free)
     options = [(sym, other) for sym, other in ((fx, y), (fy, x)) if sym is not None and sym not in dim_symbols(other)]
+    if not options:  # expressions: solve x - y = 0 for a free symbol of coefficient +-1 (s15 + s70 = s70 + s89 -> s15 = s89)
+        terms = dim_terms(dim_sub(x, y))
+        for syms, coef in terms:
+            if len(syms) == 1 and syms[0] in free and abs(coef) == 1 and all(syms[0] not in t for t, _ in terms if t != syms):
+                rest: Dim = 0
+                for t, c in terms:
+                    if t != syms:
+                        rest = dim_add(rest, dim_mul(-c * coef, dim_prod(t)))
+                options.append((syms[0], normalize_dim(rest)))
     if not options:
         return None
     return max(options, key=lambda o: free[o[0]])
