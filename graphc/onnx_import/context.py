@@ -31,8 +31,8 @@ from ..dims import Dim, format_shape, is_static, is_symbol, normalize_dim
 from ..einsum_spec import parse_einsum
 from ..errors import EinsumSpecError, OnnxImportError, ShapeMismatchError
 from ..graph import Graph
-from ..ops import Binary, Cast, Compare, Concat, Einsum, Where
-from ..tensor_ops import BroadcastTo, ShapeValues
+from ..ops import Binary, Cast, Compare, Concat, Einsum, Reshape, Where
+from ..tensor_ops import Arange, BroadcastTo, ShapeValues
 from .unify import DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
 
 __all__ = ["SymInts", "Filled", "Triangle", "MaskSum", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
@@ -223,7 +223,26 @@ class ImportContext:
         if isinstance(v, Filled):
             fill = self.constant(np.asarray(v.value).reshape(()), "fill")
             return self.add(BroadcastTo(v.shape), [fill], "filled")
-        raise self.error(f"{what}: a triangular mask of symbolic shape {format_shape(v.shape)} is only supported where it is added to or multiplies a tensor")
+        if isinstance(v, Triangle):
+            return self._triangle(v)
+        parts = [self.tensor(p, what) for p in v.parts]  # a MaskSum used as it is
+        out = parts[0]
+        for p in parts[1:]:
+            out = self.add(Binary("add"), [out, p], "mask_sum")
+        return out
+
+    def _triangle(self, t: Triangle) -> str:
+        """``Trilu`` of a fill as a tensor: ``value`` where ``j - i >= k`` (upper) or ``<= k`` (lower), else 0."""
+        if len(t.shape) < 2:
+            raise self.error(f"Trilu needs rank >= 2, got shape {format_shape(t.shape)}")
+        rows = self.graph.add_node(Arange(0, t.shape[-2]), [], self.graph.fresh_name("tri_rows")).name
+        cols = self.graph.add_node(Arange(0, t.shape[-1]), [], self.graph.fresh_name("tri_cols")).name
+        diff = self.add(Binary("sub"), [cols, self.add(Reshape((t.shape[-2], 1)), [rows], "tri_rows_col")], "tri_diff")
+        k = self.tensor(SymInts((normalize_dim(t.k),), True), "Trilu k")
+        keep = self.add(Compare("greater_equal" if t.upper else "less_equal"), [diff, k], "tri_keep")
+        value = np.asarray(t.value).reshape(())
+        out = self.add(Where(), [keep, self.constant(value, "tri_value"), self.constant(np.zeros((), value.dtype), "tri_zero")], "triangle")
+        return out if len(t.shape) == 2 else self.add(BroadcastTo(t.shape), [out], "triangle")
 
     def constant(self, arr: np.ndarray, base: str = "const") -> str:
         """A new initializer holding ``arr`` (converted to a graphc dtype)."""

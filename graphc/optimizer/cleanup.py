@@ -7,6 +7,7 @@ by another value declines with a :class:`~graphc.optimizer.infra.Miss`.
 from __future__ import annotations
 
 
+from graphc.dims import is_static
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous
 from graphc.opaque import Opaque
@@ -246,6 +247,8 @@ def _match_constant(graph: Graph, node: Node, ctx: PassContext) -> object:
         return None
     if isinstance(node.op, (Repeat, Opaque)) or len(node.outputs) != 1 or graph.is_output(node.name):
         return None
+    if not is_static(graph.types[node.name].shape):  # a slice of a constant up to a run-time length (nanoGPT's tril buffer)
+        return Miss("its result has a symbolic shape")
     if ctx.numel(graph.types[node.name].shape) > CONSTANT_FOLD_LIMIT:
         return Miss(f"result has more than {CONSTANT_FOLD_LIMIT} elements")
     return node

@@ -1,0 +1,109 @@
+"""Tiny random-weight transformers causal LMs exported by torch.onnx as users export them (shared by tests and benchmarks).
+
+``export_model(family, exporter, attention, cache, path)`` writes one ONNX file: ``input_ids``, ``attention_mask`` and,
+with a cache, ``past_key_values.{i}.key/value`` in, ``logits`` (and ``present.{i}.key/value``) out, with dynamic batch,
+sequence and past lengths, by the legacy TorchScript exporter (``dynamo=False``, opset 18) or by ``torch.export``
+(``dynamo=True``).  ``feeds(model, batch, seq, past, pad)`` makes inputs for any size, left-padding the first row.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "falcon")
+VOCAB = 128
+
+
+def config(family: str, attention: str):  # noqa: ANN201 - a transformers PretrainedConfig
+    """A 2-layer config of ``family`` with hidden 64 (8 query / 2 KV heads where the family has GQA)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, attn_implementation=attention)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, **common)
+    if family == "falcon":
+        return transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config}
+    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128, head_dim=8, **common)
+    if family in ("mistral", "gemma2"):
+        kw.update(sliding_window=16)
+    if family == "gemma2":
+        kw.update(query_pre_attn_scalar=8)
+    return classes[family](**kw)
+
+
+def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
+    if cfg.model_type == "gpt2":
+        return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, kv, hd
+
+
+def export_model(family: str, exporter: str, attention: str, cache: bool, path: str | Path, seed: int = 0) -> Path:
+    """Export one tiny model (see the module doc); returns ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.manual_seed(seed)
+    cfg = config(family, attention)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    layers, kv_heads, head_dim = _cache_shape(cfg)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, *past):  # noqa: ANN001, ANN201
+            if not cache:
+                return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            c = DynamicCache(config=self.m.config)
+            for i in range(layers):
+                c.update(past[2 * i], past[2 * i + 1], i)
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=c, use_cache=True)
+            return (out.logits, *(t for layer in out.past_key_values.layers[:layers] for t in (layer.keys, layer.values)))
+
+    b, s, p = 2, 5, 7
+    ids = torch.randint(0, VOCAB, (b, s))
+    past = [torch.randn(b, kv_heads, p, head_dim) for _ in range(2 * layers)] if cache else []
+    mask = torch.ones(b, s + (p if cache else 0), dtype=torch.int64)
+    cache_names = [f"{kind}.{i}.{kv}" for kind in ("past_key_values",) for i in range(layers) for kv in ("key", "value")] if cache else []
+    inputs = ["input_ids", "attention_mask", *cache_names]
+    outputs = ["logits", *(n.replace("past_key_values", "present") for n in cache_names)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            d = torch.export.Dim.DYNAMIC
+            shapes = ({0: d, 1: d}, {0: d, 1: d}) + ((tuple({0: d, 2: d} for _ in past),) if cache else ())
+            torch.onnx.export(Wrapped(), (ids, mask, *past), str(path), dynamo=True, input_names=inputs, output_names=outputs,
+                              dynamic_shapes=shapes, optimize=True, verbose=False)
+        else:
+            axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total_seq"}}
+            axes.update({n: {0: "batch", 2: "past_seq"} for n in cache_names})
+            torch.onnx.export(Wrapped(), (ids, mask, *past), str(path), dynamo=False, input_names=inputs, output_names=outputs,
+                              dynamic_axes=axes, opset_version=18)
+    return Path(path)
+
+
+def feeds(model, batch: int, seq: int, past: int, pad: int = 0, seed: int = 0) -> dict[str, np.ndarray]:  # noqa: ANN001 - onnx.ModelProto
+    """Inputs for an exported model: token ids, a mask (the first row left-padded by ``pad``), a random cache of ``past``."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        if vi.name == "input_ids":
+            out[vi.name] = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
+        elif vi.name == "attention_mask":
+            mask = np.ones((batch, seq + past), np.int64)
+            mask[0, :pad] = 0
+            out[vi.name] = mask
+        else:
+            dims = vi.type.tensor_type.shape.dim
+            out[vi.name] = rng.standard_normal((batch, dims[1].dim_value, past, dims[3].dim_value)).astype(np.float32)
+    return out

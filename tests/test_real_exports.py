@@ -1,0 +1,146 @@
+"""Whole transformers models exported by torch.onnx import, optimize and run with outputs equal to onnxruntime on the file.
+
+The files are made here from tiny random-weight models (``tests/real_exports.py``): legacy and dynamo exporters,
+transformers' sdpa and eager attention, with and without a KV cache.  Each is checked at sizes never traced (batch
+1-3, prefill 5-9 tokens, decode over a past of 11-13, a left-padded row) on the NumPy and onnxruntime backends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from real_exports import export_model, feeds  # noqa: E402
+
+from graphc import optimize  # noqa: E402
+from graphc.cli import main  # noqa: E402
+from graphc.onnx_import import from_onnx  # noqa: E402
+from lowering import run  # noqa: E402
+
+CASES = [
+    *[(f, ex, at, c) for f in ("llama", "gpt2") for ex in ("legacy", "dynamo") for at in ("sdpa", "eager") for c in (False, True)],
+    ("qwen2", "dynamo", "sdpa", True), ("qwen2", "legacy", "sdpa", True),
+    ("qwen3", "legacy", "eager", True), ("gpt_neox", "dynamo", "sdpa", True),
+    ("falcon", "legacy", "sdpa", False), ("gemma2", "dynamo", "eager", False), ("mistral", "legacy", "sdpa", False),
+]
+SIZES = {False: [(1, 5, 0, 0), (3, 9, 0, 2)], True: [(1, 1, 11, 0), (3, 7, 13, 2)]}
+
+
+def _ids(case):
+    family, exporter, attention, cache = case
+    return f"{family}-{exporter}-{attention}-{'cache' if cache else 'nocache'}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_export_imports_with_outputs_equal_to_onnxruntime(case, tmp_path):
+    family, exporter, attention, cache = case
+    path = export_model(family, exporter, attention, cache, tmp_path / "model.onnx")
+    model = onnx.load(str(path), load_external_data=False)
+    graph = from_onnx(path)
+    optimized = optimize(graph).graph
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, seq, past, pad in SIZES[cache]:
+        f = feeds(model, batch, seq, past, pad)
+        want = session.run(None, f)
+        mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
+        for backend in ("numpy", "ort-cpu"):
+            got = run(optimized, mine, backend=backend)
+            for name, w in zip(optimized.outputs, want):
+                assert got[name].shape == w.shape, (backend, name)
+                np.testing.assert_allclose(got[name], w, rtol=1e-3, atol=1e-4, err_msg=f"{backend} {name} at {batch, seq, past, pad}")
+
+
+def test_optimize_cli_reexports_a_real_export(tmp_path, capsys):
+    path = export_model("llama", "legacy", "sdpa", True, tmp_path / "model.onnx")
+    assert main(["optimize", str(path), "-o", str(tmp_path / "opt.onnx")]) == 0
+    model = onnx.load(str(path), load_external_data=False)
+    f = feeds(model, 2, 3, 9, 1)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, f)
+    got = ort.InferenceSession(str(tmp_path / "opt.onnx"), providers=["CPUExecutionProvider"]).run(None, f)  # same names
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4)
+
+
+# ---------------------------------------------------------------- six ways to write causal attention in a torch module
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 64
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, kv_heads: int = HEADS) -> None:
+        super().__init__()
+        self.kv = kv_heads
+        self.q, self.k, self.v = (torch.nn.Linear(32, n * HEAD_DIM) for n in (HEADS, kv_heads, kv_heads))
+        self.register_buffer("bias", torch.tril(torch.ones(BLOCK, BLOCK)).view(1, 1, BLOCK, BLOCK))  # nanoGPT's mask buffer
+
+    def heads(self, x):  # noqa: ANN001, ANN201
+        b, s, _ = x.shape
+        split = lambda t, n: t.view(b, s, n, HEAD_DIM).transpose(1, 2)  # noqa: E731
+        return split(self.q(x), HEADS), split(self.k(x), self.kv), split(self.v(x), self.kv)
+
+
+def _sdpa_causal(self, x):  # noqa: ANN001, ANN202
+    q, k, v = self.heads(x)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != HEADS)
+
+
+def _bool_triu(self, x):  # noqa: ANN001, ANN202
+    q, k, v = self.heads(x)
+    hidden = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+    return torch.softmax((q @ k.transpose(-1, -2) / HEAD_DIM**0.5).masked_fill(hidden, float("-inf")), -1) @ v
+
+
+def _nanogpt(self, x):  # noqa: ANN001, ANN202
+    q, k, v = self.heads(x)
+    s = x.shape[1]
+    scores = (q @ k.transpose(-1, -2)) * (1.0 / HEAD_DIM**0.5)
+    return torch.softmax(scores.masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf")), -1) @ v
+
+
+def _full_triu(self, x):  # noqa: ANN001, ANN202
+    q, k, v = self.heads(x)
+    s = x.shape[1]
+    return torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM**0.5 + torch.full((s, s), float("-inf")).triu(1), -1) @ v
+
+
+def _repeat_then_sdpa_with_mask(self, x):  # noqa: ANN001, ANN202
+    q, k, v = self.heads(x)
+    g = HEADS // self.kv
+    keep = torch.tril(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool))
+    return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=keep)
+
+
+FORMS = {
+    "sdpa-is-causal": (_sdpa_causal, HEADS), "sdpa-is-causal-enable-gqa": (_sdpa_causal, KV_HEADS), "bool-triu-masked-fill": (_bool_triu, HEADS),
+    "nanogpt-tril-buffer": (_nanogpt, HEADS), "full-inf-triu": (_full_triu, HEADS), "repeat-interleave-sdpa-mask": (_repeat_then_sdpa_with_mask, KV_HEADS),
+}
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_causal_attention_forms_import_with_outputs_equal_to_onnxruntime(form, exporter, tmp_path):
+    forward, kv_heads = FORMS[form]
+    if exporter == "legacy" and form == "sdpa-is-causal-enable-gqa":
+        pytest.skip("torch's legacy exporter has no enable_gqa")
+    module = type(form.replace("-", "_"), (_Attention,), {"forward": forward})
+    torch.manual_seed(0)
+    m = module(kv_heads).eval()
+    path = tmp_path / "attention.onnx"
+    x = torch.randn(2, 10, 32)
+    if exporter == "dynamo":
+        d = torch.export.Dim.DYNAMIC
+        torch.onnx.export(m, (x,), str(path), dynamo=True, input_names=["x"], output_names=["y"], dynamic_shapes=({0: d, 1: d},), verbose=False)
+    else:
+        torch.onnx.export(m, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch", 1: "seq"}}, opset_version=18)
+    graph = from_onnx(path)
+    optimized = optimize(graph).graph
+    for batch, seq in ((1, 1), (3, 7), (2, 33)):
+        xs = np.random.default_rng(seq).standard_normal((batch, seq, 32)).astype(np.float32)
+        want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": xs})[0]
+        for backend in ("numpy", "ort-cpu"):
+            got = run(optimized, {graph.inputs[0]: xs}, backend=backend)[optimized.outputs[0]]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{backend} at {batch, seq}")
