@@ -24,6 +24,7 @@ from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
+from .triangles import tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
 
 __all__ = ["CORE_CONVERTERS", "Converter"]
 
@@ -168,6 +169,9 @@ def _unary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
 
 def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
     if op_type == "Equal":
+        tri = tri_equal(ins[0], ins[1])
+        if tri is not None:
+            return [tri]
         folded = sym_binary("Equal", ins)
         if folded is not None:
             return [folded]
@@ -177,6 +181,8 @@ def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
 
 
 def _logical(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
+    if op_type == "Not" and tri_not(ins[0]) is not None:
+        return [tri_not(ins[0])]
     true, false = ctx.constant(np.array(True), "true"), ctx.constant(np.array(False), "false")
     a = ctx.tensor(ins[0])
     if op_type == "Not":
@@ -186,19 +192,29 @@ def _logical(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
 
 
 def _is_nan(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    """``IsNaN(x)``: ``x != x`` (sdpa's guard for fully masked rows)."""
+    """``IsNaN(x)``: ``x != x``; all False on a softmax, whose fully masked rows graphc defines as zeros, not NaN
+    (so sdpa's ``Where(IsNaN(p), 0, p)`` guard folds away and the probabilities reach PV directly)."""
     x = ctx.tensor(ins[0])
+    producer = ctx.graph.producer(x)
+    if producer is not None and isinstance(producer.op, Softmax):
+        return [Filled(np.array(False), ctx.graph.types[x].shape)]
     same = ctx.add(Compare("equal"), [x, x], "is_number")
     return [ctx.add(Where(), [same, ctx.constant(np.array(False), "false"), ctx.constant(np.array(True), "true")], "is_nan")]
 
 
 def _where(ctx: ImportContext, ins: list, attrs: dict) -> list:
     cond, x, y = ins
+    tri = tri_where(cond, x, y)
+    if isinstance(tri, Triangle):
+        return [tri]
+    if tri is not None:  # a tensor with keys hidden on one side of a diagonal: tensor + Triangle(-inf)
+        res = _operands(ctx, tri[1], tri[2], "add")
+        return [res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")]
     folded = sym_where(cond, x, y)
     if folded is not None:
         return [folded]
-    if isinstance(cond, np.ndarray) and cond.size == 1:
-        pick = x if bool(cond.reshape(())) else y
+    if isinstance(cond, Filled) or isinstance(cond, np.ndarray) and cond.size == 1:
+        pick = x if bool(np.asarray(cond.value if isinstance(cond, Filled) else cond).reshape(())) else y
         try:
             out_shape = broadcast_shapes(broadcast_shapes(cond.shape, ctx.shape_of(x)), ctx.shape_of(y))
         except GraphcError as e:
@@ -223,6 +239,8 @@ def _cast(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ins[0]
     if isinstance(x, Filled):
         return [Filled(x.value.astype(to), x.shape)]
+    if isinstance(x, Triangle):
+        return [tri_cast(x, to)]
     x = ctx.tensor(x)
     if ctx.graph.types[x].dtype == to:
         return [x]
@@ -413,13 +431,21 @@ def _slice_bounds(size: Dim, start: Dim, stop: Dim) -> tuple[Dim, Dim]:
 
 
 def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    x = ctx.tensor(ins[0])
-    shape = ctx.graph.types[x].shape
     starts, ends = ctx.ints(ins[1], "Slice starts"), ctx.ints(ins[2], "Slice ends")
+    rank = len(ctx.shape_of(ins[0]))
     axes = ctx.ints(ins[3], "Slice axes") if len(ins) > 3 and ins[3] is not None else tuple(range(len(starts)))
     steps = ctx.ints(ins[4], "Slice steps") if len(ins) > 4 and ins[4] is not None else (1,) * len(starts)
     if not len(starts) == len(ends) == len(axes) == len(steps):
         raise ctx.error(f"Slice starts, ends, axes and steps must have one length, got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
+    tri = ins[0] if isinstance(ins[0], Triangle) else tri_from_buffer(ins[0], ins[0].shape) if isinstance(ins[0], np.ndarray) else None
+    if tri is not None and all(normalize_dim(s) == 0 for s in starts) and all(st == 1 for st in steps):
+        shape = list(tri.shape)  # a causal buffer cut to the run's length stays a triangle
+        for stop, axis in zip(ends, axes):
+            a = ctx.axis(axis, rank, "Slice axis")
+            shape[a] = _slice_bounds(shape[a], 0, stop)[1]
+        return [Triangle(tri.value, tuple(shape), tri.k, tri.upper)]
+    x = ctx.tensor(ins[0])
+    shape = ctx.graph.types[x].shape
     for start, stop, axis, step in zip(starts, ends, axes, steps):
         if not isinstance(axis, int) or not isinstance(step, int) or step < 1:
             raise ctx.error(f"Slice axis/step must be constants with step >= 1, got axis {axis!r} step {step!r}")

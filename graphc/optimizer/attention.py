@@ -194,8 +194,10 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
     pv = readers[0]
     pspec = pv.op.parsed  # type: ignore[attr-defined]
     split = _rows_split(graph.types[p_val].shape, graph.types[qk.name].shape, len(batch), rows, sizes, group, sq)
-    if len(pspec.inputs) != 2 or (graph.types[p_val].shape != graph.types[qk.name].shape and split is None):
-        return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape (or in it with the query rows split into group x queries)")
+    merged = _rows_merged(graph.types[p_val].shape, graph.types[qk.name].shape, len(batch), rows, sizes)
+    if len(pspec.inputs) != 2 or (graph.types[p_val].shape != graph.types[qk.name].shape and split is None and not merged):
+        return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape (or in it with the query rows split into group x queries, "
+                    "or merged from group x queries)")
     ppos = pv.inputs.index(p_val)
     p_term, v_term_raw = pspec.inputs[ppos], pspec.inputs[1 - ppos]
     pv_rows = rows
@@ -206,6 +208,13 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
         rename = dict(zip(p_term, out[:at] + g_label + s_label + out[at + 1 :]))
         sizes[g_label], sizes[s_label] = split
         pv_rows = g_label + s_label
+    elif merged:  # P is [.., group*queries, keys] where the scores are [.., group, queries, keys] (a grouped QK)
+        used = set(out + q_term + k_term + pspec.labels)
+        m_label = next(c for c in "MGQJKLNOPRSTUVWXYZ" if c not in used)
+        at = len(batch)
+        rename = dict(zip(p_term, out[:at] + m_label + out[at + len(rows) :]))
+        sizes[m_label] = n_rows
+        pv_rows = m_label
     else:
         rename = dict(zip(p_term, out))
     if rename[p_term[-1]] != t or p_term[-1] in pspec.output or p_term[-1] not in v_term_raw:
@@ -256,6 +265,13 @@ def _rows_split(p_shape: tuple[Dim, ...], s_shape: tuple[Dim, ...], at: int, row
     if p_shape[at] != group or p_shape[at + 1] != sq or sizes.get(rows) != dim_prod([group, sq]):
         return None
     return p_shape[at], p_shape[at + 1]
+
+
+def _rows_merged(p_shape: tuple[Dim, ...], s_shape: tuple[Dim, ...], at: int, rows: str, sizes: dict[str, Dim]) -> bool:
+    """Whether ``p_shape`` is the scores' shape with its (several) query-row axes merged into one."""
+    if len(rows) < 2 or len(p_shape) != len(s_shape) - len(rows) + 1:
+        return False
+    return p_shape[:at] == s_shape[:at] and p_shape[at + 1 :] == s_shape[at + len(rows) :] and p_shape[at] == dim_prod(sizes[c] for c in rows)
 
 
 def _strip_scale(graph: Graph, value: str, reader: str) -> tuple[str, float]:

@@ -32,7 +32,7 @@ from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Scale, Softmax, Tran
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
 
-__all__ = ["fuse_repeat_kv", "fold_groups", "EXPAND_REPEAT_RULE", "FUSE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
+__all__ = ["fuse_repeat_kv", "fold_groups", "EXPAND_REPEAT_RULE", "FUSE_REPEAT_RULE", "ABOVE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
 
 _LAYOUT = re.compile(r"^(.*)_BH([A-Z]+)$")
 
@@ -242,7 +242,19 @@ def _rewrite_hoist(graph: Graph, m: tuple[Node, Node], ctx: PassContext) -> str:
     return f"moved {kind} above {layout.op.kind} {layout.name!r}"
 
 
+def _match_above_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
+    """A Scale or unary op on a repeated K/V (sdpa's ``k * sqrt(scale)`` after ``repeat_interleave``) moves above the
+    Repeat: it then runs on the un-repeated tensor, and the Repeat meets the einsum that groups it."""
+    repeat = graph.producer(node.inputs[0])
+    if repeat is None or not isinstance(repeat.op, Repeat):
+        return None
+    if not only_reader(graph, repeat.name, node.name):
+        return Miss(f"{repeat.name!r} has other readers")
+    return node, repeat
+
+
 FUSE_REPEAT_RULE = Rule("fuse_repeat_kv", (Repeat,), _match_fuse, _rewrite_fuse)
+ABOVE_REPEAT_RULE = Rule("hoist_above_repeat", (Scale, Unary), _match_above_repeat, _rewrite_hoist)
 FOLD_RULE = Rule("fold_groups", (Einsum,), _match_fold, _rewrite_fold)
 
 fuse_repeat_kv = RewritePass(

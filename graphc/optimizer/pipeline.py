@@ -12,7 +12,7 @@ from graphc.graph import Graph
 
 from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .cost import GraphCost, format_comparison, graph_cost
-from .grouping import FOLD_RULE, EXPAND_REPEAT_RULE, FUSE_REPEAT_RULE, HOIST_RULE
+from .grouping import ABOVE_REPEAT_RULE, EXPAND_REPEAT_RULE, FOLD_RULE, FUSE_REPEAT_RULE, HOIST_RULE
 from .infra import Pass, PassContext, PassManager, RewritePass, Trace
 from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
@@ -26,12 +26,13 @@ STAGES: dict[str, Pass] = {
         RewritePass(
             "group_kv",
             "turn Repeat of K/V + einsum into a grouped einsum (no K/V copy) and fold the group into the GEMM rows",
-            [EXPAND_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE, *LAYOUT_RULES],
+            [EXPAND_REPEAT_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE, *LAYOUT_RULES],
         ),
         RewritePass(
             "simplify",
-            "layout no-ops and chains, elementwise ops above layout changes, the scale onto the smallest operand or a weight, constants folded",
-            [*LAYOUT_RULES, HOIST_RULE, *SCALE_RULES, CONSTANT_FOLD_RULE],
+            "layout no-ops and chains, elementwise ops above layout changes, the scale onto the smallest operand or a weight, constants folded; "
+            "a repeat that the moves expose is grouped",
+            [*LAYOUT_RULES, HOIST_RULE, *SCALE_RULES, CONSTANT_FOLD_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE],
         ),
         RewritePass("cleanup", "layout no-ops and chains, constants folded", [*LAYOUT_RULES, CONSTANT_FOLD_RULE]),
         plan_contractions,
