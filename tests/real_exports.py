@@ -17,20 +17,21 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", 
 VOCAB = 128
 
 
-def config(family: str, attention: str):  # noqa: ANN201 - a transformers PretrainedConfig
-    """A 2-layer config of ``family`` with hidden 64 (8 query / 2 KV heads where the family has GQA)."""
+def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a transformers PretrainedConfig
+    """A 2-layer config of ``family`` of width ``hidden`` (8 query / 2 KV heads where the family has GQA, else 4 heads)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, attn_implementation=attention)
     if family == "gpt2":
-        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+        return transformers.GPT2Config(n_embd=hidden, n_layer=2, n_head=4, n_positions=4096, **common)
     if family == "gpt_neox":
-        return transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, **common)
+        return transformers.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "falcon":
-        return transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
+        return transformers.FalconConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
                "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config}
-    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128, head_dim=8, **common)
+    kw = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2 * hidden,
+              head_dim=hidden // 8, **common)
     if family in ("mistral", "gemma2"):
         kw.update(sliding_window=16)
     if family == "gemma2":
@@ -46,13 +47,13 @@ def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
     return cfg.num_hidden_layers, kv, hd
 
 
-def export_model(family: str, exporter: str, attention: str, cache: bool, path: str | Path, seed: int = 0) -> Path:
+def export_model(family: str, exporter: str, attention: str, cache: bool, path: str | Path, seed: int = 0, hidden: int = 64) -> Path:
     """Export one tiny model (see the module doc); returns ``path``."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
     torch.manual_seed(seed)
-    cfg = config(family, attention)
+    cfg = config(family, attention, hidden)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     layers, kv_heads, head_dim = _cache_shape(cfg)
 

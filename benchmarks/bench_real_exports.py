@@ -1,0 +1,183 @@
+"""onnxruntime CPU on whole-model torch.onnx exports: as exported, re-exported by graphc, and after the peer optimizers.
+
+    python benchmarks/bench_real_exports.py [--blocks N] [--calls N] [--threads T] [--families llama,qwen2,gpt2,mistral]
+
+For each family a 2-layer random-weight transformers model of hidden 256
+(8 query / 2 KV heads where the family has GQA) is exported with the legacy
+torch.onnx exporter and transformers' default sdpa attention: with a KV cache
+for decode (one token over a past of 1024 and 2048) and without for prefill
+(256 and 512 tokens), batch 1.  Variants, each checked against onnxruntime on
+the original before it is timed (1e-4 + 1e-3*|ref|): the export itself;
+``graphc optimize`` re-exported (grouped MatMuls) and with ``attention="auto"``
+for the case's sizes; onnxruntime's ``transformers.optimizer.optimize_model``;
+onnxscript's ``optimize`` + ``rewrite`` and ``optimize_for_ort``; onnxslim
+(when installed).  Method: every session is warmed up, then blocks of
+back-to-back calls alternate between the variants (A B C ... A B C ...), so a
+noisy stretch of the machine hits all of them; the figure is the median over
+blocks of each block's median call; onnxruntime runs with ``--threads`` intra-op
+threads and no spinning.  A variant that cannot be made or run is reported with
+its error.  Prints a Markdown table (ratios to the export in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+CASES = {"decode 1 over 1024": (True, 1, 1024), "decode 1 over 2048": (True, 1, 2048), "prefill 256": (False, 256, 0), "prefill 512": (False, 512, 0)}
+
+
+def _variants(path: Path, work: Path, sizes: dict[str, int]) -> dict[str, Callable[[], Path]]:
+    """How to make each variant of the export at ``path`` (called lazily, so one failure is one row)."""
+    import onnx
+
+    def graphc_variant(auto: bool) -> Path:
+        import graphc
+        from graphc.onnx_import import from_onnx
+        from lowering.onnx_export import export
+
+        g = graphc.optimize(from_onnx(path), hints=sizes).graph
+        out = work / ("graphc_auto.onnx" if auto else "graphc.onnx")
+        export(g, out, opset=23 if auto else 18, **({"attention": "auto", "sizes": sizes} if auto else {}))
+        return out
+
+    def ort_optimizer() -> Path:
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        out = work / "ort_transformers.onnx"
+        optimize_model(str(path), model_type="gpt2", num_heads=0, hidden_size=0, opt_level=1).save_model_to_file(str(out))
+        return out
+
+    def onnxscript_rewrite() -> Path:
+        import onnxscript.optimizer
+        import onnxscript.rewriter
+
+        out = work / "onnxscript.onnx"
+        onnx.save(onnxscript.rewriter.rewrite(onnxscript.optimizer.optimize(onnx.load(str(path)))), str(out))
+        return out
+
+    def onnxscript_for_ort() -> Path:
+        import onnx_ir
+        import onnxscript.optimizer
+        from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+        model = onnx_ir.from_proto(onnx.load(str(path)))
+        onnxscript.optimizer.optimize_ir(model)
+        fused, _ = optimize_for_ort(model)
+        out = work / "onnxscript_ort.onnx"
+        onnx.save(onnx_ir.to_proto(fused), str(out))
+        return out
+
+    def onnxslim() -> Path:
+        import onnxslim as slim
+
+        out = work / "onnxslim.onnx"
+        onnx.save(slim.slim(onnx.load(str(path))), str(out))
+        return out
+
+    return {
+        "torch.onnx export": lambda: path,
+        "graphc (grouped MatMul)": lambda: graphc_variant(False),
+        "graphc (attention auto)": lambda: graphc_variant(True),
+        "onnxruntime transformers optimizer": ort_optimizer,
+        "onnxscript optimize + rewrite": onnxscript_rewrite,
+        "onnxscript optimize_for_ort": onnxscript_for_ort,
+        "onnxslim": onnxslim,
+    }
+
+
+def _session(path: Path, threads: int):  # noqa: ANN202 - an onnxruntime.InferenceSession
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> list[tuple[str, float | None, str]]:
+    """Rows ``(variant, median ms or None, note)`` for one family and case."""
+    import onnx
+    from real_exports import export_model, feeds
+
+    cache, seq, past = CASES[case]
+    path = export_model(family, "legacy", "sdpa", cache, work / "model.onnx", hidden=256)
+    f = feeds(onnx.load(str(path), load_external_data=False), 1, seq, past)
+    sizes = {"batch": 1, "seq": seq, **({"past_seq": past} if cache else {})}
+    base = _session(path, args.threads)
+    try:
+        want = base.run(None, f)
+    except Exception as e:  # noqa: BLE001 - e.g. a sliding-window cache export, valid only for a past shorter than the window
+        return [("torch.onnx export", None, f"onnxruntime fails on the export itself at this size: {str(e).splitlines()[0][-90:]}")]
+    runners: dict[str, Callable[[], object]] = {}
+    notes: dict[str, str] = {}
+    for name, make in _variants(path, work, sizes).items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sess = base if name == "torch.onnx export" else _session(make(), args.threads)
+            got = sess.run(None, f)
+            worst = max(float(np.max(np.abs(g - w) / (1e-4 + 1e-3 * np.abs(w)))) for g, w in zip(got, want))
+            if worst > 1:
+                notes[name] = f"outputs differ ({worst:.1f}x the tolerance)"
+                continue
+            runners[name] = (lambda s: (lambda: s.run(None, f)))(sess)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot handle the file is a row, not a crash
+            notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    for run in runners.values():
+        for _ in range(3):
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.blocks):
+        for name, run in runners.items():
+            block = []
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
+                run()
+                block.append(1e3 * (time.perf_counter() - t0))
+            times[name].append(statistics.median(block))
+    return [(name, statistics.median(times[name]) if name in times else None, notes.get(name, "")) for name in _variants(path, work, sizes)]
+
+
+def main() -> None:
+    """Run every family and case; print one Markdown table per family."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--families", default="llama,qwen2,gpt2,mistral")
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    import onnxruntime as ort
+
+    print(f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
+          f"no spinning; legacy torch.onnx exports, sdpa attention, hidden 256, 2 layers, float32, batch 1; "
+          f"median of {args.blocks} alternating blocks of {args.calls} back-to-back calls")
+    for family in args.families.split(","):
+        print(f"\n{family}:\n\n| case | variant | median ms | vs export | note |\n|---|---|---|---|---|")
+        for case in args.cases.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                rows = run_case(family, case, args, Path(tmp))
+            base = rows[0][1]
+            for name, ms, note in rows:
+                if base is None and name != "torch.onnx export":
+                    continue
+                ratio = f"{ms / base:.2f}" if ms is not None and base else "-"
+                print(f"| {case} | {name} | {'-' if ms is None else f'{ms:.2f}'} | {ratio} | {note} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
