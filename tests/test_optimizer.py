@@ -11,7 +11,7 @@ from graphc import AttentionConfig, Graph, optimize
 from graphc.ops import Scale
 from graphc.errors import OptimizerError, UnknownNameError
 from graphc.optimizer import Pass, PassContext, PassManager, RewritePass, Rule
-from lowering import random_inputs, run_numpy
+from lowering import random_inputs, run, run_numpy
 
 F64 = dict(rtol=1e-9, atol=1e-11)
 F32 = dict(rtol=2e-4, atol=2e-5)  # optimized float32 vs unoptimized float32: reassociation and scale placement
@@ -352,3 +352,17 @@ def test_a_causal_mask_that_hides_nothing_is_removed():
     _assert_same(g, h, {"batch": 2}, F64)
     kept = optimize(graphc.sdpa_graph(cfg, q_len=2, kv_len=9)).graph  # offset 7 hides key 8 from query 0
     assert "CausalMask" in kept.op_counts()
+
+
+def test_transpose_between_a_merge_and_its_split_is_one_transpose():
+    """dynamo's K^T: [b,h,s,d] -> [b*h,s,d] -> [b*h,d,s] -> [b,h,d,s] is Transpose(0,1,3,2) of the original."""
+    g = Graph("kt")
+    x = g.input("x", ["b", 4, "s", 8])
+    merged = g.reshape(x, ["4*b", "s", 8])
+    t = g.transpose(merged, (0, 2, 1))
+    g.output(g.reshape(t, ["b", 4, 8, "s"]))
+    opt = optimize(g).graph
+    assert opt.op_counts() == {"Transpose": 1}
+    xs = np.random.default_rng(0).standard_normal((2, 4, 5, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run(opt, {"x": xs})[opt.outputs[0]], xs.transpose(0, 1, 3, 2))
+    np.testing.assert_array_equal(run(g, {"x": xs})[g.outputs[0]], xs.transpose(0, 1, 3, 2))

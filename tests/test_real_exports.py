@@ -141,8 +141,7 @@ def test_causal_attention_forms_import_with_outputs_equal_to_onnxruntime(form, e
     graph = from_onnx(path)
     optimized = optimize(graph).graph
     attention = [n.op for n in lower(optimized, NUMPY_TARGET).nodes.values() if n.op.kind == "Attention"]
-    if not (exporter == "dynamo" and kv_heads != HEADS):  # dynamo's GQA layout (K merged to [B*H, S, D] and back) is not grouped yet
-        assert len(attention) == 1 and attention[0].causal_offset == 0 and attention[0].mask == "none", attention  # causal, no mask tensor
+    assert len(attention) == 1 and attention[0].causal_offset == 0 and attention[0].mask == "none", attention  # causal, no mask tensor
     for batch, seq in ((1, 1), (3, 7), (2, 33)):
         xs = np.random.default_rng(seq).standard_normal((batch, seq, 32)).astype(np.float32)
         want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": xs})[0]

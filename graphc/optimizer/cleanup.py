@@ -7,7 +7,7 @@ by another value declines with a :class:`~graphc.optimizer.infra.Miss`.
 from __future__ import annotations
 
 
-from graphc.dims import is_static
+from graphc.dims import dim_prod, is_static, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous
 from graphc.opaque import Opaque
@@ -111,6 +111,34 @@ def _rewrite_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
     return f"composed with transpose {inner.name!r}"
 
 
+def _match_transpose_in_merge(graph: Graph, node: Node, ctx: PassContext) -> object:
+    """``Reshape(split) . Transpose . Reshape(merge)`` where the merge joins leading axes, the transpose leaves the
+    merged axis first, and the split restores those leading axes: one Transpose of the original (dynamo writes K^T of
+    a ``[b, h, s, d]`` tensor as ``[b*h, s, d]`` -> ``[b*h, d, s]`` -> ``[b, h, d, s]``)."""
+    t = graph.producer(node.inputs[0])
+    if t is None or not isinstance(t.op, Transpose) or t.op.perm[:1] != (0,):
+        return None
+    merge = graph.producer(t.inputs[0])
+    if merge is None or not isinstance(merge.op, Reshape) or not only_reader(graph, merge.name, t.name) or not only_reader(graph, t.name, node.name):
+        return None
+    src, merged, out = graph.types[merge.inputs[0]].shape, graph.types[merge.name].shape, graph.types[node.name].shape
+    lead = len(src) - len(merged) + 1
+    if lead < 2 or tuple(src[lead:]) != tuple(merged[1:]) or tuple(out[:lead]) != tuple(src[:lead]):
+        return None
+    if normalize_dim(dim_prod(src[:lead])) != normalize_dim(merged[0]) or len(out) != len(src):
+        return None
+    return node, t, merge, lead
+
+
+def _rewrite_transpose_in_merge(graph: Graph, m: tuple[Node, Node, Node, int], ctx: PassContext) -> str:
+    node, t, merge, lead = m
+    perm = tuple(range(lead)) + tuple(lead - 1 + p for p in t.op.perm[1:])  # type: ignore[attr-defined]
+    graph.redefine(node.name, Transpose(perm), [merge.inputs[0]])
+    remove_if_dead(graph, t.name)
+    remove_if_dead(graph, merge.name)
+    return f"merge {merge.name!r}, transpose {t.name!r} and split are one transpose {list(perm)}"
+
+
 def _match_unit_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
     return _bypass(graph, node, "repeat by 1") if node.op.repeats == 1 else None  # type: ignore[attr-defined]
 
@@ -180,6 +208,7 @@ LAYOUT_RULES = (
     Rule("fold_reshape_chain", (Reshape,), _match_reshape_chain, _rewrite_reshape_chain),
     Rule("remove_identity_transpose", (Transpose,), _match_identity_transpose, _do_bypass),
     Rule("fold_transpose_chain", (Transpose,), _match_transpose_chain, _rewrite_transpose_chain),
+    Rule("fold_transpose_in_merge", (Reshape,), _match_transpose_in_merge, _rewrite_transpose_in_merge),
     Rule("remove_unit_repeat", (Repeat,), _match_unit_repeat, _do_bypass),
     Rule("remove_vacuous_causal_mask", (CausalMask,), _match_vacuous_mask, _do_bypass),
     Rule("fold_transpose_into_einsum", (Einsum,), _match_transpose_into_einsum, _rewrite_transpose_into_einsum),
