@@ -255,8 +255,8 @@ class Graph(GraphBuilder):
         """
         self._claim(name)
         arr = np.asarray(array)
-        check_mapped_files([arr])  # a memory-mapped checkpoint that shrank would SIGBUS on the copy below
         if copy or arr.flags.writeable:
+            check_mapped_files([arr])  # copying reads the data: a memory-mapped file that shrank would SIGBUS here
             arr = np.array(arr, copy=True)
             arr.setflags(write=False)
         check_dtype(str(arr.dtype))

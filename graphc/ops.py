@@ -26,6 +26,7 @@ __all__ = [
     "DTYPES",
     "FLOAT_DTYPES",
     "LOW_PRECISION_DTYPES",
+    "dim_attr",
     "TensorType",
     "Op",
     "Einsum",
@@ -94,6 +95,14 @@ def _int_attr(op: str, name: str, value: object, least: int | None = None) -> in
     if least is not None and value < least:
         raise OpError(f"{op}: attribute {name!r} must be >= {least}, got {value}")
     return int(value)
+
+
+def dim_attr(op: str, name: str, value: object) -> Dim:
+    """A dim attribute (an int or a symbolic expression) in canonical form; a malformed one is an :class:`OpError`."""
+    try:
+        return normalize_dim(value)  # type: ignore[arg-type]
+    except DimError as e:
+        raise OpError(f"{op}: attribute {name!r}: {e}") from None
 
 
 def _str_attr(op: str, name: str, value: object) -> str:
@@ -510,10 +519,7 @@ class CausalMask(Op):
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "offset", normalize_dim(self.offset))
-        except DimError as e:
-            raise OpError(f"CausalMask: attribute 'offset': {e}") from None
+        object.__setattr__(self, "offset", dim_attr("CausalMask", "offset", self.offset))
         if self.window is not None:
             object.__setattr__(self, "window", _int_attr("CausalMask", "window", self.window, least=1))
 

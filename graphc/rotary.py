@@ -33,10 +33,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from .dims import Dim, eval_dim, normalize_dim
-from .errors import DimError, DTypeMismatchError, GraphError, OpError, ShapeMismatchError
+from .dims import Dim, eval_dim
+from .errors import DTypeMismatchError, GraphError, OpError, ShapeMismatchError
 from .graph import Graph
-from .ops import FLOAT_DTYPES, Binary, Cast, Dims, Einsum, Op, Reshape, TensorType, Unary, register_op
+from .ops import FLOAT_DTYPES, Binary, Cast, Dims, Einsum, Op, Reshape, TensorType, Unary, dim_attr, register_op
 
 __all__ = ["Positions", "Rotary", "ROPE_STYLES", "ROPE_SCALINGS", "rope_inv_freq", "rotate_matrix", "spread_matrix", "decompose_rotary"]
 
@@ -73,10 +73,7 @@ class Positions(Op):
         if isinstance(self.axis, bool) or not isinstance(self.axis, (int, np.integer)):
             raise OpError(f"Positions: attribute 'axis' must be an int, got {self.axis!r}")
         object.__setattr__(self, "axis", int(self.axis))
-        try:
-            object.__setattr__(self, "offset", normalize_dim(self.offset))
-        except DimError as e:
-            raise OpError(f"Positions: attribute 'offset': {e}") from None
+        object.__setattr__(self, "offset", dim_attr("Positions", "offset", self.offset))
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         (x,) = ins

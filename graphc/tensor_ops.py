@@ -23,7 +23,7 @@ import numpy as np
 
 from .dims import Dim, Shape, dim_sub, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
 from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
-from .ops import FLOAT_DTYPES, Dims, Op, TensorType, broadcast_shapes, register_op
+from .ops import FLOAT_DTYPES, Dims, Op, TensorType, broadcast_shapes, dim_attr, register_op
 
 __all__ = ["Reduce", "Gather", "Slice", "ShapeValues", "Arange", "BroadcastTo", "REDUCE_FUNCTIONS"]
 
@@ -128,11 +128,8 @@ class Slice(Op):
             raise OpError(f"Slice: attribute 'step' must be an int >= 1, got {self.step!r}")
         object.__setattr__(self, "axis", int(self.axis))
         object.__setattr__(self, "step", int(self.step))
-        try:
-            object.__setattr__(self, "start", normalize_dim(self.start))
-            object.__setattr__(self, "stop", normalize_dim(self.stop))
-        except DimError as e:
-            raise OpError(f"Slice: {e}") from None
+        object.__setattr__(self, "start", dim_attr("Slice", "start", self.start))
+        object.__setattr__(self, "stop", dim_attr("Slice", "stop", self.stop))
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         (x,) = ins
@@ -207,15 +204,8 @@ class Arange(Op):
     arity: ClassVar[int | None] = 0
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "start", normalize_dim(self.start))
-            object.__setattr__(self, "stop", normalize_dim(self.stop))
-        except DimError as e:
-            raise OpError(f"Arange: {e}") from None
-
-    def check_arity(self, n: int) -> None:
-        if n:
-            raise OpError(f"Arange takes no inputs, got {n}")
+        object.__setattr__(self, "start", dim_attr("Arange", "start", self.start))
+        object.__setattr__(self, "stop", dim_attr("Arange", "stop", self.stop))
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         return TensorType((dim_sub(self.stop, self.start),), "int64")

@@ -21,6 +21,7 @@ file and the tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import weakref
@@ -90,10 +91,7 @@ def _header_entries(path: Path, header: dict[str, Any], data_bytes: int) -> list
         if not isinstance(dtype, str) or SAFETENSORS_DTYPES.get(dtype) is None:
             readable = ", ".join(k for k, v in SAFETENSORS_DTYPES.items() if v is not None)
             raise SerializationError(f"{path}: tensor {name!r} has dtype {dtype!r}; graphc reads {readable}")
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        nbytes = math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize  # Python ints: no overflow
         if nbytes >= _U64:
             raise SerializationError(f"{path}: tensor {name!r} shape {shape} overflows 64-bit byte counts")
         start, stop = offsets
@@ -169,7 +167,8 @@ def check_mapped_files(arrays: Iterable[Any]) -> None:
     """Raise :class:`WeightError` if a file that ``arrays`` are memory-mapped from changed since it was read.
 
     A memory map of a file that shrinks afterwards kills the process with SIGBUS on the first read past the new
-    end; builders and backends call this before they touch the weights, so such a checkpoint is an error instead.
+    end; graphc calls this where it starts reading weights in bulk (a graph copying an initializer, ``optimize``,
+    ``lower`` and so every backend and export), so such a checkpoint is an error instead.
     """
     if not _MAPPED:
         return

@@ -24,7 +24,6 @@ from graphc.errors import BackendError, BackendUnavailableError, ExecutionError,
 from graphc.graph import Graph
 from graphc.memory import check_allocation, graph_run_bytes
 from graphc.optimizer import lower
-from graphc.weights import check_mapped_files
 
 from .inputs import check_inputs
 from .numpy_interpreter import NumpyInterpreter
@@ -209,7 +208,6 @@ def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
     threads = options.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 4096):
         raise BackendError(f"threads must be an int in 1..4096 (or None for the cores available), got {threads!r}")
-    check_mapped_files(graph.initializers.values())  # weights memory-mapped from a file that changed since
     reason = spec.unavailable()
     if reason:
         raise BackendUnavailableError(backend, reason)

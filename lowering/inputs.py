@@ -31,10 +31,10 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
         raise InputError(f"missing input(s) {missing}; graph {graph.name!r} takes {graph.inputs}")
     if extra:
         raise InputError(f"unexpected input(s) {extra}; graph {graph.name!r} takes {graph.inputs}")
-    return check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, graph.name, require_all=True)
+    return check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, require_all=True)
 
 
-def check_arrays(arrays: Mapping[str, object], types: Mapping[str, Any], graph_name: str, require_all: bool = False) -> dict[str, int]:
+def check_arrays(arrays: Mapping[str, object], types: Mapping[str, Any], require_all: bool = False) -> dict[str, int]:
     """Check each array's type, dtype, rank and sizes against ``types[name]``; return the symbol bindings they imply."""
     env: dict[str, int] = {}
     items = []
@@ -44,8 +44,6 @@ def check_arrays(arrays: Mapping[str, object], types: Mapping[str, Any], graph_n
             raise InputError(f"input {name!r} must be a numpy.ndarray, got {type(arr).__name__}")
         if str(arr.dtype) != t.dtype:
             raise InputError(f"input {name!r} has dtype {arr.dtype}, expected {t.dtype}")
-        if arr.ndim != len(t.shape):
-            raise InputError(f"input {name!r} of graph {graph_name!r} has rank {arr.ndim} {list(arr.shape)}, expected rank {len(t.shape)} {list(t.shape)}")
         items.append((t.shape, arr.shape, f"input {name!r}"))
     try:
         bind_shapes(items, env, require_all=require_all)

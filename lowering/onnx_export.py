@@ -281,6 +281,12 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
     return from_any
 
 
+def _range(b: OnnxBuilder, start: Dim, stop: Dim, out: str) -> None:
+    """ONNX ``Range(start, stop, 1)`` over dims computed at run time."""
+    scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
+    b.op("Range", [scalar(start), scalar(stop), b.const(np.array(1, np.int64), "one")], out)
+
+
 def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     g, op, ins, out = b.graph, node.op, list(node.inputs), node.name
     dtype = g.types[out].dtype
@@ -330,9 +336,7 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     elif isinstance(op, Scale):
         b.op("Mul", [ins[0], b.const(np.array(op.factor, dtype), "scale")], out)
     elif isinstance(op, Positions):
-        scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
-        length = g.types[ins[0]].shape[op.axis]
-        b.op("Range", [scalar(op.offset), scalar(dim_add(op.offset, length)), b.const(np.array(1, np.int64), "one")], out)
+        _range(b, op.offset, dim_add(op.offset, g.types[ins[0]].shape[op.axis]), out)
     elif isinstance(op, Reduce):
         axes = b.const(np.array(op.normalized_axes(g.types[ins[0]].rank), np.int64), "axes")
         b.op(_REDUCE[op.fn], [ins[0], axes], out, keepdims=int(op.keepdims))
@@ -345,8 +349,7 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     elif isinstance(op, BroadcastTo):
         b.op("Expand", [ins[0], b.shape(op.shape)], out)
     elif isinstance(op, Arange):
-        scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
-        b.op("Range", [scalar(op.start), scalar(op.stop), b.const(np.array(1, np.int64), "one")], out)
+        _range(b, op.start, op.stop, out)
     elif isinstance(op, ShapeValues):
         values = b.shape(op.values)
         if op.scalar:

@@ -206,7 +206,7 @@ class ShardedRunner:
                 where[name] = ("whole", v)
             else:
                 raise InputError(f"input {name!r} must be a numpy.ndarray or a Resident, got {type(v).__name__}")
-        check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types, plan.name)
+        check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types)
         seconds: list[list[Any]] = []
         for st in plan.stages:
             if st.sharded:

@@ -197,7 +197,7 @@ class AttentionConfig:
         for name, v in (("batch", batch), ("seq_len", seq_len), ("n_layers", n_layers)):
             if not isinstance(v, int) or v < 0:
                 raise AttentionConfigError(f"{name} must be a non-negative int, got {v!r}")
-        itemsize = np.dtype(check_dtype(dtype) if dtype != "bfloat16" else "float16").itemsize
+        itemsize = np.dtype(check_dtype(dtype)).itemsize
         return 2 * batch * seq_len * self.n_kv_heads * self.hd * itemsize * n_layers
 
     def kv_saving_vs_mha(self) -> float:

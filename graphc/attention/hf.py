@@ -47,7 +47,6 @@ def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, An
 
 MAX_LAYERS = 1024
 """The most layers graphc builds from one config (the largest public decoders have ~130); more is taken as a typo."""
-_MISSING = object()
 
 
 def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:

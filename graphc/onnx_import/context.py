@@ -231,15 +231,19 @@ class ImportContext:
             out = self.add(Binary("add"), [out, p], "mask_sum")
         return out
 
+    def triangle_keep(self, rows: Dim, cols: Dim, k: Dim, upper: bool) -> str:
+        """A bool ``[rows, cols]`` tensor, True where ``j - i >= k`` (``upper``) or ``j - i <= k`` (the side ``Trilu`` keeps)."""
+        r = self.graph.add_node(Arange(0, rows), [], self.graph.fresh_name("tri_rows")).name
+        c = self.graph.add_node(Arange(0, cols), [], self.graph.fresh_name("tri_cols")).name
+        diff = self.add(Binary("sub"), [c, self.add(Reshape((rows, 1)), [r], "tri_rows_col")], "tri_diff")
+        k_value = self.tensor(SymInts((normalize_dim(k),), True), "Trilu k")
+        return self.add(Compare("greater_equal" if upper else "less_equal"), [diff, k_value], "tri_keep")
+
     def _triangle(self, t: Triangle) -> str:
         """``Trilu`` of a fill as a tensor: ``value`` where ``j - i >= k`` (upper) or ``<= k`` (lower), else 0."""
         if len(t.shape) < 2:
             raise self.error(f"Trilu needs rank >= 2, got shape {format_shape(t.shape)}")
-        rows = self.graph.add_node(Arange(0, t.shape[-2]), [], self.graph.fresh_name("tri_rows")).name
-        cols = self.graph.add_node(Arange(0, t.shape[-1]), [], self.graph.fresh_name("tri_cols")).name
-        diff = self.add(Binary("sub"), [cols, self.add(Reshape((t.shape[-2], 1)), [rows], "tri_rows_col")], "tri_diff")
-        k = self.tensor(SymInts((normalize_dim(t.k),), True), "Trilu k")
-        keep = self.add(Compare("greater_equal" if t.upper else "less_equal"), [diff, k], "tri_keep")
+        keep = self.triangle_keep(t.shape[-2], t.shape[-1], t.k, t.upper)
         value = np.asarray(t.value).reshape(())
         out = self.add(Where(), [keep, self.constant(value, "tri_value"), self.constant(np.zeros((), value.dtype), "tri_zero")], "triangle")
         return out if len(t.shape) == 2 else self.add(BroadcastTo(t.shape), [out], "triangle")

@@ -24,7 +24,7 @@ from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
-from .triangles import tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
+from .triangles import NEG_INF_LIKE, tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
 
 __all__ = ["CORE_CONVERTERS", "Converter"]
 
@@ -34,7 +34,6 @@ LETTERS = string.ascii_letters
 _UNARY = {"Exp": "exp", "Neg": "neg", "Tanh": "tanh", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Relu": "relu", "Sigmoid": "sigmoid", "Cos": "cos", "Sin": "sin", "Erf": "erf"}
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Max": "max", "Min": "min"}
 _COMPARE = {"Less": "less", "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal", "Equal": "equal"}
-_NEG_INF_LIKE = -1e30  # additive masks fill with -inf or finfo(dtype).min; both hide a key
 
 
 def _scalar(ctx: ImportContext, value: np.ndarray | float, dtype: str) -> str:
@@ -51,28 +50,20 @@ def _positions_grid(ctx: ImportContext, x: str) -> str:
     return ctx.add(Binary("sub"), [cols, rows], "key_minus_query")
 
 
-def _dim_scalar(ctx: ImportContext, d: Dim) -> str:
-    return ctx.tensor(simplify(SymInts((normalize_dim(d),), True)), "dim")
-
-
 def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str:
-    """``x (fn) Triangle``: a ``CausalMask`` for the usual ``x + triu(-inf, k)``, else a position comparison."""
+    """``x (fn) Triangle``: a ``CausalMask`` for the usual ``x + triu(-inf, k)``, else ``x (fn)`` the triangle built from positions."""
     xs = ctx.graph.types[x].shape
     if len(xs) < 2 or broadcast_shapes(xs, tri.shape) != xs:
         raise ctx.error(f"a Trilu mask of shape {format_shape(tri.shape)} must broadcast into {x!r} {format_shape(xs)}")
-    value = float(tri.value)
-    if fn == "add" and tri.upper and value <= _NEG_INF_LIKE:
+    if fn == "add" and tri.upper and float(tri.value) <= NEG_INF_LIKE:
         return ctx.add(CausalMask(dim_sub(tri.k, 1)), [x], "causal")
-    diff = _positions_grid(ctx, x)
-    keep = ctx.add(Compare("greater_equal" if tri.upper else "less_equal"), [diff, _dim_scalar(ctx, tri.k)], "tri_keep")
-    dtype = ctx.graph.types[x].dtype
-    mask = ctx.add(Where(), [keep, _scalar(ctx, tri.value, dtype), _scalar(ctx, 0, dtype)], "tri")
+    mask = ctx.tensor(Triangle(np.asarray(tri.value).astype(ctx.graph.types[x].dtype), tri.shape, tri.k, tri.upper))
     return ctx.add(Binary(fn), [x, mask], "t")
 
 
 def _causal_window(m: MaskSum) -> tuple[Dim, int] | None:
     """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 - 1 - k2``."""
-    if len(m.parts) != 2 or not all(isinstance(p, Triangle) and float(p.value) <= _NEG_INF_LIKE for p in m.parts):
+    if len(m.parts) != 2 or not all(isinstance(p, Triangle) and float(p.value) <= NEG_INF_LIKE for p in m.parts):
         return None
     up, low = sorted(m.parts, key=lambda p: not p.upper)  # type: ignore[union-attr]
     if not up.upper or low.upper or up.shape != low.shape:  # type: ignore[union-attr]
@@ -112,8 +103,7 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
             return ctx.add(CausalMask(dim_sub(window[0], 1), window[1]), [b], "causal_window")
         out = b
         for part in a.parts:
-            res = _operands(ctx, out, part, "add")
-            out = res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")
+            out = _add_mask(ctx, out, part)
         return out
     if isinstance(b, Triangle) and isinstance(a, str):
         return _triangle_against(ctx, b, a, fn)
@@ -136,6 +126,12 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
         else:
             raise ctx.error(f"operands have dtypes {ta} and {tb}; ONNX requires one dtype")
     return at, bt
+
+
+def _add_mask(ctx: ImportContext, x: str, mask: Imported) -> str:
+    """``x + mask`` for a lazy mask (a triangle may become a CausalMask, which is then the whole result)."""
+    res = _operands(ctx, x, mask, "add")
+    return res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")
 
 
 # ---------------------------------------------------------------- elementwise
@@ -181,8 +177,8 @@ def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
 
 
 def _logical(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
-    if op_type == "Not" and tri_not(ins[0]) is not None:
-        return [tri_not(ins[0])]
+    if op_type == "Not" and (tri := tri_not(ins[0])) is not None:
+        return [tri]
     true, false = ctx.constant(np.array(True), "true"), ctx.constant(np.array(False), "false")
     a = ctx.tensor(ins[0])
     if op_type == "Not":
@@ -208,8 +204,7 @@ def _where(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if isinstance(tri, Triangle):
         return [tri]
     if tri is not None:  # a tensor with keys hidden on one side of a diagonal: tensor + Triangle(-inf)
-        res = _operands(ctx, tri[1], tri[2], "add")
-        return [res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")]
+        return [_add_mask(ctx, tri[1], tri[2])]
     folded = sym_where(cond, x, y)
     if folded is not None:
         return [folded]
@@ -475,7 +470,7 @@ def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
         raise ctx.error(f"Split sizes {list(sizes)} name {len(sizes)} parts for {n_out} outputs")
     if any(isinstance(d, int) and d < 0 for d in sizes):
         raise ctx.error(f"Split sizes {list(sizes)} must be >= 0")
-    total = normalize_dim(sum(sizes, start=0) if all(isinstance(d, int) for d in sizes) else _dim_sum(sizes))
+    total = normalize_dim(_dim_sum(sizes))
     if isinstance(total, int) and isinstance(shape[axis], int) and total != shape[axis]:
         raise ctx.error(f"Split sizes {list(sizes)} add up to {total}, axis {axis} has size {shape[axis]}")
     outs, start = [], 0
@@ -582,8 +577,10 @@ def _trilu(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if isinstance(ins[0], Filled):
         return [Triangle(ins[0].value, ins[0].shape, k, upper)]
     x = ctx.tensor(ins[0])
-    diff = _positions_grid(ctx, x)
-    keep = ctx.add(Compare("greater_equal" if upper else "less_equal"), [diff, _dim_scalar(ctx, k)], "tri_keep")
+    shape = ctx.graph.types[x].shape
+    if len(shape) < 2:
+        raise ctx.error(f"Trilu needs rank >= 2, got {format_shape(shape)}")
+    keep = ctx.triangle_keep(shape[-2], shape[-1], k, upper)
     return [ctx.add(Where(), [keep, x, _scalar(ctx, 0, ctx.graph.types[x].dtype)], "trilu")]
 
 

@@ -138,7 +138,7 @@ def _safe_to_propagate(model: onnx.ModelProto) -> bool:
     for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.output:
             try:
-                value = np.asarray(helper.get_attribute_value(node.attribute[0]) if node.attribute[0].type != onnx.AttributeProto.TENSOR else numpy_helper.to_array(node.attribute[0].t))
+                value = np.asarray(next(iter(_attrs(node).values())))
             except Exception:  # noqa: BLE001 - a malformed Constant is reported when it is converted
                 continue
             if value.size <= 64:
@@ -238,7 +238,6 @@ def from_onnx(
         except GraphcError as e:
             raise ctx.error(str(e)) from None
         break
-    ctx.notes[:0] = [f"assumed {sym} == {d} (the model's ops require it; checked when the model runs)" for sym, d in aliases.items()]
     g.verify()
     return g
 

@@ -11,8 +11,8 @@ of them is a free symbol (a graph input's or an opaque output's, not yet tied
 to anything), graphc assumes them equal: the import starts again with that
 symbol replaced by the other dim everywhere.  A replaced input dim becomes the
 other dim in the graph's declared input shape, so every run checks it
-(``lowering.check_inputs`` binds all inputs and refuses sizes that disagree);
-each assumption is listed in the import notes.
+(``lowering.check_inputs`` binds all inputs and refuses sizes that disagree),
+and ``graphc info model.onnx`` shows it in the input shapes.
 """
 
 from __future__ import annotations

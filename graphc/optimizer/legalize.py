@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from graphc.attention_op import Attention, decompose_attention
 from graphc.dims import check_sizes
 from graphc.graph import Graph, Node
+from graphc.weights import check_mapped_files
 from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention
@@ -114,6 +115,7 @@ def lower(
     ``sizes`` are the real sizes of symbolic dims when known (a run, or an
     export for one shape); policies see them through ``ctx.known_size``.
     """
+    check_mapped_files(graph.initializers.values())  # every backend and export reads the weights after this
     ctx = ctx or PassContext()
     ctx.hints = {**dict(ctx.hints), **check_sizes(sizes, "sizes")}
     ctx.target = target

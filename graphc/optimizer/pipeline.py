@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from graphc.dims import check_sizes
 from graphc.errors import UnknownNameError
 from graphc.graph import Graph
+from graphc.weights import check_mapped_files
 
 from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .cost import GraphCost, format_comparison, graph_cost
@@ -119,6 +120,7 @@ def optimize(
     passes = pipeline(level) + (LOWERING_STAGES if target is not None else ())
     known = {**check_sizes(hints, "hints"), **check_sizes(sizes, "sizes")}
     graph.verify()
+    check_mapped_files(graph.initializers.values())  # constant folding reads weights (the scale folded into q_proj)
     ctx = PassContext(hints=known, optimizer=optimizer, target=target)
     out = graph.copy()
     PassManager(passes, verify=verify).run(out, ctx)
