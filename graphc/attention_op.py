@@ -24,12 +24,14 @@ import numpy as np
 from .dims import Dim, dim_add, dim_div, dim_mul, dim_is_nonnegative, eval_dim, format_shape, normalize_dim
 from .errors import DTypeMismatchError, GraphError, OpError, ShapeMismatchError
 from .graph import Graph
-from .numerics import causal_mask, safe_softmax, softcap
-from .ops import FLOAT_DTYPES, CausalMask, Concat, Dims, Einsum, Op, Reshape, Scale, Softmax, TensorType, Unary, Where, Binary, broadcast_shapes, register_op
+from .numerics import hidden_keys, safe_softmax, softcap
+from .ops import FLOAT_DTYPES, CausalMask, Compare, Concat, Dims, Einsum, Op, Reshape, Scale, Softmax, TensorType, Unary, Where, Binary, broadcast_shapes, register_op
+from .tensor_ops import Reduce
 
-__all__ = ["Attention", "MASK_KINDS", "decompose_attention", "attention_group_size"]
+__all__ = ["Attention", "MASK_KINDS", "EMPTY_ROWS", "decompose_attention", "attention_group_size"]
 
 MASK_KINDS = ("none", "bool", "additive")
+EMPTY_ROWS = ("zero", "mean")
 
 
 @register_op
@@ -45,7 +47,11 @@ class Attention(Op):
     and ONNX's since opset 23).  ``mask``: ``"none"``, ``"bool"``
     (True keeps a key) or ``"additive"`` (added to the scores).  ``kv_cache``:
     the op appends ``k``/``v`` to ``past_key``/``past_value`` and also returns
-    the results.  A row with no visible key gives zeros.
+    the results.  ``empty_rows``: what a query row with no visible key gives:
+    ``"zero"`` (ONNX's convention) or ``"mean"``, the mean of V over every key,
+    which is what an additive mask filled with a huge finite negative
+    (transformers' ``finfo(dtype).min``) gives: every score of such a row
+    becomes the fill, so its softmax is uniform.
     """
 
     scale: float
@@ -54,6 +60,7 @@ class Attention(Op):
     kv_cache: bool = False
     window: int | None = None
     softcap: float | None = None
+    empty_rows: str = "zero"
 
     def __post_init__(self) -> None:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not np.isfinite(self.scale):
@@ -75,6 +82,8 @@ class Attention(Op):
             if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf"):
                 raise OpError(f"Attention: softcap must be a finite number > 0 or None, got {self.softcap!r}")
             object.__setattr__(self, "softcap", float(self.softcap))
+        if self.empty_rows not in EMPTY_ROWS:
+            raise OpError(f"Attention: empty_rows must be one of {EMPTY_ROWS}, got {self.empty_rows!r}")
 
     @property
     def num_outputs(self) -> int:  # type: ignore[override]
@@ -147,19 +156,24 @@ class Attention(Op):
         s = np.einsum("bhqd,bhkd->bhqk", q, kr) * np.array(self.scale, q.dtype)
         if self.softcap is not None:
             s = softcap(s, self.softcap)
+        hidden = np.zeros(s.shape, bool)
         if self.causal_offset is not None:
-            s = causal_mask(s, eval_dim(self.causal_offset, dims), self.window)
+            hidden |= hidden_keys(0, s.shape[2], s.shape[3], eval_dim(self.causal_offset, dims), self.window)
         if self.mask == "bool":
-            s = np.where(mask, s, np.array(-np.inf, s.dtype))
+            hidden |= ~mask
         elif self.mask == "additive":
             s = s + mask
+            hidden |= np.isneginf(mask)
+        s = np.where(hidden, np.array(-np.inf, s.dtype), s)
         out = np.einsum("bhqk,bhkd->bhqd", safe_softmax(s, -1), vr).astype(q.dtype)
+        if self.empty_rows == "mean" and s.shape[3]:
+            out = np.where(hidden.all(axis=-1, keepdims=True), vr.mean(axis=2, keepdims=True, dtype=np.float64).astype(q.dtype), out)
         return (out, k, v) if self.kv_cache else (out,)
 
     @property
     def may_mask_whole_rows(self) -> bool:
         """True when some query row can see no key (a user mask, or a causal offset that may be negative)."""
-        return self.has_mask or (self.causal_offset is not None and not dim_is_nonnegative(self.causal_offset))
+        return self.empty_rows != "zero" or self.has_mask or (self.causal_offset is not None and not dim_is_nonnegative(self.causal_offset))
 
 
 def attention_group_size(n_heads: Dim, n_kv_heads: Dim) -> int | None:
@@ -220,12 +234,22 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
             s = add(Where(), [m, s, neg_inf], "masked")
         else:
             s = add(Binary("add"), [s, m], "masked")
+    empty = None
+    if op.empty_rows == "mean":  # rows whose every score is -inf after the masks take the mean of V
+        neg_inf = graph.add_initializer(graph.fresh_name(f"{base}_neg_inf"), np.array(-np.inf, graph.types[s].dtype)).name
+        empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")
+        v_mean = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
     p = add(Softmax(-1), [s], "probs")
     if g == 1:
         out = add(Einsum("bhqk,bhkd->bhqd"), [p, v], "attn_BHSD")
+        if empty is not None:
+            out = add(Where(), [empty, v_mean, out], "attn_BHSD_rows")
     else:
         p = add(Reshape((b, hkv, rows, sk)), [p], "probs_BHkvMT")
         o = add(Einsum("bnmk,bnkd->bnmd"), [p, v], "attn_BHkvMD")
+        if empty is not None:
+            o5 = add(Reshape((b, hkv, g, sq, dv)), [o], "attn_BHkvGSD")
+            o = add(Where(), [empty, add(Reshape((b, hkv, 1, 1, dv)), [v_mean], "v_mean_5d"), o5], "attn_BHkvGSD_rows")
         out = add(Reshape((b, hq, sq, dv)), [o], "attn_BHSD")
     replacements = {node.outputs[0]: out}
     if op.kv_cache:

@@ -156,8 +156,11 @@ class GraphBuilder:
         past_key: ValueLike | None = None,
         past_value: ValueLike | None = None,
         names: Sequence[str] | None = None,
+        empty_rows: str = "zero",
     ) -> Value | tuple[Value, Value, Value]:
         """One :class:`~graphc.attention_op.Attention` node; with ``past_key``/``past_value`` returns ``(out, present_key, present_value)``.
+
+        ``empty_rows``: what a query row with no visible key gives, ``"zero"`` or ``"mean"`` (see the op).
 
         Builders emit attention decomposed; this is for graphs that want the op itself
         (imports, tests, hand-written graphs).
@@ -165,7 +168,7 @@ class GraphBuilder:
         from .attention_op import Attention  # the op module builds on Graph
 
         kv_cache = past_key is not None or past_value is not None
-        op = Attention(scale, causal_offset, mask_kind if mask is not None else "none", kv_cache)
+        op = Attention(scale, causal_offset, mask_kind if mask is not None else "none", kv_cache, empty_rows=empty_rows)
         inputs = [q, k, v] + ([mask] if mask is not None else []) + ([past_key, past_value] if kv_cache else [])
         outs = self.add_multi_node(op, inputs, names)  # type: ignore[arg-type]
         return outs if kv_cache else outs[0]  # type: ignore[return-value]

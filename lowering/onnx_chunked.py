@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from onnx import TensorProto
 
 from graphc import Attention
-from graphc.dims import normalize_dim
+from graphc.dims import dim_is_nonnegative, normalize_dim
 from graphc.graph import Graph, Node
 
 if TYPE_CHECKING:
@@ -36,11 +37,11 @@ def chunked_unsupported(graph: Graph, node: Node) -> str | None:
     op: Attention = node.op  # type: ignore[assignment]
     if op.causal_offset is None:
         return "not causal: every query sees every key, so there is no masked half to skip"
-    if op.has_mask or op.window is not None or op.softcap is not None:
-        return "chunking is implemented for plain causal attention (no user mask, window or softcap)"
-    if op.may_mask_whole_rows:
+    if op.mask == "additive" or op.window is not None or op.softcap is not None:
+        return "chunking is implemented for causal attention with at most a bool mask (no additive mask, window or softcap)"
+    if not dim_is_nonnegative(op.causal_offset):
         return "the causal offset may be negative"
-    past = graph.types[node.inputs[3]].shape[2] if op.kv_cache else 0
+    past = graph.types[node.inputs[3 + op.has_mask]].shape[2] if op.kv_cache else 0
     if normalize_dim(op.causal_offset) != normalize_dim(past):
         return f"causal offset {op.causal_offset!r} is not the past length"
     q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
@@ -60,9 +61,10 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     n_kv = g.types[k].shape[1]
     group = int(n_heads) // int(n_kv)
     e_dim = g.types[v].shape[3]
+    mask = node.inputs[3] if op.has_mask else None
     if op.kv_cache:  # present = past ++ new, as the op defines
-        k = b.op("Concat", [node.inputs[3], k], node.outputs[1], axis=2)
-        v = b.op("Concat", [node.inputs[4], v], node.outputs[2], axis=2)
+        k = b.op("Concat", [node.inputs[3 + op.has_mask], k], node.outputs[1], axis=2)
+        v = b.op("Concat", [node.inputs[4 + op.has_mask], v], node.outputs[2], axis=2)
     i64 = lambda x: b.const(np.array(x, np.int64), "i")  # noqa: E731
     scalar = lambda vec: b.op("Squeeze", [vec, i64([0])], base="n")  # noqa: E731
     s_len = scalar(b.op("Shape", [q], base="q_len", start=2, end=3))
@@ -73,6 +75,13 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     q5 = b.reshape(b.op("Mul", [q, scale], base=f"{q}_scaled"), [batch, n_kv, group, sq, head])  # [B, Hkv, G, S, D]
     neg_inf, zero = b.const(np.array(-np.inf, dtype), "neg_inf"), b.const(np.zeros((), dtype), "zero")
     one = i64(1)
+    if mask is not None:  # [B?, H?, S?, T] viewed as [B?, Hkv|1, G|1, S?, T]
+        mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
+        m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else (n_kv, group)), *mshape[2:]])
+        rows_masked, keys_masked = mshape[2] != 1, mshape[3] != 1
+        fill = b.const(np.zeros((), dtype), "zero_rows")
+        if op.empty_rows == "mean":  # a row with no visible key is the mean of V over every key
+            fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, i64([2])], base=f"{node.name}_v_mean"), i64([2])], base=f"{node.name}_v_mean5")
     parts = []
     for i in range(chunks):
         lo = b.op("Min", [b.op("Mul", [step, i64(i)]), s_len], base=f"chunk{i}_lo")
@@ -92,10 +101,20 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         kpos = b.op("Range", [i64(0), keys, one], base=f"chunk{i}_key_pos")  # [L]
         hidden = b.op("Greater", [kpos, b.op("Add", [qpos, past])], base=f"chunk{i}_hidden")
         bias = b.op("Where", [hidden, neg_inf, zero], base=f"chunk{i}_bias")
-        p = b.op("Softmax", [b.op("Add", [s5, bias])], base=f"chunk{i}_probs", axis=-1)
+        masked = b.op("Add", [s5, bias], base=f"chunk{i}_causal")
+        if mask is not None:
+            mc = b.op("Slice", [m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if rows_masked else m5
+            mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if keys_masked else mc
+            masked = b.op("Where", [mc, masked, neg_inf], base=f"chunk{i}_masked")
+            visible = b.op("Cast", [b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible")], to=TensorProto.INT32)
+            empty = b.op("Equal", [b.op("ReduceMax", [visible, i64([-1])], base=f"chunk{i}_any"), b.const(np.array(0, np.int32), "i")], base=f"chunk{i}_empty")
+        p = b.op("Softmax", [masked], base=f"chunk{i}_probs", axis=-1)
         p_rows = b.op("Reshape", [p, b.op("Shape", [s])], base=f"chunk{i}_probs_rows", allowzero=1)
         o = b.op("MatMul", [p_rows, vc], base=f"chunk{i}_out")  # [B, Hkv, G*C, E]
         out_shape = b.op("Concat", [b.op("Shape", [qc], end=4), i64([int(e_dim)])], base="shape", axis=0)
-        parts.append(b.op("Reshape", [o, out_shape], base=f"chunk{i}_out5", allowzero=1))
+        o5 = b.op("Reshape", [o, out_shape], base=f"chunk{i}_out5", allowzero=1)
+        if mask is not None:  # the softmax of a row of -inf is NaN: such rows take the op's empty-row value
+            o5 = b.op("Where", [empty, fill, o5], base=f"chunk{i}_out5_rows")
+        parts.append(o5)
     merged = b.op("Concat", parts, base=f"{node.name}_chunks", axis=3)  # [B, Hkv, G, S, E]
     b.reshape(merged, [batch, n_heads, sq, e_dim], node.name)

@@ -43,7 +43,9 @@ grouped form also runs on onnxruntime releases without opset 23."""
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
     op: Attention = node.op  # type: ignore[assignment]
-    return "the blocked kernel takes no user mask" if op.has_mask else None
+    if op.has_mask:
+        return "the blocked kernel takes no user mask"
+    return f"the blocked kernel gives empty rows zeros, not the {op.empty_rows} of V" if op.empty_rows != "zero" else None
 
 
 NUMPY_TARGET = Target("numpy", _numpy_policy, description="row-blocked attention kernel, GEMM contractions")
@@ -51,6 +53,8 @@ def _torch_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
     op: Attention = node.op  # type: ignore[assignment]
     if op.window is not None or op.softcap is not None:
         return "scaled_dot_product_attention has no sliding window or softcap"
+    if op.empty_rows != "zero":
+        return f"scaled_dot_product_attention gives a row with no visible key zeros, not the {op.empty_rows} of V"
     return None
 
 

@@ -105,7 +105,11 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
 
 
 def _to_torch(torch: Any, arr: np.ndarray) -> Any:
-    """``torch.from_numpy``, plus bfloat16 (ml_dtypes), which torch cannot take directly: same bits, viewed."""
+    """``torch.from_numpy``, plus bfloat16 (ml_dtypes), which torch cannot take directly: same bits, viewed.
+
+    A read-only array (memory-mapped weights) is copied: torch tensors are writable."""
+    if not arr.flags.writeable:
+        arr = arr.copy()
     if str(arr.dtype) == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)

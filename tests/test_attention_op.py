@@ -257,3 +257,67 @@ def test_layer_stack_from_one_layer_matches_layers_run_in_turn():
     want = ref_layer(cfg, ws[1], ref_layer(cfg, ws[0], x)[0])[0]
     for g in (stack, optimize(stack).graph):
         np.testing.assert_allclose(run(g, {"x_BSM": x})["out_BSM"], want, **F32)
+
+
+# ------------------------------------------------------------- rows with no visible key: zeros or the mean of V
+
+
+def _ref_min_filled(q, k, v, keep, offset, scale=0.3):
+    """softmax(scale q k^T + where(keep & causal, 0, finfo(float32).min)) v, float64, written as transformers' eager path does."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, 1), np.repeat(v, g, 1)
+    i, j = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None]
+    visible = np.broadcast_to(keep, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])) & (j <= i + offset)
+    s = q @ k.transpose(0, 1, 3, 2) * scale + np.where(visible, 0.0, float(np.finfo(np.float32).min))
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ v
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    s=st.integers(1, 9),
+    past=st.integers(0, 5),
+    pad=st.integers(0, 6),
+    seed=st.integers(0, 99),
+)
+def test_empty_rows_mean_is_what_a_min_filled_additive_mask_gives(hkv, group, s, past, pad, seed):
+    """Left padding hides every key a padded query may see: transformers' finfo.min fill gives that row the mean of V."""
+    g = Graph("att")
+    q = g.input("q", ["b", hkv * group, "s", 8])
+    k, v = g.input("k", ["b", hkv, "s", 8]), g.input("v", ["b", hkv, "s", 6])
+    m = g.input("m", ["b", 1, 1, "p+s"], "bool")
+    pk, pv = g.input("pk", ["b", hkv, "p", 8]), g.input("pv", ["b", hkv, "p", 6])
+    g.output(*g.attention(q, k, v, 0.3, "p", m, "bool", pk, pv, names=["o", "pres_k", "pres_v"], empty_rows="mean"))
+    feeds = random_inputs(g, seed=seed, b=2, s=s, p=past)
+    keep = np.ones((2, 1, 1, past + s), bool)
+    keep[0, ..., :pad] = False  # row 0 left-padded: its first queries see no key
+    feeds["m"] = keep
+    kk, vv = np.concatenate([feeds["pk"], feeds["k"]], 2), np.concatenate([feeds["pv"], feeds["v"]], 2)
+    want = _ref_min_filled(feeds["q"], kk, vv, keep, past)
+    np.testing.assert_allclose(run(g, feeds, reference=True)["o"], want, rtol=2e-5, atol=2e-6)
+    d = g.copy()
+    decompose_attention(d, "o")
+    results = {"decomposed": run(d, feeds, reference=True), "numpy": run(g, feeds), "onnx decomposed": run(g, feeds, "ort-cpu", attention="decomposed"),
+               "onnx chunked": run(g, feeds, "ort-cpu", attention="chunked")}
+    if not unavailable_reason("torch"):
+        results["torch"] = run(g, feeds, "torch")
+    for name, got in results.items():
+        np.testing.assert_allclose(got["o"], want, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_empty_rows_zero_and_mean_differ_only_on_rows_with_no_visible_key():
+    g = _attention_graph(4, 2, 0, "bool", dtype="float32")
+    feeds = random_inputs(g, seed=7, b=1, s=4, t=4)
+    feeds["m"] = np.array([False, False, True, True]).reshape(1, 1, 1, 4) & np.ones((1, 1, 4, 4), bool)
+    zero = run(g, feeds, reference=True)["o"]
+    node = g.nodes["o"]
+    mean_op = type(node.op)(**{**node.op.attributes(), "empty_rows": "mean"})
+    got = mean_op.evaluate([feeds[n] for n in ("q", "k", "v", "m")], {"b": 1, "s": 4, "t": 4})
+    np.testing.assert_array_equal(zero[:, :, :2], 0.0)  # queries 0, 1 see only hidden keys
+    np.testing.assert_allclose(got[:, :, :2], np.repeat(feeds["v"].mean(2, keepdims=True), 2, 1).repeat(2, 2), rtol=1e-6)
+    np.testing.assert_allclose(got[:, :, 2:], zero[:, :, 2:], rtol=1e-5, atol=1e-6)
+    with pytest.raises(OpError, match="empty_rows must be one of"):
+        graphc.Attention(0.5, empty_rows="nan")

@@ -20,7 +20,7 @@ from real_exports import export_model, feeds  # noqa: E402
 from graphc import optimize  # noqa: E402
 from graphc.cli import main  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
-from graphc.optimizer import lower  # noqa: E402
+from graphc.optimizer import Target, lower  # noqa: E402
 from lowering import run  # noqa: E402
 from lowering.targets import NUMPY_TARGET  # noqa: E402
 
@@ -30,7 +30,11 @@ CASES = [
     ("qwen3", "legacy", "eager", True), ("gpt_neox", "dynamo", "sdpa", True),
     ("falcon", "legacy", "sdpa", False), ("gemma2", "dynamo", "eager", False), ("mistral", "legacy", "sdpa", False),
 ]
-SIZES = {False: [(1, 5, 0, 0), (3, 9, 0, 2)], True: [(1, 1, 11, 0), (3, 7, 13, 2)]}
+SIZES = {False: [(1, 5, 0, 0), (3, 130, 0, 9)], True: [(1, 1, 100, 0), (2, 1, 260, 5), (3, 7, 13, 2), (2, 30, 5, 9)]}
+"""(batch, new tokens, past, left padding of row 0): prefill up to 130 tokens, decode over a past of 100-260, a 7-token
+chunk over a past, padded rows that see no key at all (9 > 5 + 1)."""
+KEEP_ALL = Target("keep", lambda graph, node, ctx: None)
+WINDOWED = {"mistral": {0, 1}, "gemma2": {0}}  # layers with a sliding window of 16
 
 
 def _ids(case):
@@ -45,12 +49,22 @@ def test_export_imports_with_outputs_equal_to_onnxruntime(case, tmp_path):
     model = onnx.load(str(path), load_external_data=False)
     graph = from_onnx(path)
     optimized = optimize(graph).graph
+    # one Attention per layer, its causal mask (offset: the past length) and KV cache understood, padding a bool mask
+    lowered = lower(optimized, KEEP_ALL)
+    attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
+    past_len = graph.types[graph.inputs[2]].shape[2] if cache else 0
+    assert len(attention) == 2
+    for layer, node in enumerate(attention):
+        op = node.op
+        assert (op.causal_offset, op.kv_cache, op.mask) == (past_len, cache, "bool"), (layer, op)
+        assert op.window == (16 if layer in WINDOWED.get(family, ()) else None), (layer, op)
+        assert "Repeat" not in {lowered.producer(i).op.kind for i in node.inputs if lowered.producer(i) is not None}  # no K/V copy
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for batch, seq, past, pad in SIZES[cache]:
         f = feeds(model, batch, seq, past, pad)
         want = session.run(None, f)
         mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
-        for backend in ("numpy", "ort-cpu"):
+        for backend in ("numpy", "ort-cpu", "torch"):
             got = run(optimized, mine, backend=backend)
             for name, w in zip(optimized.outputs, want):
                 assert got[name].shape == w.shape, (backend, name)

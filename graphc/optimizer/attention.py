@@ -35,6 +35,7 @@ from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scal
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
+from .masks import split_additive_mask
 
 __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
 
@@ -70,6 +71,8 @@ class AttentionMatch:
     window: int | None = None
     softcap: float | None = None
     pv_rows: str = ""  # the query-row labels of the PV output (``rows``, or group and queries when P is a split view)
+    empty_rows: str = "zero"  # what a row with no visible key gives (see Attention)
+    more_masks: tuple[str, ...] = ()  # further bool masks ANDed onto ``mask``
 
 
 def _neg_inf_constant(graph: Graph, name: str) -> bool:
@@ -84,6 +87,7 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
     if rank < 2 or softmax.op.axis % rank != rank - 1:  # type: ignore[attr-defined]
         return None
     scale, offset, mask, mask_kind = 1.0, None, None, "none"
+    empty_rows, more_masks = "zero", ()
     window: int | None = None
     cap: float | None = None  # the softcap c of c * tanh(s / c), once its tanh is passed
     view_for_rows: tuple[Dim, ...] | None = None
@@ -146,6 +150,10 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 return Miss("more than one user mask on one softmax")
             mask, mask_kind, nxt = node.inputs[1 - pos], "additive", node.inputs[pos]
             view_for_rows = view_for_rows or full
+            split = split_additive_mask(graph, mask) if offset is None else None
+            if split is not None:  # Where(causal & window & padding, 0, fill): the positions become the op's causal mask
+                offset, window, empty_rows = split.offset, split.window, split.empty_rows
+                mask, mask_kind, more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
         chain.append(node.name)
         reader, x = node.name, nxt
     qk = node
@@ -252,7 +260,8 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
     return AttentionMatch(
         softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, e, sizes, q_shape, group * rk, scale, offset, mask, mask_kind,
-        past, presents, out_term, chain + [qk.name], window=window, softcap=cap, pv_rows=pv_rows,
+        past, presents, out_term, chain + [qk.name], window=window, softcap=cap, pv_rows=pv_rows, empty_rows=empty_rows,
+        more_masks=tuple(more_masks),
     )
 
 
@@ -327,9 +336,13 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     k_shape, v_shape = graph.types[m.k].shape, graph.types[m.v].shape
     k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv, k_shape[m.k_term.index(m.t)], d), anchor, "BHkvTD")
     v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
-    inputs = [q, k, v] + ([m.mask] if m.mask else []) + (list(m.past) if m.past else [])
+    mask = m.mask
+    for extra in m.more_masks:
+        false = graph.add_initializer(graph.fresh_name(f"{base}_false"), np.array(False)).name
+        mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name  # type: ignore[list-item]
+    inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
     scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)
-    op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap)
+    op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap, m.empty_rows)
     stem = base.split("_B")[0] if "_B" in base else base
     names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.presents] if m.presents else [])
     outs = graph.add_multi_node(op, inputs, names, before=anchor)
@@ -353,7 +366,9 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     if m.softcap is not None:
         parts.append(f"softcap {m.softcap:g}")
     if m.mask:
-        parts.append(f"{m.mask_kind} mask {m.mask!r}")
+        parts.append(f"{m.mask_kind} mask {m.mask!r}" + (f" and {len(m.more_masks)} more" if m.more_masks else ""))
+    if m.empty_rows != "zero":
+        parts.append(f"rows with no visible key give the {m.empty_rows} of V")
     if m.past:
         parts.append("KV cache " + ", ".join(m.past))
     return "attention recognised: " + ", ".join(parts)

@@ -1,0 +1,162 @@
+"""What an attention mask built from positions means: causal offset, sliding window and the rest.
+
+Exporters hand attention one additive mask, ``Where(keep, 0, fill)``, where
+``keep`` is a conjunction (``And``, imported as ``Where(a, b, False)``) of
+comparisons of key positions with query positions (the causal triangle and a
+sliding window's lower edge) and of whatever else the model masks (padding,
+from ``attention_mask``).  :func:`split_additive_mask` reads that structure
+back: each comparison of ``j + a`` (key positions along the scores' last axis)
+with ``i + b`` (query positions along the one before) is a half-plane
+``j <= i + u`` or ``j >= i + l``; one upper bound is the causal offset, one
+lower bound the window, and the other conjuncts stay a bool mask.
+
+``fill`` is ``-inf`` or a finite number at most :data:`FILL_LIMIT`
+(``finfo(dtype).min``).  With a finite fill a row whose every key is hidden
+does not give zeros: every one of its scores becomes the fill, so its softmax
+is uniform over all keys; the split records that as ``empty_rows="mean"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
+from graphc.graph import Graph
+from graphc.ops import Binary, Cast, Compare, Reshape, Where
+from graphc.rotary import Positions
+from graphc.tensor_ops import Arange, ShapeValues
+
+__all__ = ["MaskSplit", "split_additive_mask", "FILL_LIMIT"]
+
+FILL_LIMIT = -1e30
+"""A finite fill hides a key only when it swamps every score: ``s + fill == fill`` for ``|s|`` under half its ulp (1e31
+for ``finfo(float32).min``)."""
+
+
+@dataclass(frozen=True)
+class MaskSplit:
+    """An additive mask read as a causal offset, a window, the remaining bool conjuncts and what empty rows give."""
+
+    offset: Dim
+    window: int | None
+    keep: tuple[str, ...]  # bool values still to AND (padding); empty when the positions say it all
+    empty_rows: str
+
+
+def _scalar(graph: Graph, value: str) -> np.ndarray | None:
+    if graph.is_constant(value):
+        arr = graph.initializers[value]
+        return arr.reshape(()) if arr.size == 1 else None
+    return None
+
+
+def _dim_scalar(graph: Graph, value: str) -> Dim | None:
+    """An integer constant or one run-time dim (``ShapeValues`` of one value) as a dim."""
+    arr = _scalar(graph, value)
+    if arr is not None:
+        return int(arr) if arr.dtype.kind in "iu" else None
+    node = graph.producer(value)
+    if node is not None and isinstance(node.op, ShapeValues) and len(node.op.values) == 1:
+        return normalize_dim(node.op.values[0])
+    return None
+
+
+def _positions(graph: Graph, value: str, depth: int = 0) -> tuple[int, Dim] | None:
+    """``(axis, c)`` when ``value[..., n, ...] == n + c`` along axis ``axis`` (counted from the end) and every other axis has size 1."""
+    node = graph.producer(value)
+    if node is None or depth > 12:
+        return None
+    op = node.op
+    if isinstance(op, Positions):
+        return -1, op.offset
+    if isinstance(op, Arange):
+        return -1, op.start
+    if isinstance(op, Cast) and op.dtype in ("int64", "int32"):
+        return _positions(graph, node.inputs[0], depth + 1)
+    if isinstance(op, Reshape):
+        inner = _positions(graph, node.inputs[0], depth + 1)
+        shape = graph.types[value].shape
+        big = [i for i, d in enumerate(shape) if d != 1]
+        if inner is None or len(big) != 1 or shape[big[0]] != graph.types[node.inputs[0]].shape[inner[0]]:
+            return None
+        return big[0] - len(shape), inner[1]
+    if isinstance(op, Binary) and op.fn in ("add", "sub"):
+        for pos in (0, 1) if op.fn == "add" else (0,):
+            inner, c = _positions(graph, node.inputs[pos], depth + 1), _dim_scalar(graph, node.inputs[1 - pos])
+            if inner is not None and c is not None:
+                return inner[0], dim_add(inner[1], c) if op.fn == "add" else dim_sub(inner[1], c)
+    return None
+
+
+_FLIP = {"less": "greater", "less_equal": "greater_equal", "greater": "less", "greater_equal": "less_equal"}
+
+
+def _half_plane(graph: Graph, value: str) -> tuple[str, Dim] | None:
+    """``("upper", u)`` for a bool ``j <= i + u`` or ``("lower", l)`` for ``j >= i + l`` (``j`` keys on axis -1, ``i`` queries on -2)."""
+    node = graph.producer(value)
+    if node is None or not isinstance(node.op, Compare) or node.op.fn == "equal":
+        return None
+    a, b = (_positions(graph, x) for x in node.inputs)
+    if a is None or b is None:
+        return None
+    fn = node.op.fn
+    if (a[0], b[0]) == (-2, -1):  # query op key: flip to key op query
+        a, b, fn = b, a, _FLIP[fn]
+    if (a[0], b[0]) != (-1, -2):
+        return None
+    d = dim_sub(b[1], a[1])  # j + a <op> i + b  <=>  j <op> i + d
+    return {
+        "less_equal": ("upper", d), "less": ("upper", dim_sub(d, 1)), "greater_equal": ("lower", d), "greater": ("lower", dim_add(d, 1)),
+    }[fn]
+
+
+def _conjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None:
+    """Flatten ``And`` (``Where(a, b, False)``, ``Where(True, b, False)``) into its conjuncts."""
+    node = graph.producer(value)
+    if node is not None and isinstance(node.op, Where) and depth < 16:
+        c, x, y = node.inputs
+        no, yes = _scalar(graph, y), _scalar(graph, x)
+        if no is not None and no.dtype == np.bool_ and not bool(no):
+            if yes is None or not (yes.dtype == np.bool_ and bool(yes)):
+                _conjuncts(graph, x, out, depth + 1)
+            cond = _scalar(graph, c)
+            if cond is None or not bool(cond):
+                _conjuncts(graph, c, out, depth + 1)
+            return
+    out.append(value)
+
+
+def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
+    """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)`` with a causal bound in ``keep``."""
+    node = graph.producer(mask)
+    if node is None or not isinstance(node.op, Where):
+        return None
+    keep, zero, fill = node.inputs
+    z, f = _scalar(graph, zero), _scalar(graph, fill)
+    if z is None or f is None or z.dtype.kind != "f" or float(z) != 0.0 or not float(f) <= FILL_LIMIT:
+        return None
+    parts: list[str] = []
+    _conjuncts(graph, keep, parts)
+    upper: list[Dim] = []
+    lower: list[Dim] = []
+    rest = []
+    for p in parts:
+        plane = _half_plane(graph, p)
+        if plane is None:
+            rest.append(p)
+        else:
+            (upper if plane[0] == "upper" else lower).append(plane[1])
+    if len(upper) != 1 or len(lower) > 1:
+        return None
+    offset = normalize_dim(upper[0])
+    window = None
+    if lower:
+        w = normalize_dim(dim_add(dim_sub(offset, lower[0]), 1))
+        if not isinstance(w, int) or w < 1:
+            return None
+        window = w
+    finite = bool(np.isfinite(f))
+    empty = "mean" if finite and (rest or not dim_is_nonnegative(offset)) else "zero"
+    return MaskSplit(offset, window, tuple(rest), empty)

@@ -1,0 +1,105 @@
+"""An exporter's one additive mask read back as a causal offset, a sliding window and a padding mask.
+
+The graphs here spell the mask as transformers' exported models do (positions compared, ``And`` as
+``Where(a, b, False)``, ``Where(keep, 0, fill)`` added to the scores); the optimizer must recognise one ``Attention``
+with the causal structure understood, and give the numbers of the graph as written, padded rows included.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphc import Graph, optimize
+from graphc.ops import Binary, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
+from graphc.optimizer import Target, lower
+from graphc.rotary import Positions
+from graphc.tensor_ops import ShapeValues
+from lowering import random_inputs, run, unavailable_reason
+
+KEEP_ALL = Target("keep", lambda graph, node, ctx: None)
+HEADS, KV_HEADS, D = 4, 2, 8
+MIN32 = float(np.finfo(np.float32).min)
+
+
+def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False):
+    """Scores of GQA heads plus ``Where(causal & window & padding, 0, fill)``, written as an exporter writes them."""
+    g = Graph("masked")
+    ids = g.input("ids", ["b", "s"], "int64")
+    pad = g.input("attention_mask", ["b", "p+s" if cache else "s"], "bool")
+    q = g.input("q", ["b", HEADS, "s", D])
+    k, v = g.input("k", ["b", KV_HEADS, "s", D]).name, g.input("v", ["b", KV_HEADS, "s", D]).name
+    total = "p+s" if cache else "s"
+    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
+    if cache:  # a KV cache: past ++ new
+        k = add(Concat(2), [g.input("past_k", ["b", KV_HEADS, "p", D]), k], "present_k")
+        v = add(Concat(2), [g.input("past_v", ["b", KV_HEADS, "p", D]), v], "present_v")
+    k, v = (add(Repeat(1, HEADS // KV_HEADS), [x], f"{x}_repeated") for x in (k, v))  # repeat_kv
+    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
+    key_pos = add(Reshape((1, 1, 1, total)), [add(Positions(1), [pad], "kpos")], "kpos4")
+    query_pos = add(Positions(1), [ids], "qpos")
+    if cache:
+        query_pos = add(Binary("add"), [query_pos, add(ShapeValues(("p",), scalar=True), [], "past_len")], "qpos_past")
+    query_pos = add(Reshape((1, 1, "s", 1)), [query_pos], "qpos4")
+    false, true = const("false", False), const("true", True)
+    keep = add(Compare("greater_equal" if flipped else "less_equal"), [query_pos, key_pos] if flipped else [key_pos, query_pos], "causal")
+    keep = add(Where(), [true, keep, false], "and_true")  # transformers starts from an all-True mask
+    if window is not None:
+        lower_edge = add(Binary("sub"), [query_pos, const("window", np.int64(window))], "lower_edge")
+        keep = add(Where(), [keep, add(Compare("greater"), [key_pos, lower_edge], "in_window"), false], "and_window")
+    keep = add(Where(), [keep, add(Reshape(("b", 1, 1, total)), [pad], "pad4"), false], "and_pad")
+    bias = add(Where(), [keep, const("zero", np.float32(0)), const("fill", np.float32(fill))], "bias")
+    s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+    p = add(Softmax(-1), [add(Binary("add"), [s, bias], "masked")], "probs")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [p, v], "out"))
+    return g
+
+
+def _feeds(g, seq, past, pad, seed):
+    feeds = random_inputs(g, seed=seed, b=2, s=seq, p=past)
+    mask = np.ones((2, past + seq), bool)
+    mask[0, :pad] = False
+    feeds["attention_mask"] = mask
+    return feeds
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("cache", [False, True])
+def test_transformers_mask_becomes_one_causal_attention_with_a_padding_mask(cache, window, flipped):
+    g = _masked_attention(window=window, cache=cache, flipped=flipped)
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert len(attention) == 1
+    op = attention[0]
+    assert (op.causal_offset, op.window, op.mask, op.empty_rows, op.kv_cache) == ("p" if cache else 0, window, "bool", "mean", cache)
+    for seq, past, pad in ((5, 3, 0), (6, 2, 4), (1, 7, 7)):
+        if not cache and past:
+            past = 0
+        feeds = _feeds(g, seq, past, pad, seed=seq)
+        want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+        backends = [("numpy", {}), ("ort-cpu", {"attention": "decomposed"})] + ([("ort-cpu", {"attention": "chunked"})] if window is None else [])
+        if not unavailable_reason("torch"):
+            backends.append(("torch", {}))
+        for backend, options in backends:
+            got = run(optimized, feeds, backend, **options)["out"]
+            np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=f"{backend} {options} at {seq, past, pad}")
+
+
+@settings(max_examples=20, deadline=None)
+@given(seq=st.integers(1, 12), pad=st.integers(0, 12), window=st.sampled_from([None, 1, 2, 5]), seed=st.integers(0, 50))
+def test_padded_rows_match_the_graph_as_written(seq, pad, window, seed):
+    """Rows whose every key is padding average V over all keys, as the finfo.min fill makes the written graph do."""
+    g = _masked_attention(window=window)
+    optimized = optimize(g).graph
+    feeds = _feeds(g, seq, 0, min(pad, seq), seed)
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
+
+
+def test_an_infinite_fill_keeps_zero_rows_and_a_small_fill_is_left_alone():
+    op = next(n.op for n in lower(optimize(_masked_attention(fill=-np.inf)).graph, KEEP_ALL).nodes.values() if n.op.kind == "Attention")
+    assert (op.causal_offset, op.empty_rows) == (0, "zero")
+    small = lower(optimize(_masked_attention(fill=-1e4)).graph, KEEP_ALL)  # -1e4 does not swamp every score: not a mask
+    op = next(n.op for n in small.nodes.values() if n.op.kind == "Attention")
+    assert (op.causal_offset, op.mask) == (None, "additive")
