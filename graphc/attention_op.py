@@ -26,7 +26,7 @@ from .errors import DTypeMismatchError, GraphError, OpError, ShapeMismatchError
 from .graph import Graph
 from .numerics import hidden_keys, safe_softmax, softcap
 from .ops import FLOAT_DTYPES, CausalMask, Compare, Concat, Dims, Einsum, Op, Reshape, Scale, Softmax, TensorType, Unary, Where, Binary, broadcast_shapes, register_op
-from .tensor_ops import Reduce
+from .tensor_ops import BroadcastTo, Reduce
 
 __all__ = ["Attention", "MASK_KINDS", "EMPTY_ROWS", "decompose_attention", "attention_group_size"]
 
@@ -225,37 +225,59 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
         s = add(Reshape((b, hkv, g, sq, sk)), [s], "scores_BHkvGST")
     if op.softcap is not None:
         s = add(Scale(op.softcap), [add(Unary("tanh"), [s], "capped")], "softcapped")
-    if op.causal_offset is not None:
-        s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
-    if mask is not None:
-        m = _grouped_mask(graph, mask, g, hkv, add)
-        if op.mask == "bool":
-            neg_inf = graph.add_initializer(graph.fresh_name(f"{base}_neg_inf"), np.array(-np.inf, graph.types[s].dtype)).name
-            s = add(Where(), [m, s, neg_inf], "masked")
-        else:
-            s = add(Binary("add"), [s, m], "masked")
-    empty = None
-    if op.empty_rows == "mean":  # rows whose every score is -inf after the masks take the mean of V
-        neg_inf = graph.add_initializer(graph.fresh_name(f"{base}_neg_inf"), np.array(-np.inf, graph.types[s].dtype)).name
-        empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")
-        v_mean = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
+    dtype = graph.types[s].dtype
+    empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
+    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
+        # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
+        fill = _shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
+        zero = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
+        bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
+        bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
+        if op.causal_offset is not None:
+            bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")
+        empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
+        s = add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked")
+    else:
+        if op.causal_offset is not None:
+            s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
+        if mask is not None:
+            s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
+        if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
+            neg_inf = _shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
+            empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
     p = add(Softmax(-1), [s], "probs")
+    if empty is not None:  # the rows' value: zeros, or the mean of V over every key
+        row_value = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        if op.empty_rows == "mean":
+            row_value = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
+            row_value = add(Reshape((b, hkv, 1, 1, dv)), [row_value], "v_mean_5d") if g > 1 else row_value
+        if g > 1 and graph.types[empty].rank == 4:
+            empty = _grouped_mask(graph, empty, g, hkv, add)
     if g == 1:
         out = add(Einsum("bhqk,bhkd->bhqd"), [p, v], "attn_BHSD")
         if empty is not None:
-            out = add(Where(), [empty, v_mean, out], "attn_BHSD_rows")
+            out = add(Where(), [empty, row_value, out], "attn_BHSD_rows")
     else:
-        p = add(Reshape((b, hkv, rows, sk)), [p], "probs_BHkvMT")
+        p = add(Reshape((b, hkv, dim_mul(g, sq), sk)), [p], "probs_BHkvMT")
         o = add(Einsum("bnmk,bnkd->bnmd"), [p, v], "attn_BHkvMD")
         if empty is not None:
             o5 = add(Reshape((b, hkv, g, sq, dv)), [o], "attn_BHkvGSD")
-            o = add(Where(), [empty, add(Reshape((b, hkv, 1, 1, dv)), [v_mean], "v_mean_5d"), o5], "attn_BHkvGSD_rows")
+            o = add(Where(), [empty, row_value, o5], "attn_BHkvGSD_rows")
         out = add(Reshape((b, hq, sq, dv)), [o], "attn_BHSD")
     replacements = {node.outputs[0]: out}
     if op.kv_cache:
         replacements.update({node.outputs[1]: k, node.outputs[2]: v})
     graph.substitute(node_name, replacements)
     return f"decomposed into grouped einsums (group {g}, no K/V copy)"
+
+
+def _shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
+    """The initializer ``name`` holding ``value`` (made once per graph, so decompositions of several layers share it and merge)."""
+    have = graph.initializers.get(name)
+    if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
+        return name
+    return graph.add_initializer(graph.fresh_name(name) if have is not None or name in graph.types else name, value).name
 
 
 def _grouped_mask(graph: Graph, mask: str, g: int, hkv: Dim, add) -> str:  # noqa: ANN001

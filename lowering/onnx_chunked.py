@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from onnx import TensorProto
 
 from graphc import Attention
 from graphc.dims import dim_is_nonnegative, normalize_dim
@@ -79,6 +78,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
         m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else (n_kv, group)), *mshape[2:]])
         rows_masked, keys_masked = mshape[2] != 1, mshape[3] != 1
+        finite_fill = b.const(np.array(np.finfo(dtype).min, dtype), "fill")
         fill = b.const(np.zeros((), dtype), "zero_rows")
         if op.empty_rows == "mean":  # a row with no visible key is the mean of V over every key
             fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, i64([2])], base=f"{node.name}_v_mean"), i64([2])], base=f"{node.name}_v_mean5")
@@ -100,20 +100,19 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         qpos = b.op("Unsqueeze", [b.op("Range", [lo, hi, one]), i64([1])], base=f"chunk{i}_rows_pos")  # [C, 1]
         kpos = b.op("Range", [i64(0), keys, one], base=f"chunk{i}_key_pos")  # [L]
         hidden = b.op("Greater", [kpos, b.op("Add", [qpos, past])], base=f"chunk{i}_hidden")
-        bias = b.op("Where", [hidden, neg_inf, zero], base=f"chunk{i}_bias")
-        masked = b.op("Add", [s5, bias], base=f"chunk{i}_causal")
-        if mask is not None:
+        if mask is None:
+            bias = b.op("Where", [hidden, neg_inf, zero], base=f"chunk{i}_bias")  # [C, L]
+        else:  # [B?, Hkv|1, G|1, C, L]: 0 where visible, finfo.min where hidden (finite: no NaN rows); a row of it all < 0 is empty
             mc = b.op("Slice", [m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if rows_masked else m5
             mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if keys_masked else mc
-            masked = b.op("Where", [mc, masked, neg_inf], base=f"chunk{i}_masked")
-            visible = b.op("Cast", [b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible")], to=TensorProto.INT32)
-            empty = b.op("Equal", [b.op("ReduceMax", [visible, i64([-1])], base=f"chunk{i}_any"), b.const(np.array(0, np.int32), "i")], base=f"chunk{i}_empty")
-        p = b.op("Softmax", [masked], base=f"chunk{i}_probs", axis=-1)
+            bias = b.op("Where", [b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible"), zero, finite_fill], base=f"chunk{i}_bias")
+            empty = b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), zero], base=f"chunk{i}_empty")
+        p = b.op("Softmax", [b.op("Add", [s5, bias], base=f"chunk{i}_masked")], base=f"chunk{i}_probs", axis=-1)
         p_rows = b.op("Reshape", [p, b.op("Shape", [s])], base=f"chunk{i}_probs_rows", allowzero=1)
         o = b.op("MatMul", [p_rows, vc], base=f"chunk{i}_out")  # [B, Hkv, G*C, E]
         out_shape = b.op("Concat", [b.op("Shape", [qc], end=4), i64([int(e_dim)])], base="shape", axis=0)
         o5 = b.op("Reshape", [o, out_shape], base=f"chunk{i}_out5", allowzero=1)
-        if mask is not None:  # the softmax of a row of -inf is NaN: such rows take the op's empty-row value
+        if mask is not None:  # rows with no visible key take the op's empty-row value
             o5 = b.op("Where", [empty, fill, o5], base=f"chunk{i}_out5_rows")
         parts.append(o5)
     merged = b.op("Concat", parts, base=f"{node.name}_chunks", axis=3)  # [B, Hkv, G, S, E]

@@ -269,8 +269,10 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
         op = node.op
         if isinstance(op, (Softmax, Attention)):
             flags = (False, False)
-        elif isinstance(op, Where) or (isinstance(op, CausalMask) and not op.offset_is_nonnegative):
+        elif isinstance(op, CausalMask) and not op.offset_is_nonnegative:
             flags = (True, True)
+        elif isinstance(op, Where):  # its values come from x or y
+            flags = (any(from_any.get(i, False) for i in node.inputs[1:]), any(from_const.get(i, False) for i in node.inputs[1:]))
         elif isinstance(op, Einsum) and len(node.inputs) > 1:
             c = any(from_const.get(i, False) for i in node.inputs)
             flags = (c, c)

@@ -20,6 +20,7 @@ from .onnx_chunked import chunked_unsupported
 __all__ = [
     "ATTENTION_MODES",
     "AUTO_MIN_QUERY_ROWS",
+    "AUTO_MIN_CHUNKED_QUERIES",
     "NUMPY_TARGET",
     "TORCH_TARGET",
     "onnx_target",
@@ -32,6 +33,11 @@ __all__ = [
 
 ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "chunked", "auto")
 AUTO_MIN_QUERY_ROWS = 64
+AUTO_MIN_CHUNKED_QUERIES = 768
+"""``auto`` chunks a causal prefill from this many queries on; shorter ones run as grouped MatMuls.
+
+From ``benchmarks/bench_real_exports.py`` on 2 cores (whole Llama / GPT-2 exports, hidden 256): at 128 and 512
+queries the grouped MatMul form is 4-40% faster than query chunks, at 1024 chunks are 12-30% faster."""
 """``auto`` fuses when each KV head serves at least this many query rows (group x queries).
 
 From ``benchmarks/bench_speed.py`` on 2 cores: causal prefill as query chunks
@@ -136,6 +142,9 @@ def onnx_target(mode: str, opset: int) -> Target:
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             if chunked_unsupported(graph, node) is None:
+                queries = ctx.known_size(graph.types[node.inputs[0]].shape[2]) or 0
+                if queries < AUTO_MIN_CHUNKED_QUERIES:
+                    return f"auto: {queries} queries, under {AUTO_MIN_CHUNKED_QUERIES}: one grouped MatMul pass beats query chunks"
                 return None  # emitted as query chunks over the visible keys (faster than the fused op on causal prefill)
             return onnx_attention_unsupported(graph, node, opset)
 

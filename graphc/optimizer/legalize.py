@@ -24,7 +24,7 @@ from graphc.weights import check_mapped_files
 from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention
-from .cleanup import LAYOUT_RULES, dead_code_elimination
+from .cleanup import LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule
 from .planning import SPLIT_RULE
 from .precision import has_low_precision, promote_low_precision
@@ -99,8 +99,8 @@ legalize = RewritePass(
 
 simplify_views = RewritePass("simplify_views", "fold the views the attention rewrite left", list(LAYOUT_RULES))
 
-LOWERING_STAGES: tuple[Pass, ...] = (fuse_attention, simplify_views, legalize, dead_code_elimination)
-"""The target-aware stages, in order."""
+LOWERING_STAGES: tuple[Pass, ...] = (fuse_attention, simplify_views, legalize, common_subexpression_elimination, dead_code_elimination)
+"""The target-aware stages, in order (CSE merges what the decompositions of several layers share: one mask bias per model)."""
 
 
 def lower(
