@@ -166,6 +166,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
           f"no spinning; legacy torch.onnx exports, sdpa attention, hidden 256, 2 layers, float32, batch 1; "
           f"median of {args.blocks} alternating blocks of {args.calls} back-to-back calls")
+    summary = []
     for family in args.families.split(","):
         print(f"\n{family}:\n\n| case | variant | median ms | vs export | note |\n|---|---|---|---|---|")
         for case in args.cases.split(","):
@@ -177,6 +178,23 @@ def main() -> None:
                     continue
                 ratio = f"{ms / base:.2f}" if ms is not None and base else "-"
                 print(f"| {case} | {name} | {'-' if ms is None else f'{ms:.2f}'} | {ratio} | {note} |", flush=True)
+            summary.append(_summary_row(family, case, rows))
+    print("\nsummary (best graphc form against the best peer):\n")
+    print("| model | case | export ms | graphc ms (best form) | graphc / export | best peer | peer / export |\n|---|---|---|---|---|---|---|")
+    print("\n".join(summary))
+
+
+def _summary_row(family: str, case: str, rows: list[tuple[str, float | None, str]]) -> str:
+    """One line of the summary: the export, graphc's faster form and the fastest peer, as ratios to the export."""
+    base = rows[0][1]
+    if base is None:
+        return f"| {family} | {case} | - | - | - | - | - ({rows[0][2]}) |"
+    timed = [(ms, name) for name, ms, _ in rows[1:] if ms is not None]
+    ours = min(((ms, name) for ms, name in timed if name.startswith("graphc")), default=None)
+    peer = min(((ms, name) for ms, name in timed if not name.startswith("graphc")), default=None)
+    mine = f"{ours[0]:.2f} ({ours[1].removeprefix('graphc (').rstrip(')')}) | {ours[0] / base:.2f}" if ours else "- | -"
+    theirs = f"{peer[1]} | {peer[0] / base:.2f}" if peer else "- | -"
+    return f"| {family} | {case} | {base:.2f} | {mine} | {theirs} |"
 
 
 if __name__ == "__main__":

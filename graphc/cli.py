@@ -113,7 +113,7 @@ def _config(args: argparse.Namespace) -> AttentionConfig:
     elif custom:
         raise UsageError(f"{', '.join(custom)} describe a custom config, which needs --heads too")
     else:
-        raise UsageError("no graph given: use --preset NAME, --heads N [--kv-heads M --head-dim D], or --graph FILE")
+        raise UsageError("no graph given: name an ONNX model (MODEL.onnx), or use --preset NAME, --heads N [--kv-heads M --head-dim D], or --graph FILE")
     return cfg.with_(causal=not args.no_causal) if args.no_causal else cfg
 
 

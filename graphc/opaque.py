@@ -111,7 +111,7 @@ class Opaque(Op):
         )
         model = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)])
         try:
-            results = ReferenceEvaluator(model).run(None, dict(zip(in_names, args)))
+            results = ReferenceEvaluator(model).run(None, {n: np.array(a, copy=True, order="C") for n, a in zip(in_names, args)})  # owned, contiguous
         except Exception as e:  # noqa: BLE001 - onnx's evaluator raises anything; report it on the op
             raise OpError(f"Opaque {self.qualified_name}: ONNX's reference evaluator failed: {type(e).__name__}: {e}") from None
         return tuple(np.asarray(r).astype(d, copy=False) for r, d in zip(results, self.output_dtypes))

@@ -25,7 +25,7 @@ from .dims import Dim, Shape, dim_sub, eval_dim, eval_shape, format_shape, norma
 from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, broadcast_shapes, dim_attr, register_op
 
-__all__ = ["Reduce", "Gather", "Slice", "ShapeValues", "Arange", "BroadcastTo", "REDUCE_FUNCTIONS"]
+__all__ = ["GatherElements", "Reduce", "Gather", "Slice", "ShapeValues", "Arange", "BroadcastTo", "REDUCE_FUNCTIONS"]
 
 REDUCE_FUNCTIONS = ("sum", "mean", "max", "min")
 
@@ -108,6 +108,43 @@ class Gather(Op):
         if idx.size and (idx.min() < -n or idx.max() >= n):
             raise OpError(f"Gather: index out of range for axis {a} of size {n} (indices span {int(idx.min())}..{int(idx.max())})")
         return np.take(data, np.where(idx < 0, idx + n, idx), axis=a)
+
+
+@register_op
+@dataclass(frozen=True)
+class GatherElements(Op):
+    """``take_along_axis(data, indices, axis)``: ``out[..., i, ...] = data[..., indices[..., i, ...], ...]`` along ``axis``;
+    ``indices`` has ``data``'s rank, and its shape is the output's (ONNX ``GatherElements``; negative indices count from the end)."""
+
+    axis: int = 0
+    arity: ClassVar[int | None] = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.axis, bool) or not isinstance(self.axis, (int, np.integer)):
+            raise OpError(f"GatherElements: attribute 'axis' must be an int, got {self.axis!r}")
+        object.__setattr__(self, "axis", int(self.axis))
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        data, idx = ins
+        if idx.dtype not in ("int32", "int64"):
+            raise DTypeMismatchError(f"GatherElements: operand 1 (indices) must be int32 or int64, got {idx.dtype}")
+        if idx.rank != data.rank:
+            raise ShapeMismatchError(f"GatherElements: indices {format_shape(idx.shape)} must have the rank of data {format_shape(data.shape)}")
+        if not -data.rank <= self.axis < data.rank:
+            raise OpError(f"GatherElements: axis {self.axis} is out of range for rank {data.rank}")
+        return TensorType(idx.shape, data.dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        data, idx = args
+        a = self.axis % data.ndim
+        n = data.shape[a]
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise OpError(f"GatherElements: index out of range for axis {a} of size {n} (indices span {int(idx.min())}..{int(idx.max())})")
+        for i, (dd, di) in enumerate(zip(data.shape, idx.shape)):
+            if i != a and di > dd:
+                raise OpError(f"GatherElements: indices {list(idx.shape)} exceed data {list(data.shape)} on axis {i}")
+        data = data[tuple(slice(None) if i == a else slice(0, di) for i, di in enumerate(idx.shape))]
+        return np.take_along_axis(data, np.where(idx < 0, idx + n, idx), axis=a)
 
 
 @register_op

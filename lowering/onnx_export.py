@@ -33,7 +33,7 @@ from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
 from graphc.rotary import Positions
-from graphc.tensor_ops import Arange, BroadcastTo, Gather, Reduce, ShapeValues, Slice
+from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, ShapeValues, Slice
 
 from .contraction import plan_matmul
 from .onnx_chunked import chunked_unsupported, emit_chunked_attention
@@ -344,6 +344,8 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
         b.op(_REDUCE[op.fn], [ins[0], axes], out, keepdims=int(op.keepdims))
     elif isinstance(op, Gather):
         b.op("Gather", ins, out, axis=op.axis)
+    elif isinstance(op, GatherElements):
+        b.op("GatherElements", ins, out, axis=op.axis)
     elif isinstance(op, Slice):
         axis = op.axis % g.types[ins[0]].rank
         one = lambda v: b.const(np.array([v], np.int64), "i")  # noqa: E731

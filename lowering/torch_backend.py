@@ -22,7 +22,7 @@ from graphc.numerics import contiguous
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.optimizer import lower
 from graphc.rotary import Positions
-from graphc.tensor_ops import Gather, Reduce, Slice
+from graphc.tensor_ops import Gather, GatherElements, Reduce, Slice
 
 from .backends import Runner
 from .inputs import check_inputs
@@ -98,6 +98,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         CausalMask: causal,
         Reduce: reduce,
         Slice: lambda op, a, env: a[0][(slice(None),) * (op.axis % a[0].dim()) + (slice(eval_dim(op.start, env), eval_dim(op.stop, env), op.step),)],
+        GatherElements: lambda op, a, env: torch.gather(a[0], op.axis, a[1] % a[0].shape[op.axis]),
         Gather: lambda op, a, env: torch.index_select(a[0], op.axis, (a[1] % a[0].shape[op.axis]).reshape(-1)).reshape(
             a[0].shape[: op.axis % a[0].dim()] + a[1].shape + a[0].shape[op.axis % a[0].dim() + 1 :]),
         Positions: lambda op, a, env: torch.arange(a[0].shape[op.axis], device=a[0].device) + eval_dim(op.offset, env),

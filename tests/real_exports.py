@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "falcon")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon", "bert")
+"""The causal LMs, and BERT (an encoder: ``last_hidden_state`` out, no cache)."""
 VOCAB = 128
 
 
@@ -22,6 +23,8 @@ def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a t
     import transformers
 
     common = dict(vocab_size=VOCAB, attn_implementation=attention)
+    if family == "bert":
+        return transformers.BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=hidden, n_layer=2, n_head=4, n_positions=4096, **common)
     if family == "gpt_neox":
@@ -29,19 +32,23 @@ def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a t
     if family == "falcon":
         return transformers.FalconConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config}
+               "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config, "phi3": transformers.Phi3Config}
     kw = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2 * hidden,
               head_dim=hidden // 8, **common)
     if family in ("mistral", "gemma2"):
         kw.update(sliding_window=16)
     if family == "gemma2":
         kw.update(query_pre_attn_scalar=8)
+    if family == "phi3":  # its default pad token (32000) lies outside the tiny vocabulary
+        kw.update(pad_token_id=0)
     return classes[family](**kw)
 
 
 def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
     if cfg.model_type == "gpt2":
         return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    if cfg.model_type == "falcon":  # Falcon caches K/V already expanded to every query head
+        return cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return cfg.num_hidden_layers, kv, hd
@@ -50,11 +57,14 @@ def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
 def export_model(family: str, exporter: str, attention: str, cache: bool, path: str | Path, seed: int = 0, hidden: int = 64) -> Path:
     """Export one tiny model (see the module doc); returns ``path``."""
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
     torch.manual_seed(seed)
     cfg = config(family, attention, hidden)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    encoder = family == "bert"
+    if encoder and cache:
+        raise ValueError("BERT is an encoder: it has no KV cache")
+    model = (AutoModel if encoder else AutoModelForCausalLM).from_config(cfg).eval()
     layers, kv_heads, head_dim = _cache_shape(cfg)
 
     class Wrapped(torch.nn.Module):
@@ -63,6 +73,8 @@ def export_model(family: str, exporter: str, attention: str, cache: bool, path: 
             self.m = model
 
         def forward(self, input_ids, attention_mask, *past):  # noqa: ANN001, ANN201
+            if encoder:
+                return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             if not cache:
                 return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             c = DynamicCache(config=self.m.config)
@@ -77,7 +89,7 @@ def export_model(family: str, exporter: str, attention: str, cache: bool, path: 
     mask = torch.ones(b, s + (p if cache else 0), dtype=torch.int64)
     cache_names = [f"{kind}.{i}.{kv}" for kind in ("past_key_values",) for i in range(layers) for kv in ("key", "value")] if cache else []
     inputs = ["input_ids", "attention_mask", *cache_names]
-    outputs = ["logits", *(n.replace("past_key_values", "present") for n in cache_names)]
+    outputs = ["last_hidden_state" if encoder else "logits", *(n.replace("past_key_values", "present") for n in cache_names)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":

@@ -21,10 +21,11 @@ from ..dims import Dim, dim_add, dim_sub, format_shape, normalize_dim
 from ..errors import GraphcError
 from ..ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
 from ..rotary import Positions
-from ..tensor_ops import Arange, Gather, Reduce, Slice
+from ..tensor_ops import Arange, Gather, GatherElements, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 from .triangles import NEG_INF_LIKE, tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
+from .unify import DimConflict, conflict_in_broadcast
 
 __all__ = ["CORE_CONVERTERS", "Converter"]
 
@@ -493,6 +494,12 @@ def _gather(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [ctx.add(Gather(axis), [x, ctx.tensor(idx, "Gather indices")], "gather")]
 
 
+def _gather_elements(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x, idx = ctx.tensor(ins[0]), ctx.tensor(ins[1], "GatherElements indices")
+    axis = ctx.axis(attrs.get("axis", 0), ctx.graph.types[x].rank, "GatherElements axis")
+    return [ctx.add(GatherElements(axis), [x, idx], "gather_elements")]
+
+
 def _expand(ctx: ImportContext, ins: list, attrs: dict) -> list:
     target = ctx.ints(ins[1], "Expand shape")
     src = ins[0]
@@ -505,6 +512,9 @@ def _expand(ctx: ImportContext, ins: list, attrs: dict) -> list:
     try:
         out = broadcast_shapes(shape, tuple(1 if d == 1 else d for d in target), "Expand")
     except GraphcError as e:
+        conflict = conflict_in_broadcast([shape, tuple(target)], ctx.free)  # a free dim the Expand proves equal to another
+        if conflict is not None:
+            raise DimConflict(conflict[0], conflict[1], e) from None
         raise ctx.error(str(e)) from None
     if len(out) > len(shape):
         shape = (1,) * (len(out) - len(shape)) + tuple(shape)
@@ -656,6 +666,7 @@ CORE_CONVERTERS: dict[str, Converter] = {
     "Concat": _concat,
     "Slice": _shape_values_first("Slice", _slice),
     "Gather": _shape_values_first("Gather", _gather),
+    "GatherElements": _gather_elements,
     "Expand": _expand,
     "Tile": _tile,
     "Shape": _shape,

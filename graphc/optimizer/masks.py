@@ -8,7 +8,8 @@ from ``attention_mask``).  :func:`split_additive_mask` reads that structure
 back: each comparison of ``j + a`` (key positions along the scores' last axis)
 with ``i + b`` (query positions along the one before) is a half-plane
 ``j <= i + u`` or ``j >= i + l``; one upper bound is the causal offset, one
-lower bound the window, and the other conjuncts stay a bool mask.
+lower bound the window, and the other conjuncts stay a bool mask (an encoder's
+padding mask alone becomes that bool mask).
 
 ``fill`` is ``-inf`` or a finite number at most :data:`FILL_LIMIT`
 (``finfo(dtype).min``).  With a finite fill a row whose every key is hidden
@@ -39,7 +40,7 @@ for ``finfo(float32).min``)."""
 class MaskSplit:
     """An additive mask read as a causal offset, a window, the remaining bool conjuncts and what empty rows give."""
 
-    offset: Dim
+    offset: Dim | None  # None: no causal bound (a padding mask alone)
     window: int | None
     keep: tuple[str, ...]  # bool values still to AND (padding); empty when the positions say it all
     empty_rows: str
@@ -129,7 +130,10 @@ def _conjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None
 
 
 def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
-    """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)`` with a causal bound in ``keep``."""
+    """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)``.
+
+    ``keep`` may hold one causal bound (and one window edge with it) and any other bool conjuncts; without a causal
+    bound it is a plain bool mask (BERT's padding)."""
     node = graph.producer(mask)
     if node is None or not isinstance(node.op, Where):
         return None
@@ -148,9 +152,9 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
             rest.append(p)
         else:
             (upper if plane[0] == "upper" else lower).append(plane[1])
-    if len(upper) != 1 or len(lower) > 1:
+    if len(upper) > 1 or len(lower) > 1 or (lower and not upper) or not (upper or rest):
         return None
-    offset = normalize_dim(upper[0])
+    offset = normalize_dim(upper[0]) if upper else None
     window = None
     if lower:
         w = normalize_dim(dim_add(dim_sub(offset, lower[0]), 1))
@@ -158,5 +162,5 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
             return None
         window = w
     finite = bool(np.isfinite(f))
-    empty = "mean" if finite and (rest or not dim_is_nonnegative(offset)) else "zero"
+    empty = "mean" if finite and (rest or offset is None or not dim_is_nonnegative(offset)) else "zero"
     return MaskSplit(offset, window, tuple(rest), empty)
