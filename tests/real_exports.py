@@ -18,21 +18,21 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt
 VOCAB = 128
 
 
-def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a transformers PretrainedConfig
-    """A 2-layer config of ``family`` of width ``hidden`` (8 query / 2 KV heads where the family has GQA, else 4 heads)."""
-    import transformers
-
-    common = dict(vocab_size=VOCAB, attn_implementation=attention)
+def config_kwargs(family: str, attention: str | None = None, hidden: int = 64) -> tuple[str, dict]:
+    """``(transformers config class name, keyword arguments)`` of a 2-layer ``family`` model of width ``hidden``: 8 query /
+    2 KV heads where the family has GQA, else 4 heads.  Plain data, so that other environments (other transformers
+    versions) build the same models."""
+    common: dict = dict(vocab_size=VOCAB, **({"attn_implementation": attention} if attention else {}))
     if family == "bert":
-        return transformers.BertConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
+        return "BertConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "gpt2":
-        return transformers.GPT2Config(n_embd=hidden, n_layer=2, n_head=4, n_positions=4096, **common)
+        return "GPT2Config", dict(n_embd=hidden, n_layer=2, n_head=4, n_positions=4096, **common)
     if family == "gpt_neox":
-        return transformers.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
+        return "GPTNeoXConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "falcon":
-        return transformers.FalconConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config, "phi3": transformers.Phi3Config}
+        return "FalconConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma2": "Gemma2Config",
+               "phi3": "Phi3Config"}
     kw = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2 * hidden,
               head_dim=hidden // 8, **common)
     if family in ("mistral", "gemma2"):
@@ -41,7 +41,15 @@ def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a t
         kw.update(query_pre_attn_scalar=8)
     if family == "phi3":  # its default pad token (32000) lies outside the tiny vocabulary
         kw.update(pad_token_id=0)
-    return classes[family](**kw)
+    return classes[family], kw
+
+
+def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a transformers PretrainedConfig
+    """The transformers config of :func:`config_kwargs`."""
+    import transformers
+
+    name, kw = config_kwargs(family, attention, hidden)
+    return getattr(transformers, name)(**kw)
 
 
 def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001

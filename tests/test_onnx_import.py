@@ -309,13 +309,15 @@ GQA_CASES = {
     "chunk-after-past": dict(B=1, S=3, do_rotary=1),
     "prefill": dict(B=2, S=3, prefill=True),
     "packed-qkv": dict(B=2, S=1, packed=True),
+    "decode-ragged": dict(B=3, S=1, ragged=True),  # onnxruntime-genai's left-padded batch: rows of different lengths
+    "decode-ragged-rotary": dict(B=3, S=1, ragged=True, do_rotary=1),
 }
 
 
 @pytest.mark.parametrize("case", sorted(GQA_CASES))
 def test_group_query_attention_matches_onnxruntime(case: str) -> None:
     cfg = dict(GQA_CASES[case])
-    b, s, prefill, packed = cfg.pop("B"), cfg.pop("S"), cfg.pop("prefill", False), cfg.pop("packed", False)
+    b, s, prefill, packed, ragged = cfg.pop("B"), cfg.pop("S"), cfg.pop("prefill", False), cfg.pop("packed", False), cfg.pop("ragged", False)
     heads, kv, d, past = 4, 2, 16, 0 if prefill else 5
     feeds: dict[str, np.ndarray] = {}
     if packed:
@@ -325,6 +327,8 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
     if not prefill:
         feeds.update(pk=_w(b, kv, past, d), pv=_w(b, kv, past, d))
     feeds["seqlens"] = np.full((b,), past + s - 1, np.int32)  # every row's past fills the cache
+    if ragged:  # row 1 holds 2 past tokens, row 2 none: new keys go after each row's own past, the slots after are zeros
+        feeds["seqlens"] = np.array([past + s - 1, 2 + s - 1, s - 1], np.int32)
     feeds["total"] = np.array(past + s, np.int32)
     ins = ["qkv", "", ""] if packed else ["q", "k", "v"]
     ins += ["", ""] if prefill else ["pk", "pv"]

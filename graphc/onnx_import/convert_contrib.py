@@ -7,8 +7,10 @@
   queries sit at positions ``seqlens_k[b] + 1 - S + i`` (bottom-right causal,
   keys at or past ``seqlens_k[b] + 1`` hidden).  This is onnxruntime's result
   whenever every row's past fills the cache (``seqlens_k[b] = P + S - 1``),
-  the usual decode and prefill; for ragged batches onnxruntime writes each
-  row's new keys at that row's length, which graphc does not model.
+  the usual decode and prefill.  In a ragged batch (rows of different
+  lengths, left-padded by onnxruntime-genai's mask) row ``b``'s past is its
+  first ``seqlens_k[b] + 1 - S`` cache slots: its new keys are written right
+  after them and the slots after those are zeros, as onnxruntime does.
 - ``MultiHeadAttention``: Q/K/V ``[B, S, heads*D]``, optional additive
   ``attention_bias`` and ``past_key``/``past_value``, ``unidirectional``
   (causal, offset by the past length); ``key_padding_mask`` and packed
@@ -19,10 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dims import dim_prod
-from ..ops import Binary, Cast, Concat, Reshape, Transpose
+from ..dims import dim_add, dim_prod
+from ..ops import Binary, Cast, Compare, Concat, Reshape, Transpose, Where
 from ..rotary import Positions
-from ..tensor_ops import Gather, Slice
+from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, ShapeValues, Slice
 from .context import ImportContext, SymInts
 from .convert_core import Converter
 from .convert_fused import _as_int64, _attention, _rotate, _split_heads
@@ -36,6 +38,25 @@ def _bsnd(ctx: ImportContext, x: str, heads: int, what: str) -> str:
     if not isinstance(hidden, int) or hidden % heads:
         raise ctx.error(f"{what} hidden size {hidden!r} does not split into {heads} heads")
     return ctx.add(Reshape((b, s, heads, hidden // heads)), [x], f"{what}_BSND")
+
+
+def _write_after_rows_past(ctx: ImportContext, past: str, new: str, lengths: str, what: str) -> str:
+    """``present[b, :, j]``: ``past[b, :, j]`` for ``j < L_b - S``, then ``new[b]``, then zeros (``L_b = lengths[b]``, length ``P + S``).
+
+    Where every row's past fills the cache (``L_b = P + S``) this is ``concat(past, new)``."""
+    b, heads, p, d = ctx.graph.types[past].shape
+    s = ctx.graph.types[new].shape[2]
+    total = dim_add(p, s)
+    both = ctx.add(Concat(2), [past, new], f"{what}_concat")  # [B, H, P+S, D]
+    slot = ctx.add(Reshape((1, 1, total, 1)), [ctx.add(Arange(0, total), [], f"{what}_slots")], f"{what}_slots4")
+    start = ctx.add(Reshape((b, 1, 1, 1)), [ctx.add(Binary("sub"), [lengths, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], f"{what}_row_past")], f"{what}_row_past4")
+    offset = ctx.add(Binary("sub"), [slot, start], f"{what}_new_slot")  # j - past_b: 0.. on the new keys
+    zero, last = ctx.constant(np.array(0, np.int64), "zero"), ctx.add(ShapeValues((dim_add(s, -1),), scalar=True), [], "last_new")
+    index = ctx.add(BroadcastTo((b, heads, total, d)), [ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")], f"{what}_index")
+    moved = ctx.add(GatherElements(2), [new, index], f"{what}_moved")
+    is_past, is_new = (ctx.add(Compare("less"), [slot, x], f"{what}_{n}") for x, n in ((start, "is_past"), (ctx.add(Binary("add"), [start, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], "new_end"), "before_end")))
+    zeros = ctx.constant(np.zeros((), np.dtype(ctx.graph.types[new].dtype)), "zero")
+    return ctx.add(Where(), [is_past, both, ctx.add(Where(), [is_new, moved, zeros], f"{what}_tail")], what)
 
 
 def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
@@ -70,11 +91,9 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if window is not None and window > 0:
         fused["left_window_size"] = window - 1  # GQA's window counts the query's own key
     past = [ins[3], ins[4]] if ins[3] is not None else [None, None]
-    if past[0] is not None:
-        # one offset per row (seqlens_k), keys concatenated after the full past: decompose as Attention with nonpad lengths
+    if past[0] is not None:  # row b's new keys go right after its own past, seqlens_k[b] + 1 - S (a ragged batch)
         pk, pv = ctx.tensor(past[0], "past_key"), ctx.tensor(past[1], "past_value")
-        k4 = ctx.add(Concat(2), [pk, k4], "present_key")
-        v4 = ctx.add(Concat(2), [pv, v4], "present_value")
+        k4, v4 = (_write_after_rows_past(ctx, p, x, lengths, w) for p, x, w in ((pk, k4, "present_key"), (pv, v4, "present_value")))
     y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, None, None, None, lengths], fused)
     return [_merge_heads(ctx, y), k4, v4]
 

@@ -43,11 +43,11 @@ def _scalar(ctx: ImportContext, value: np.ndarray | float, dtype: str) -> str:
 
 # ---------------------------------------------------------------- positions
 def _positions_grid(ctx: ImportContext, x: str) -> str:
-    """``j - i`` over the last two axes of ``x`` as an int64 ``[S, T]`` tensor."""
+    """``j - i`` over the last two axes of ``x`` as an int64 ``[S, T]`` tensor (built from the dims: ``x`` itself is not read,
+    so scores masked this way stay an attention chain)."""
     shape = ctx.graph.types[x].shape
-    rows = ctx.add(Positions(len(shape) - 2), [x], "rows")
-    rows = ctx.add(Reshape((shape[-2], 1)), [rows], "rows_col")
-    cols = ctx.add(Positions(len(shape) - 1), [x], "cols")
+    rows = ctx.add(Reshape((shape[-2], 1)), [ctx.add(Arange(0, shape[-2]), [], "rows")], "rows_col")
+    cols = ctx.add(Arange(0, shape[-1]), [], "cols")
     return ctx.add(Binary("sub"), [cols, rows], "key_minus_query")
 
 

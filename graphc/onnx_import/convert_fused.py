@@ -14,7 +14,7 @@ import numpy as np
 from ..dims import Dim, dim_prod, is_static, normalize_dim
 from ..ops import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from ..rotary import Positions
-from ..tensor_ops import Gather, Reduce, Slice
+from ..tensor_ops import Arange, Gather, Reduce, Slice
 from .context import ONNX_TO_DTYPE, ImportContext
 from .convert_core import Converter, _positions_grid
 
@@ -139,7 +139,7 @@ def _masks(ctx: ImportContext, scores: str, attrs: dict, mask: object, total: Di
     if nonpad is not None:
         lengths = ctx.tensor(nonpad, "nonpad_kv_seqlen")
         lengths = _as_int64(ctx, lengths)
-        cols = ctx.add(Positions(3), [scores], "key_positions")
+        cols = ctx.add(Arange(0, ctx.graph.types[scores].shape[3]), [], "key_positions")
         keep = ctx.add(Compare("less"), [cols, ctx.add(Reshape((batch, 1, 1, 1)), [lengths], "nonpad_BHSK")], "key_is_real")
         scores = _hide(ctx, scores, keep)
     return scores

@@ -87,7 +87,8 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
     if rank < 2 or softmax.op.axis % rank != rank - 1:  # type: ignore[attr-defined]
         return None
     scale, offset, mask, mask_kind = 1.0, None, None, "none"
-    empty_rows, more_masks = "zero", ()
+    empty_rows: str = "zero"
+    more_masks: tuple[str, ...] = ()
     window: int | None = None
     cap: float | None = None  # the softcap c of c * tanh(s / c), once its tanh is passed
     view_for_rows: tuple[Dim, ...] | None = None
@@ -132,9 +133,13 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
                 return Miss(f"a non-positive scale acts after mask {node.name!r}")
             if not _neg_inf_constant(graph, b) or graph.types[cond].dtype != "bool":
                 return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf)")
-            if mask is not None:
-                return Miss("more than one user mask on one softmax")
-            mask, mask_kind, nxt = cond, "bool", a
+            if mask is not None and mask_kind != "bool":
+                return Miss("a bool mask and an additive mask on one softmax")
+            if mask is None:
+                mask, mask_kind = cond, "bool"
+            else:  # several bool masks (a per-row causal keep and a key padding): ANDed
+                more_masks = (*more_masks, cond)
+            nxt = a
             view_for_rows = view_for_rows or graph.types[node.name].shape
         else:
             if op.fn != "add":

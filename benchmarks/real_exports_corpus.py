@@ -1,0 +1,198 @@
+"""The exports of optimum and onnxruntime-genai, made in their own virtual environments and checked with graphc here.
+
+Both tools pin transformers versions other than graphc's test environment (optimum-onnx 0.1.0 needs transformers
+< 4.58; onnxruntime-genai 0.18's model builder imports names of a recent transformers), so this script creates one
+venv per tool under ``--work`` (once; later runs reuse them), builds in each the same tiny random-weight models as
+``tests/real_exports.py`` (``config_kwargs``; hidden 256, so that onnxruntime's ``GroupQueryAttention`` gets a head
+size that is a multiple of 16), saves them with a small word-level tokenizer and exports them:
+
+- optimum: ``optimum.exporters.onnx.main_export(..., task="text-generation-with-past")``;
+- onnxruntime-genai: ``python -m onnxruntime_genai.models.builder -i MODEL -o OUT -p fp32 -e cpu``.
+
+Then, in this environment, each file is imported, optimized and run by graphc (numpy and ort-cpu) against
+onnxruntime on the file at sizes never traced (prefill 5 and 30 tokens, decode over a past of 100 and 260, a
+7-token chunk over a past, a left-padded batch), and graphc's re-export against the file.  One table row per file::
+
+    python benchmarks/real_exports_corpus.py [--work DIR] [--tools optimum,genai] [--families llama,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import venv
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+TOOLS = {
+    "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0"],
+    "genai": ["torch==2.13.0", "onnxruntime-genai==0.18.0", "onnx", "onnx_ir", "transformers==5.23.0"],
+}
+"""What each tool's venv installs (torch 2.13.0 is the CPU build)."""
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon")
+SIZES = [(1, 5, 0, 0), (1, 1, 100, 0), (2, 1, 260, 0), (3, 7, 13, 0), (2, 30, 5, 0), (3, 7, 13, 2), (3, 1, 20, 4)]
+"""(batch, new tokens, past, left padding of row 0)."""
+
+GENERATOR = r'''
+import json, os, subprocess, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, transformers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+tool, out, name, kwargs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+torch.manual_seed(0)
+cfg = getattr(transformers, name)(**kwargs)
+model = AutoModelForCausalLM.from_config(cfg).eval()
+hf = os.path.join(out, "hf")
+model.save_pretrained(hf)
+vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t0").save_pretrained(hf)
+if tool == "optimum":
+    from optimum.exporters.onnx import main_export
+    main_export(hf, output=os.path.join(out, "onnx"), task="text-generation-with-past")
+else:
+    r = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf, "-o", os.path.join(out, "onnx"),
+                        "-p", "fp32", "-e", "cpu", "-c", os.path.join(out, "cache")], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "the model builder failed")
+'''
+
+
+def tool_python(work: Path, tool: str) -> Path:
+    """The venv of ``tool`` under ``work`` (created and filled on first use); returns its python."""
+    env = work / f"venv-{tool}"
+    python = env / "bin" / "python"
+    if not (env / ".ready").exists():
+        print(f"creating {env} ({' '.join(TOOLS[tool])}) ...", file=sys.stderr, flush=True)
+        venv.create(env, with_pip=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *TOOLS[tool]], check=True)
+        (env / ".ready").write_text("ok\n")
+    return python
+
+
+def export(work: Path, tool: str, family: str) -> tuple[Path | None, str]:
+    """Export ``family`` with ``tool``; ``(model.onnx or None, why not)``."""
+    from real_exports import config_kwargs
+
+    out = work / "models" / f"{family}-{tool}"
+    model = out / "onnx" / "model.onnx"
+    if model.exists():
+        return model, ""
+    name, kwargs = config_kwargs(family, hidden=256)
+    script = work / "generate.py"
+    script.write_text(GENERATOR)
+    r = subprocess.run([str(tool_python(work, tool)), str(script), tool, str(out), name, json.dumps(kwargs)], capture_output=True, text=True)
+    if r.returncode or not model.exists():
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return None, (lines[-1] if lines else "no model written")[:160]
+    return model, ""
+
+
+def feeds(model, batch: int, seq: int, past: int, pad: int, head_dim: int) -> dict[str, np.ndarray]:  # noqa: ANN001
+    """Inputs for an optimum or genai export (``kv_cache_dim``, which genai leaves unnamed-size, is ``head_dim``)."""
+    rng = np.random.default_rng(seq + past)
+    out: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.name == "input_ids":
+            out[vi.name] = rng.integers(0, 128, (batch, seq)).astype(np.int64)
+        elif vi.name == "attention_mask":
+            mask = np.ones((batch, seq + past), np.int64)
+            mask[0, :pad] = 0
+            out[vi.name] = mask
+        elif vi.name == "position_ids":
+            out[vi.name] = np.tile(np.arange(past, past + seq), (batch, 1)).astype(np.int64)
+        else:
+            out[vi.name] = rng.standard_normal((batch, dims[1].dim_value, past, dims[3].dim_value or head_dim)).astype(np.float32)
+    return out
+
+
+def check(path: Path, head_dim: int) -> tuple[str, str, str]:
+    """``(attention recognised, worst error / tolerance, status)`` of one exported file."""
+    import onnx
+    import onnxruntime as ort
+
+    from graphc import optimize
+    from graphc.errors import GraphcError
+    from graphc.onnx_import import from_onnx
+    from graphc.optimizer import Target, lower
+    from lowering import export as export_onnx
+    from lowering import run
+
+    model = onnx.load(str(path), load_external_data=False)
+    try:
+        graph = from_onnx(path)
+        optimized = optimize(graph).graph
+    except GraphcError as e:
+        return "-", "-", f"import refused: {str(e).splitlines()[0][:140]}"
+    ops = [n.op for n in lower(optimized, Target("keep", lambda g, n, c: None)).topological_order() if n.op.kind == "Attention"]
+    seen = sorted({("causal" if o.causal_offset is not None else "no causal mask") + (", cache" if o.kv_cache else "")
+                   + (f", window {o.window}" if o.window else "") + (f", {o.mask} mask" if o.has_mask else "") for o in ops})
+    recognised = f"{len(ops)} ({'; '.join(seen)})" if ops else "0"
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as tmp:
+        reexport = Path(tmp) / "graphc.onnx"
+        export_onnx(optimized, reexport)
+        mine = ort.InferenceSession(str(reexport), providers=["CPUExecutionProvider"])
+        worst, problems = 0.0, []
+        for batch, seq, past, pad in SIZES:
+            f = feeds(model, batch, seq, past, pad, head_dim)
+            try:
+                want = session.run(None, f)
+            except Exception:  # noqa: BLE001 - the file itself refuses this size
+                problems.append(f"onnxruntime fails on the file at {batch, seq, past, pad}")
+                continue
+            by_name = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
+            results = {"numpy": lambda: run(optimized, by_name, backend="numpy"), "ort-cpu": lambda: run(optimized, by_name, backend="ort-cpu"),
+                       "re-export": lambda: dict(zip(optimized.outputs, mine.run(None, f)))}
+            for backend, get in results.items():
+                try:
+                    got = get()
+                except Exception as e:  # noqa: BLE001 - reported in the row
+                    problems.append(f"{backend} at {batch, seq, past, pad}: {str(e).splitlines()[0][:100]}")
+                    continue
+                for name, w in zip(optimized.outputs, want):
+                    err = float(np.max(np.abs(got[name] - w) / (1e-4 + 1e-3 * np.abs(w))))
+                    worst = max(worst, err)
+                    if err > 1:
+                        problems.append(f"{backend} differs at {batch, seq, past, pad} ({err:.1f}x the tolerance)")
+    return recognised, f"{worst:.2g}", "; ".join(dict.fromkeys(problems)) or "equal"
+
+
+def main() -> None:
+    """Export every family with every tool, check each file, print one Markdown table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphc-real-exports")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore")
+    print("| family | exporter | Attention ops (per file) | worst err / tol | result |\n|---|---|---|---|---|")
+    for tool in args.tools.split(","):
+        for family in args.families.split(","):
+            path, why = export(args.work, tool, family)
+            if path is None:
+                print(f"| {family} | {tool} | - | - | the exporter fails: {why} |", flush=True)
+                continue
+            from real_exports import config_kwargs
+
+            _, kw = config_kwargs(family, hidden=256)
+            heads = kw.get("num_attention_heads") or kw.get("n_head")
+            head_dim = kw.get("head_dim") or 256 // heads
+            print(f"| {family} | {tool} | " + " | ".join(check(path, head_dim)) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
