@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -26,7 +27,8 @@ from .dims import dim_symbols
 from .errors import GraphcError
 from .graph import Graph
 from .ops import DTYPES
-from .optimizer import OPTIMIZERS, PIPELINES, optimize
+from .attention_op import Attention
+from .optimizer import OPTIMIZERS, PIPELINES, Target, lower, optimize
 from .serialize import load_graph, save_graph
 from .visualize import to_dot, to_svg
 
@@ -350,6 +352,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if args.attention != "decomposed":
             opset = max(opset, 23)
         model = export(out, args.output, opset=opset, attention=args.attention, hints=hints, external_data=args.external_data)
+        if args.explain:  # the export's own lowering, traced: each attention recognised, and the form chosen for it
+            from lowering.targets import onnx_target
+
+            lowered = optimize(out, level=0, hints=hints, target=onnx_target(args.attention, opset)).report.trace
+            print(f"\nthe ONNX export (attention={args.attention!r}, opset {opset}):\n{lowered.explain()}")
         print(f"wrote {args.output}: {len(model.graph.node)} nodes, opset {opset}, inputs {', '.join(out.inputs)}, outputs {', '.join(out.outputs)}")
     elif args.output:
         save_graph(out, args.output)
@@ -400,14 +407,33 @@ def _describe_graph(g: Graph, source: str) -> str:
     opt = optimize(g).graph
     counts = ", ".join(f"{k} {v}" for k, v in g.op_counts().items())
     after = ", ".join(f"{k} {v}" for k, v in opt.op_counts().items())
+    kept = lower(opt, Target("every attention", lambda graph, node, ctx: None))  # recognised, none decomposed
+    kinds = Counter(_attention_kind(n.op) for n in kept.topological_order() if isinstance(n.op, Attention))
     lines = [
         f"{source}: graph {g.name!r}, {len(g.nodes)} nodes, {params:,} parameters ({weight_bytes / 2**20:,.1f} MiB)",
         f"  inputs:  {'; '.join(shape(n) for n in g.inputs)}",
         f"  outputs: {'; '.join(shape(n) for n in g.outputs)}",
         f"  ops: {counts}",
-        f"  optimized: {len(opt.nodes)} nodes, {opt.op_counts().get('Attention', 0)} attention op(s) recognised; {after}",
+        f"  optimized: {len(opt.nodes)} nodes; {after}",
+        f"  attention recognised: {sum(kinds.values())}" + "".join(f"\n    {n} x {kind}" for kind, n in kinds.items()),
     ]
     return "\n".join(lines)
+
+
+def _attention_kind(op: Attention) -> str:
+    """One line of what an ``Attention`` op computes: causal structure, cache, masks, window, softcap."""
+    parts = [f"causal (offset {op.causal_offset})" if op.causal_offset is not None else "not causal"]
+    if op.kv_cache:
+        parts.append("KV cache")
+    if op.window is not None:
+        parts.append(f"window {op.window}")
+    if op.has_mask:
+        parts.append(f"{op.mask} mask")
+    if op.softcap is not None:
+        parts.append(f"softcap {op.softcap:g}")
+    if op.empty_rows != "zero":
+        parts.append(f"rows with no visible key: the {op.empty_rows} of V")
+    return ", ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:

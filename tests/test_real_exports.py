@@ -105,7 +105,12 @@ def test_sliding_window_cache_exports_are_right_or_refused(family, exporter, tmp
 
 def test_optimize_cli_reexports_a_real_export(tmp_path, capsys):
     path = export_model("llama", "legacy", "sdpa", True, tmp_path / "model.onnx")
-    assert main(["optimize", str(path), "-o", str(tmp_path / "opt.onnx")]) == 0
+    assert main(["optimize", str(path), "--target", "ort-cpu", "--explain", "-o", str(tmp_path / "opt.onnx")]) == 0
+    explained = capsys.readouterr().out
+    assert explained.count("attention recognised: scale=") == 2 and "causal offset past_seq" in explained and "KV cache past_key_values.0" in explained
+    assert explained.count("legalize_attention on") == 2  # the form chosen for each
+    assert main(["info", str(path)]) == 0
+    assert "attention recognised: 2\n    2 x causal (offset past_seq), KV cache, bool mask" in capsys.readouterr().out
     model = onnx.load(str(path), load_external_data=False)
     f = feeds(model, 2, 3, 9, 1)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, f)
