@@ -163,6 +163,9 @@ def check(path: Path, head_dim: int) -> tuple[str, str, str]:
                     problems.append(f"{backend} at {batch, seq, past, pad}: {str(e).splitlines()[0][:100]}")
                     continue
                 for name, w in zip(optimized.outputs, want):
+                    if got[name].shape != w.shape:
+                        problems.append(f"{backend}: {name} is {list(got[name].shape)}, onnxruntime gives {list(w.shape)} at {batch, seq, past, pad}")
+                        continue
                     err = float(np.max(np.abs(got[name] - w) / (1e-4 + 1e-3 * np.abs(w))))
                     worst = max(worst, err)
                     if err > 1:

@@ -349,6 +349,18 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
             np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
 
 
+@pytest.mark.parametrize("attr", [{"sliding_window_cache": 1}, {"qk_output": 1}, {"future_attribute": 3}])
+def test_group_query_attention_attributes_graphc_does_not_model_are_refused(attr) -> None:
+    """onnxruntime-genai writes sliding_window_cache=1 for a rolling window cache: refused by name, never ignored."""
+    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["y", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=2, kv_num_heads=1, local_window_size=4, **attr)
+    shapes = {"q": [1, 1, 32], "k": [1, 1, 16], "v": [1, 1, 16], "pk": [1, 1, 3, 16], "pv": [1, 1, 3, 16], "seqlens": [1], "total": []}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, sh) for n, sh in shapes.items()]
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], ms=True)
+    with pytest.raises(OnnxImportError, match=next(iter(attr))):
+        from_onnx(model)
+
+
 MHA_CASES = {"cross": dict(), "causal-self": dict(unidirectional=1, self=True), "attention-bias": dict(bias=True), "causal-with-past": dict(past=True, unidirectional=1, self=True), "scaled": dict(scale=0.3)}
 
 

@@ -40,6 +40,11 @@ def _bsnd(ctx: ImportContext, x: str, heads: int, what: str) -> str:
     return ctx.add(Reshape((b, s, heads, hidden // heads)), [x], f"{what}_BSND")
 
 
+GQA_ATTRIBUTES = frozenset({"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary", "rotary_interleaved",
+                            "smooth_softmax", "sliding_window_cache", "qk_output"})
+"""GroupQueryAttention's attributes the import reads (or refuses by value); any other is refused by name, never ignored."""
+
+
 def _write_after_rows_past(ctx: ImportContext, past: str, new: str, lengths: str, what: str) -> str:
     """``present[b, :, j]``: ``past[b, :, j]`` for ``j < L_b - S``, then ``new[b]``, then zeros (``L_b = lengths[b]``, length ``P + S``).
 
@@ -69,6 +74,13 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
             raise ctx.error(f"GroupQueryAttention: input {what} is not supported by graphc's import")
     if attrs.get("smooth_softmax", 0):
         raise ctx.error("GroupQueryAttention: smooth_softmax=1 is not supported by graphc's import")
+    if attrs.get("qk_output", 0):
+        raise ctx.error("GroupQueryAttention: qk_output (the scores as an extra output) is not supported by graphc's import")
+    if attrs.get("sliding_window_cache", 0):
+        raise ctx.error("GroupQueryAttention: sliding_window_cache=1 (a rolling cache of local_window_size slots) is not supported by graphc's import")
+    unknown = sorted(set(attrs) - GQA_ATTRIBUTES)
+    if unknown:
+        raise ctx.error(f"GroupQueryAttention: attribute(s) {', '.join(unknown)} are not known to graphc's import (known: {', '.join(sorted(GQA_ATTRIBUTES))})")
     q = ctx.tensor(ins[0], "query")
     if ins[1] is None:  # packed [Q | K | V]
         b, s, hidden = ctx.graph.types[q].shape
