@@ -416,9 +416,10 @@ def export(
     ``attention``: ``"decomposed"`` (MatMul/Softmax nodes), ``"onnx-attention"``
     (the standard ``Attention`` op, opset 23+), ``"ort-gqa"`` (onnxruntime's
     ``com.microsoft.GroupQueryAttention``), ``"chunked"`` (causal attention as
-    query chunks against the visible keys only, :mod:`lowering.onnx_chunked`) or ``"auto"`` (per attention: fused
-    when each KV head serves at least 64 query rows under ``sizes``/``hints``,
-    else grouped MatMuls; decomposed when the query length is unknown).  An
+    query chunks against the visible keys only, :mod:`lowering.onnx_chunked`) or ``"auto"`` (per attention, under
+    ``sizes``/``hints``: chunked or fused when each KV head serves at least 64 query rows and, for chunks, the scores
+    are large enough (:data:`lowering.targets.AUTO_MIN_CHUNKED_SCORES`), else grouped MatMuls; decomposed when the
+    query length is unknown).  An
     explicit fused mode that cannot carry a recognised attention raises
     :class:`ExportError` with the reason; ``auto`` falls back to the decomposed form.
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from graphc import Attention
-from graphc.dims import normalize_dim
+from graphc.dims import dim_add, normalize_dim
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
@@ -20,7 +22,7 @@ from .onnx_chunked import chunked_unsupported
 __all__ = [
     "ATTENTION_MODES",
     "AUTO_MIN_QUERY_ROWS",
-    "AUTO_MIN_CHUNKED_QUERIES",
+    "AUTO_MIN_CHUNKED_SCORES",
     "NUMPY_TARGET",
     "TORCH_TARGET",
     "onnx_target",
@@ -33,18 +35,13 @@ __all__ = [
 
 ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "chunked", "auto")
 AUTO_MIN_QUERY_ROWS = 64
-AUTO_MIN_CHUNKED_QUERIES = 768
-"""``auto`` chunks a causal prefill from this many queries on; shorter ones run as grouped MatMuls.
+AUTO_MIN_CHUNKED_SCORES = 2**22
+"""``auto`` chunks a causal prefill whose scores (batch x query heads x queries x keys) hold at least this many
+elements; a smaller one runs as grouped MatMuls (each chunk costs some twenty small ops).
 
-From ``benchmarks/bench_real_exports.py`` on 2 cores (whole Llama / GPT-2 exports, hidden 256): at 128 and 512
-queries the grouped MatMul form is 4-40% faster than query chunks, at 1024 chunks are 12-30% faster."""
-"""``auto`` fuses when each KV head serves at least this many query rows (group x queries).
-
-From ``benchmarks/bench_speed.py`` on 2 cores: causal prefill as query chunks
-takes 0.60-0.75x the time of either fused op (so causal prefill is chunked);
-non-causal prefill is the ``Attention`` op itself; a decode step (4 or 8 rows
-per KV head) runs as fast as grouped MatMuls as through the fused op, and the
-grouped form also runs on onnxruntime releases without opset 23."""
+From ``benchmarks/bench_real_exports.py`` and the mistral-7b layer on 2 cores: grouped MatMuls win at 1-2M score
+elements (hidden-256 Llama/GPT-2 exports at 512 tokens by 4-16%, the mistral-7b layer at 256 ties), query chunks
+win from 4M (the exports at 1024 tokens by 12-30%, the mistral-7b layer at 512 by 7%)."""
 
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
@@ -115,6 +112,15 @@ def _rows_per_kv_head(graph: Graph, node: Node, ctx: PassContext) -> int | None:
     return sq * (q[1] // max(k[1], 1))
 
 
+def _score_elements(graph: Graph, node: Node, ctx: PassContext) -> int:
+    """Batch x query heads x queries x keys (past included) under the known sizes (an unknown batch counts 1);
+    0 when the heads, queries or keys are unknown."""
+    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+    keys = dim_add(_past_len(graph, node), k[2])
+    sizes = [ctx.known_size(q[0]) or 1] + [ctx.known_size(d) for d in (q[1], q[2], keys)]
+    return 0 if any(x is None for x in sizes) else int(np.prod(sizes))
+
+
 def onnx_target(mode: str, opset: int) -> Target:
     """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset``."""
     if mode not in ATTENTION_MODES:
@@ -142,9 +148,9 @@ def onnx_target(mode: str, opset: int) -> Target:
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             if chunked_unsupported(graph, node) is None:
-                queries = ctx.known_size(graph.types[node.inputs[0]].shape[2]) or 0
-                if queries < AUTO_MIN_CHUNKED_QUERIES:
-                    return f"auto: {queries} queries, under {AUTO_MIN_CHUNKED_QUERIES}: one grouped MatMul pass beats query chunks"
+                scores = _score_elements(graph, node, ctx)
+                if scores < AUTO_MIN_CHUNKED_SCORES:
+                    return f"auto: {scores} score elements, under {AUTO_MIN_CHUNKED_SCORES}: one grouped MatMul pass beats query chunks"
                 return None  # emitted as query chunks over the visible keys (faster than the fused op on causal prefill)
             return onnx_attention_unsupported(graph, node, opset)
 
