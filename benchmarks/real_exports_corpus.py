@@ -95,7 +95,7 @@ def export(work: Path, tool: str, family: str) -> tuple[Path | None, str]:
     r = subprocess.run([str(tool_python(work, tool)), str(script), tool, str(out), name, json.dumps(kwargs)], capture_output=True, text=True)
     if r.returncode or not model.exists():
         lines = (r.stderr or r.stdout).strip().splitlines()
-        return None, (lines[-1] if lines else "no model written")[:160]
+        return None, (lines[-1] if lines else "no model written").replace(str(work), "WORK")[:160]
     return model, ""
 
 
@@ -135,7 +135,7 @@ def check(path: Path, head_dim: int) -> tuple[str, str, str]:
         graph = from_onnx(path)
         optimized = optimize(graph).graph
     except GraphcError as e:
-        return "-", "-", f"import refused: {str(e).splitlines()[0][:140]}"
+        return "-", "-", f"import refused: {str(e).splitlines()[0][:200]}"
     ops = [n.op for n in lower(optimized, Target("keep", lambda g, n, c: None)).topological_order() if n.op.kind == "Attention"]
     seen = sorted({("causal" if o.causal_offset is not None else "no causal mask") + (", cache" if o.kv_cache else "")
                    + (f", window {o.window}" if o.window else "") + (f", {o.mask} mask" if o.has_mask else "") for o in ops})
