@@ -6,7 +6,7 @@ and run them on NumPy, the ONNX reference evaluator or onnxruntime.
 """
 
 from . import errors, memory, weights
-from .attention_op import Attention, decompose_attention
+from .attention_op import Attention
 from .attention import (
     PRESETS,
     AttentionConfig,
@@ -30,6 +30,7 @@ from .rotary import Positions, Rotary
 from .opaque import Opaque
 from .tensor_ops import Gather, Reduce, ShapeValues, Slice
 from .optimizer import OptimizationReport, graph_cost, optimize
+from .optimizer.decompose import decompose_attention
 from .serialize import load_graph, save_graph
 
 __version__ = "0.1.0"

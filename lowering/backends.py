@@ -20,36 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from graphc.errors import BackendError, BackendUnavailableError, ExecutionError, GraphcError, UnknownNameError
+from graphc.errors import BackendError, BackendUnavailableError, UnknownNameError
 from graphc.graph import Graph
 from graphc.memory import check_allocation, graph_run_bytes
 from graphc.optimizer import lower
 
 from .inputs import check_inputs
 from .numpy_interpreter import NumpyInterpreter
+from .runner import Runner
 from .targets import NUMPY_TARGET, REFERENCE_TARGET
 
 __all__ = ["Runner", "BackendSpec", "BACKENDS", "register_backend", "unregister_backend", "backend_names", "get_backend", "prepare", "run", "unavailable_reason"]
-
-
-@dataclass
-class Runner:
-    """A graph prepared for one backend: call :meth:`run` as often as needed."""
-
-    backend: str
-    provider: str
-    graph: Graph
-    _fn: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
-
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Check ``inputs`` against the graph, run, and return the outputs by name."""
-        check_inputs(self.graph, inputs)
-        try:
-            return self._fn(inputs)
-        except GraphcError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a backend library's own error, wrapped
-            raise ExecutionError(f"backend {self.backend!r} failed on graph {self.graph.name!r}: {type(e).__name__}: {e}") from e
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ def compare(
 
 def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],
                  repeats: int, atol: float, rtol: float) -> BackendResult:
-    from lowering.dask_shards import close_cluster, sharded_runner
+    from .dask_shards import close_cluster, sharded_runner
 
     name = f"sharded x{plan.n} ({backend})"
     try:

@@ -59,7 +59,7 @@ def close_cluster(client: Any) -> None:
 
 
 def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any]) -> Any:
-    from lowering import prepare
+    from .backends import prepare
 
     return prepare(graph, backend, **dict(options))
 

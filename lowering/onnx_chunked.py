@@ -13,16 +13,14 @@ repeated.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from graphc import Attention
 from graphc.dims import dim_is_nonnegative, normalize_dim
 from graphc.graph import Graph, Node
 
-if TYPE_CHECKING:
-    from .onnx_export import OnnxBuilder
+from .onnx_builder import OnnxBuilder
+
 
 __all__ = ["emit_chunked_attention", "CAUSAL_CHUNKS", "chunked_unsupported"]
 

@@ -90,7 +90,7 @@ class LocalExecutor:
 
     def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
         """Prepare each shard's graph with :func:`lowering.prepare`."""
-        from lowering import prepare
+        from .backends import prepare
 
         for i, g in enumerate(stage.graphs):
             self._runners[(stage.index, i)] = prepare(g, backend, **dict(options))
@@ -124,7 +124,7 @@ class ShardedRunner:
         self.last = RunStats()
         self._fetched: dict[tuple[str, int], np.ndarray] = {}
         self._local: dict[int, Any] = {}
-        from lowering import prepare
+        from .backends import prepare
 
         for st in plan.stages:
             if st.sharded:

@@ -24,7 +24,7 @@ from graphc.optimizer import lower
 from graphc.rotary import Positions
 from graphc.tensor_ops import Gather, GatherElements, Reduce, Slice
 
-from .backends import Runner
+from .runner import Runner
 from .inputs import check_inputs
 from .targets import TORCH_TARGET
 

@@ -5,6 +5,7 @@ from .cost import GraphCost, format_comparison, graph_cost
 from .grouping import fold_groups, fuse_repeat_kv
 from .attention import fuse_attention
 from .infra import DEFAULT_DIM_HINT, Miss, Pass, PassContext, PassManager, PassResult, RewritePass, Rule, Trace, rewrite_to_fixed_point
+from .decompose import decompose_attention
 from .legalize import LOWERING_STAGES, REFERENCE_TARGET, Target, legalize, lower
 from .pipeline import PIPELINES, STAGES, OptimizationReport, OptimizationResult, optimize, pipeline
 from .planning import OPTIMIZERS, plan_contractions
@@ -23,6 +24,7 @@ __all__ = [
     "REFERENCE_TARGET",
     "LOWERING_STAGES",
     "fuse_attention",
+    "decompose_attention",
     "PassResult",
     "rewrite_to_fixed_point",
     "Pass",

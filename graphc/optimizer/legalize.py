@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from graphc.attention_op import Attention, decompose_attention
+from graphc.attention_op import Attention
 from graphc.dims import check_sizes
 from graphc.graph import Graph, Node
 from graphc.weights import check_mapped_files
 from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention
+from .decompose import decompose_attention
 from .cleanup import LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule
 from .planning import SPLIT_RULE

@@ -1,0 +1,128 @@
+"""``decompose_attention``: the one decomposition of the ``Attention`` op into grouped einsums and elementwise ops.
+
+Used by legalisation for every backend without a kernel for a node, and as the reference lowering the kernels are
+checked against.  The chain never copies K/V: Q is viewed as ``[B, Hkv, G*Sq, D]`` so QK^T and PV are one batched
+GEMM per KV head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from graphc.attention_op import Attention, attention_group_size
+from graphc.dims import Dim, dim_mul
+from graphc.errors import GraphError
+from graphc.graph import Graph
+from graphc.ops import Binary, CausalMask, Compare, Concat, Einsum, Op, Reshape, Scale, Softmax, Unary, Where
+from graphc.tensor_ops import BroadcastTo, Reduce
+
+__all__ = ["decompose_attention"]
+
+
+def decompose_attention(graph: Graph, node_name: str) -> str:
+    """Replace the ``Attention`` node ``node_name`` by einsum and elementwise nodes; returns a description.
+
+    The chain is the grouped form with the group folded into the GEMM rows: Q is
+    viewed as ``[B, Hkv, G*Sq, D]``, so QK^T and PV are each one batched GEMM per
+    KV head and K/V are never copied; the scale goes on Q (never larger than the
+    scores, and no pass over a KV cache); the scores are viewed as
+    ``[B, Hkv, G, Sq, Sk]`` for the masks and softmax.  The outputs keep their
+    names.
+    """
+    node = graph.nodes[node_name]
+    op = node.op
+    if not isinstance(op, Attention):
+        raise GraphError(f"decompose_attention: {node_name!r} is a {op.kind}, not Attention")
+    ins = list(node.inputs)
+    q, k, v = ins[:3]
+    rest = ins[3:]
+    mask = rest.pop(0) if op.has_mask else None
+    base = node.outputs[0]
+
+    def add(o: Op, inputs: Sequence[str], label: str) -> str:
+        return graph.insert_before(node_name, o, inputs, f"{base}_{label}").name
+
+    if op.kv_cache:
+        k = add(Concat(2), [rest[0], k], "present_key")
+        v = add(Concat(2), [rest[1], v], "present_value")
+    b, hq, sq, _ = graph.types[q].shape
+    hkv, sk = graph.types[k].shape[1], graph.types[k].shape[2]
+    dv = graph.types[v].shape[3]
+    g = attention_group_size(hq, hkv) or 1
+    q_scale = op.scale / op.softcap if op.softcap is not None else op.scale  # the softcap's 1/c rides on Q too
+    if q_scale != 1.0:
+        q = add(Scale(q_scale), [q], "q_scaled")
+    if g == 1:
+        s = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores_BHST")
+    else:
+        rows = dim_mul(g, sq)
+        qm = add(Reshape((b, hkv, rows, graph.types[q].shape[3])), [q], "q_BHkvMD")
+        s = add(Einsum("bnmd,bnkd->bnmk"), [qm, k], "scores_BHkvMT")
+        s = add(Reshape((b, hkv, g, sq, sk)), [s], "scores_BHkvGST")
+    if op.softcap is not None:
+        s = add(Scale(op.softcap), [add(Unary("tanh"), [s], "capped")], "softcapped")
+    dtype = graph.types[s].dtype
+    empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
+    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
+        # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
+        fill = _shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
+        zero = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
+        bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
+        bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
+        if op.causal_offset is not None:
+            bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")
+        empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
+        s = add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked")
+    else:
+        if op.causal_offset is not None:
+            s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
+        if mask is not None:
+            s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
+        if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
+            neg_inf = _shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
+            empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
+    p = add(Softmax(-1), [s], "probs")
+    if empty is not None:  # the rows' value: zeros, or the mean of V over every key
+        row_value = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        if op.empty_rows == "mean":
+            row_value = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
+            row_value = add(Reshape((b, hkv, 1, 1, dv)), [row_value], "v_mean_5d") if g > 1 else row_value
+        if g > 1 and graph.types[empty].rank == 4:
+            empty = _grouped_mask(graph, empty, g, hkv, add)
+    if g == 1:
+        out = add(Einsum("bhqk,bhkd->bhqd"), [p, v], "attn_BHSD")
+        if empty is not None:
+            out = add(Where(), [empty, row_value, out], "attn_BHSD_rows")
+    else:
+        p = add(Reshape((b, hkv, dim_mul(g, sq), sk)), [p], "probs_BHkvMT")
+        o = add(Einsum("bnmk,bnkd->bnmd"), [p, v], "attn_BHkvMD")
+        if empty is not None:
+            o5 = add(Reshape((b, hkv, g, sq, dv)), [o], "attn_BHkvGSD")
+            o = add(Where(), [empty, row_value, o5], "attn_BHkvGSD_rows")
+        out = add(Reshape((b, hq, sq, dv)), [o], "attn_BHSD")
+    replacements = {node.outputs[0]: out}
+    if op.kv_cache:
+        replacements.update({node.outputs[1]: k, node.outputs[2]: v})
+    graph.substitute(node_name, replacements)
+    return f"decomposed into grouped einsums (group {g}, no K/V copy)"
+
+
+def _shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
+    """The initializer ``name`` holding ``value`` (made once per graph, so decompositions of several layers share it and merge)."""
+    have = graph.initializers.get(name)
+    if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
+        return name
+    return graph.add_initializer(graph.fresh_name(name) if have is not None or name in graph.types else name, value).name
+
+
+def _grouped_mask(graph: Graph, mask: str, g: int, hkv: Dim, add) -> str:  # noqa: ANN001
+    """View a mask broadcastable to ``[B, Hq, Sq, Sk]`` as one broadcastable to ``[B, Hkv, G, Sq, Sk]``."""
+    shape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape
+    if g == 1:
+        return mask if shape == graph.types[mask].shape else add(Reshape(shape), [mask], "mask_4d")
+    mb, mh, msq, msk = shape
+    heads = (1, 1) if mh == 1 else (hkv, g)
+    return add(Reshape((mb, *heads, msq, msk)), [mask], "mask_grouped")

@@ -1,0 +1,164 @@
+"""``OnnxBuilder``: ONNX nodes and initializers collected for one graph, with shape tensors for its symbolic dims.
+
+Every ONNX emitter (``lowering.onnx_export``'s per-op lowering, ``lowering.onnx_chunked``'s causal chunks) writes
+through one builder: fresh names, constants, ``Shape``-based dims (a symbol read off the input that carries it, or
+solved from an input's dim expression) and the ``-inf`` analysis that says which softmax needs a NaN guard.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from graphc import Attention
+from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, normalize_dim
+from graphc.errors import ExportError
+from graphc.graph import Graph
+from graphc.ops import CausalMask, Einsum, Softmax, Where
+
+__all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES"]
+
+ONNX_DTYPES = {
+    "float16": TensorProto.FLOAT16,
+    "bfloat16": TensorProto.BFLOAT16,
+    "float32": TensorProto.FLOAT,
+    "float64": TensorProto.DOUBLE,
+    "int32": TensorProto.INT32,
+    "int64": TensorProto.INT64,
+    "bool": TensorProto.BOOL,
+}
+
+class OnnxBuilder:
+    """Collects ONNX nodes and initializers; computes shape tensors for symbolic dims."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._names: set[str] = set(graph.types)
+        self._dim_cache: dict[Dim, str] = {}
+        self.may_carry_neg_inf = may_carry_neg_inf(graph)
+        self.symbol_source: dict[str, tuple[str, int]] = {}
+        for name in graph.inputs:
+            for axis, d in enumerate(graph.types[name].shape):
+                if is_symbol(d):
+                    self.symbol_source.setdefault(str(d), (name, axis))
+
+    def fresh(self, base: str) -> str:
+        """A tensor name not used yet."""
+        name, i = base, 1
+        while name in self._names:
+            name, i = f"{base}_{i}", i + 1
+        self._names.add(name)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], output: str | None = None, base: str = "t", domain: str = "", **attrs: object) -> str:
+        """Append an ONNX node with one output and return that output's name."""
+        out = output or self.fresh(base)
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(f"n_{out}"), domain=domain, **attrs))
+        return out
+
+    def const(self, array: np.ndarray, base: str = "c") -> str:
+        """An initializer holding ``array``."""
+        name = self.fresh(base)
+        self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def dim(self, d: Dim) -> str:
+        """A 1-element int64 tensor holding dim ``d`` (computed from input shapes when symbolic)."""
+        d = normalize_dim(d)
+        if d in self._dim_cache:
+            return self._dim_cache[d]
+        if isinstance(d, int):
+            out = self.const(np.array([d], np.int64), f"dim_{d}")
+        elif is_symbol(d):
+            if d in self.symbol_source:
+                src, axis = self.symbol_source[d]
+                out = self.op("Shape", [src], base=f"dim_{d}", start=axis, end=axis + 1)
+            else:
+                out = self._solve(d)
+        else:
+            out = self._poly(d)
+        self._dim_cache[d] = out
+        return out
+
+    def _solve(self, sym: str) -> str:
+        """A symbol seen only inside an input's dim expression: ``past_seq`` from an axis of ``past_seq+seq``."""
+        for name in self.graph.inputs:
+            for axis, d in enumerate(self.graph.types[name].shape):
+                terms = dim_terms(d)
+                mine = [(syms, c) for syms, c in terms if sym in syms]
+                if len(mine) != 1 or mine[0][0] != (sym,):
+                    continue
+                rest = [(syms, c) for syms, c in terms if sym not in syms]
+                if not all(s in self.symbol_source for syms, _ in rest for s in syms):
+                    continue
+                coef = mine[0][1]
+                total = self.op("Shape", [name], base=f"{name}_dim{axis}", start=axis, end=axis + 1)
+                rest_dim = dim_sub(d, dim_mul(coef, sym))
+                value = self.op("Sub", [total, self.dim(rest_dim)]) if rest else total
+                return self.op("Div", [value, self.dim(coef)], base=f"dim_{sym}") if coef != 1 else value
+        raise ExportError(f"symbolic dim {sym!r} cannot be computed at run time from any graph input's shape")
+
+    def _poly(self, d: Dim) -> str:
+        total: str | None = None
+        for syms, coef in dim_terms(d):
+            term = self.dim(abs(coef)) if not syms or abs(coef) != 1 else None
+            for s in syms:
+                term = self.dim(s) if term is None else self.op("Mul", [term, self.dim(s)])
+            assert term is not None
+            if total is None:
+                total = term if coef > 0 else self.op("Neg", [term])
+            else:
+                total = self.op("Add" if coef > 0 else "Sub", [total, term])
+        return total if total is not None else self.dim(0)
+
+    def shape(self, shape: tuple[Dim, ...] | list[Dim]) -> str:
+        """A 1-D int64 shape tensor for a graphc shape (a constant when all dims are ints)."""
+        if is_static(shape):
+            return self.const(np.array([normalize_dim(d) for d in shape], np.int64), "shape")
+        return self.op("Concat", [self.dim(d) for d in shape], base="shape", axis=0)
+
+    def reshape(self, x: str, shape: tuple[Dim, ...] | list[Dim], output: str | None = None) -> str:
+        """Reshape ``x`` (allowzero: a 0 in the target means an empty axis, never 'copy')."""
+        return self.op("Reshape", [x, self.shape(shape)], output, base=f"{x}_r", allowzero=1)
+
+
+
+def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
+    """For every value: can a row of it be all ``-inf`` (so that a softmax over it needs the NaN guard)?
+
+    ``-inf`` enters through a boolean mask, a causal mask with a negative
+    offset, a constant holding a non-finite entry (an additive mask, or one the
+    optimizer folded) or a user tensor, and survives every op but a softmax (or
+    an attention) — contractions included (a transposing einsum, or a product
+    with a positive weight).  User tensors that reach a value only through a
+    contraction (queries and keys) are taken to be finite.  One pass in
+    topological order; each constant is scanned once.
+    """
+    from_any: dict[str, bool] = {}  # counting user tensors
+    from_const: dict[str, bool] = {}  # counting constants and masks only
+    finite_arrays: dict[int, bool] = {}
+    for name in g.inputs:
+        from_any[name], from_const[name] = True, False
+    for name, arr in g.initializers.items():
+        if id(arr) not in finite_arrays:
+            finite_arrays[id(arr)] = arr.dtype.kind != "f" or bool(np.isfinite(arr).all())
+        from_any[name] = from_const[name] = not finite_arrays[id(arr)]
+    for node in g.topological_order():
+        op = node.op
+        if isinstance(op, (Softmax, Attention)):
+            flags = (False, False)
+        elif isinstance(op, CausalMask) and not op.offset_is_nonnegative:
+            flags = (True, True)
+        elif isinstance(op, Where):  # its values come from x or y
+            flags = (any(from_any.get(i, False) for i in node.inputs[1:]), any(from_const.get(i, False) for i in node.inputs[1:]))
+        elif isinstance(op, Einsum) and len(node.inputs) > 1:
+            c = any(from_const.get(i, False) for i in node.inputs)
+            flags = (c, c)
+        else:
+            flags = (any(from_any.get(i, False) for i in node.inputs), any(from_const.get(i, False) for i in node.inputs))
+        for out in node.outputs:
+            from_any[out], from_const[out] = flags
+    return from_any

@@ -1,0 +1,35 @@
+"""``Runner``: a graph prepared for one backend, the one protocol every backend's ``prepare`` returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphc.errors import ExecutionError, GraphcError
+from graphc.graph import Graph
+
+from .inputs import check_inputs
+
+__all__ = ["Runner"]
+
+
+@dataclass
+class Runner:
+    """A graph prepared for one backend: call :meth:`run` as often as needed."""
+
+    backend: str
+    provider: str
+    graph: Graph
+    _fn: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Check ``inputs`` against the graph, run, and return the outputs by name."""
+        check_inputs(self.graph, inputs)
+        try:
+            return self._fn(inputs)
+        except GraphcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a backend library's own error, wrapped
+            raise ExecutionError(f"backend {self.backend!r} failed on graph {self.graph.name!r}: {type(e).__name__}: {e}") from e

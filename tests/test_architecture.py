@@ -1,0 +1,72 @@
+"""Architecture: the modules of graphc/ and lowering/ import each other without cycles.
+
+Every import counts, at module level or inside a function (a lazy import is still a dependency), except those under
+``if TYPE_CHECKING:`` (annotations only).  ``from pkg import name`` depends on ``pkg.name`` when that is a module, else
+on ``pkg`` itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in ("graphc", "lowering"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> the graphc/lowering modules it imports."""
+    modules = _modules()
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        g.add_node(name)
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            g.add_edges_from((name, t) for t in targets if t in modules and t != name)
+    return g
+
+
+def test_the_import_graph_has_no_cycles():
+    cycles = sorted(nx.simple_cycles(import_graph()), key=len)
+    assert cycles == [], "\n".join(" -> ".join(c + c[:1]) for c in cycles[:10])
+
+
+def test_the_analysis_sees_lazy_imports():
+    g = import_graph()
+    assert g.has_edge("lowering.backends", "lowering.torch_backend")  # imported inside prepare's torch branch
+    assert not g.has_edge("lowering.torch_backend", "lowering.backends")
