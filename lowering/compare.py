@@ -196,31 +196,14 @@ def compare(
     reference is then that model run by onnxruntime (or ONNX's reference
     evaluator), not graphc's own import (:mod:`lowering.onnx_reference`).
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
-        raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
-    default_atol, default_rtol = default_tolerance(graph)
-    atol = default_atol if atol is None else atol
-    rtol = default_rtol if rtol is None else rtol
-    for what, tol in (("atol", atol), ("rtol", rtol)):
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0 or tol == float("inf"):
-            raise GraphcError(f"{what} must be a finite number >= 0, got {tol!r}")
-    if isinstance(backends, str) or not backends:
-        raise GraphcError(f"backends must be a non-empty list of names ({', '.join(backend_names())}), got {backends!r}")
-    for b in backends:
-        get_backend(b)  # unknown names fail before anything runs
+    atol, rtol = _check_arguments(graph, backends, repeats, atol, rtol)
     plan = None
     from graphc.sharding import shard
 
     if shards is not None:
         get_backend(shard_backend)
         plan = shard(graph, shards)  # a shard count that does not divide the heads fails before anything runs
-    if inputs is None:
-        bindings = symbol_bindings(graph, **check_sizes(sizes, "sizes"))
-        _check_reference_memory(graph, bindings)
-        inputs = random_inputs(graph, seed=seed, **bindings)
-    else:
-        bindings = check_inputs(graph, inputs)
-        _check_reference_memory(graph, bindings)
+    inputs, bindings = _inputs(graph, inputs, sizes, seed)
     say = progress or (lambda _: None)
     run_graph = graph
     if optimize:
@@ -228,16 +211,7 @@ def compare(
 
         say("optimizing")
         run_graph = _optimize(graph, hints=hints or bindings).graph
-    if reference_model is not None:
-        from .onnx_reference import onnx_model_reference
-
-        reference, run_reference = onnx_model_reference(reference_model, graph)
-    else:
-        reference = "numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)"
-
-        def run_reference(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(feeds)
-
+    reference, run_reference = _reference(graph, reference_model, bindings)
     say(f"reference: {reference.split(' (')[0]}")
     t0 = time.perf_counter()
     want = run_reference(inputs)
@@ -267,6 +241,48 @@ def compare(
         report.results.append(_run_sharded(plan, shard_backend, opts, inputs, want, repeats, atol, rtol))
         say(f"sharded x{plan.n}: {report.results[-1].status} in {time.perf_counter() - t0:.1f}s")
     return report
+
+
+def _inputs(graph: Graph, inputs: Mapping[str, np.ndarray] | None, sizes: Mapping[str, int] | None, seed: int) -> tuple[Mapping[str, np.ndarray], dict[str, int]]:
+    """The inputs (seeded random ones sized by ``sizes`` when none are given) and the sizes of the graph's symbols,
+    after checking that the float64 reference fits the memory cap."""
+    if inputs is None:
+        bindings = symbol_bindings(graph, **check_sizes(sizes, "sizes"))
+        _check_reference_memory(graph, bindings)
+        return random_inputs(graph, seed=seed, **bindings), bindings
+    bindings = check_inputs(graph, inputs)
+    _check_reference_memory(graph, bindings)
+    return inputs, bindings
+
+
+def _check_arguments(graph: Graph, backends: Sequence[str], repeats: int, atol: float | None, rtol: float | None) -> tuple[float, float]:
+    """Refuse bad ``compare`` arguments before anything runs; returns the tolerances (defaults per output dtype)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
+        raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
+    default_atol, default_rtol = default_tolerance(graph)
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
+    for what, tol in (("atol", atol), ("rtol", rtol)):
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0 or tol == float("inf"):
+            raise GraphcError(f"{what} must be a finite number >= 0, got {tol!r}")
+    if isinstance(backends, str) or not backends:
+        raise GraphcError(f"backends must be a non-empty list of names ({', '.join(backend_names())}), got {backends!r}")
+    for b in backends:
+        get_backend(b)  # unknown names fail before anything runs
+    return float(atol), float(rtol)
+
+
+def _reference(graph: Graph, reference_model: Any, bindings: Mapping[str, int]) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
+    """What the backends are checked against, and how to run it: the imported ONNX model's own run, else NumPy float64."""
+    if reference_model is not None:
+        from .onnx_reference import onnx_model_reference
+
+        return onnx_model_reference(reference_model, graph)
+
+    def run_reference(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(feeds)
+
+    return "numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)", run_reference
 
 
 def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],

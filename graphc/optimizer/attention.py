@@ -82,88 +82,168 @@ def _neg_inf_constant(graph: Graph, name: str) -> bool:
     return arr.size >= 1 and bool(np.all(np.isneginf(arr)))
 
 
-def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C901 - one pattern, read top to bottom
+@dataclass
+class _Scores:
+    """What sits on the scores between QK^T and the softmax, read walking up from the softmax."""
+
+    chain: list[str]  # values passed, softmax first
+    scale: float = 1.0
+    offset: Dim | None = None
+    window: int | None = None
+    cap: float | None = None  # the softcap c of c * tanh(s / c), once its tanh is passed
+    mask: str | None = None
+    mask_kind: str = "none"
+    more_masks: tuple[str, ...] = ()
+    empty_rows: str = "zero"
+    view_for_rows: tuple[Dim, ...] | None = None  # the shape the masks act on
+    qk: Node | None = None  # the QK^T einsum the walk ends at
+    qk_reader: str = ""  # the chain's node that reads the QK^T output
+
+
+@dataclass
+class _Roles:
+    """The QK^T einsum's labels by role (see the module doc), with sizes and the query rows' split."""
+
+    qk: Node
+    qpos: int
+    out: str
+    q_term: str
+    k_term: str
+    batch: str
+    rows: str
+    t: str
+    d: str
+    sizes: dict[str, Dim]
+    n_rows: Dim
+    sq: Dim
+    group: int
+
+
+@dataclass
+class _Values:
+    """The PV einsum read in QK label names."""
+
+    pv: Node
+    ppos: int
+    v_term: str
+    out_term: str
+    pv_rows: str
+    e: str
+
+
+def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
+    """The attention chain through ``softmax``: the scores walked up to QK^T, P walked down to PV, then Q, K, V."""
     rank = graph.types[softmax.name].rank
     if rank < 2 or softmax.op.axis % rank != rank - 1:  # type: ignore[attr-defined]
         return None
-    scale, offset, mask, mask_kind = 1.0, None, None, "none"
-    empty_rows: str = "zero"
-    more_masks: tuple[str, ...] = ()
-    window: int | None = None
-    cap: float | None = None  # the softcap c of c * tanh(s / c), once its tanh is passed
-    view_for_rows: tuple[Dim, ...] | None = None
-    chain = [softmax.name]
-    x = softmax.inputs[0]
-    reader = softmax.name
+    sc = _walk_scores(graph, softmax)
+    if sc is None or isinstance(sc, Miss):
+        return sc
+    assert sc.qk is not None
+    if not only_reader(graph, sc.qk.name, sc.qk_reader):
+        return Miss(f"scores {sc.qk.name!r} are read outside the attention chain")
+    roles = _qk_roles(graph, sc.qk, sc.view_for_rows or graph.types[softmax.inputs[0]].shape, sc.offset)
+    if isinstance(roles, Miss):
+        return roles
+    values = _pv_roles(graph, softmax, sc, roles)
+    if isinstance(values, Miss):
+        return values
+    return _with_operands(graph, softmax, sc, roles, values)
+
+
+def _walk_scores(graph: Graph, softmax: Node) -> _Scores | Miss | None:
+    """Walk up from the softmax through the ops that may sit on the scores to the QK^T einsum."""
+    sc = _Scores(chain=[softmax.name])
+    x, reader = softmax.inputs[0], softmax.name
     while True:
         node = graph.producer(x)
         if node is None:
             return None
         if isinstance(node.op, Einsum):
-            break
+            sc.qk, sc.qk_reader = node, reader
+            return sc
         if not isinstance(node.op, (Reshape, Scale, CausalMask, Where, Binary, Unary)):
             return None
-        if cap is not None and isinstance(node.op, (CausalMask, Where, Binary)):
+        if sc.cap is not None and isinstance(node.op, (CausalMask, Where, Binary)):
             return Miss(f"mask {node.name!r} acts before the softcap; attention caps first, then masks")
         if not only_reader(graph, x, reader):
             return Miss(f"{x!r} on the scores is read outside the attention chain")
-        op = node.op
-        nxt = node.inputs[0]
-        if isinstance(op, Reshape):
-            if graph.types[node.name].shape[-1:] != graph.types[nxt].shape[-1:]:
-                return Miss(f"view {node.name!r} changes the key axis")
-        elif isinstance(op, Scale):  # the walk goes up: scales seen so far act after the masks found further up
-            scale *= op.factor
-        elif isinstance(op, Unary):  # c * tanh(s / c): the scales seen since the masks are c
-            if op.fn != "tanh" or cap is not None:
-                return None
-            if scale <= 0:
-                return Miss(f"the scale after {node.name!r} is not a positive softcap")
-            cap, scale = scale, 1.0
-        elif isinstance(op, CausalMask):
-            if scale <= 0:
-                return Miss(f"a non-positive scale acts after causal mask {node.name!r}")
-            if offset is not None:
-                return Miss("two causal masks on one softmax")
-            offset, window = op.offset, op.window
-            view_for_rows = graph.types[node.name].shape
-        elif isinstance(op, Where):
-            cond, a, b = node.inputs
-            if scale <= 0:
-                return Miss(f"a non-positive scale acts after mask {node.name!r}")
-            if not _neg_inf_constant(graph, b) or graph.types[cond].dtype != "bool":
-                return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf)")
-            if mask is not None and mask_kind != "bool":
-                return Miss("a bool mask and an additive mask on one softmax")
-            if mask is None:
-                mask, mask_kind = cond, "bool"
-            else:  # several bool masks (a per-row causal keep and a key padding): ANDed
-                more_masks = (*more_masks, cond)
-            nxt = a
-            view_for_rows = view_for_rows or graph.types[node.name].shape
-        else:
-            if op.fn != "add":
-                return None
-            if scale != 1.0:
-                return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
-            full = graph.types[node.name].shape
-            cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
-            if len(cands) != 1:
-                return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
-            pos = cands[0]
-            if mask is not None:
-                return Miss("more than one user mask on one softmax")
-            mask, mask_kind, nxt = node.inputs[1 - pos], "additive", node.inputs[pos]
-            view_for_rows = view_for_rows or full
-            split = split_additive_mask(graph, mask) if offset is None else None
-            if split is not None:  # Where(causal & window & padding, 0, fill): the positions become the op's causal mask
-                offset, window, empty_rows = split.offset, split.window, split.empty_rows
-                mask, mask_kind, more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
-        chain.append(node.name)
+        nxt = _absorb(graph, node, sc)
+        if nxt is None or isinstance(nxt, Miss):
+            return nxt
+        sc.chain.append(node.name)
         reader, x = node.name, nxt
-    qk = node
-    if not only_reader(graph, x, reader):
-        return Miss(f"scores {x!r} are read outside the attention chain")
+
+
+def _absorb(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
+    """Fold one op on the scores into ``sc``; returns the scores it reads (walking up)."""
+    op = node.op
+    if isinstance(op, Reshape):
+        if graph.types[node.name].shape[-1:] != graph.types[node.inputs[0]].shape[-1:]:
+            return Miss(f"view {node.name!r} changes the key axis")
+    elif isinstance(op, Scale):  # the walk goes up: scales seen so far act after the masks found further up
+        sc.scale *= op.factor
+    elif isinstance(op, Unary):  # c * tanh(s / c): the scales seen since the masks are c
+        if op.fn != "tanh" or sc.cap is not None:
+            return None
+        if sc.scale <= 0:
+            return Miss(f"the scale after {node.name!r} is not a positive softcap")
+        sc.cap, sc.scale = sc.scale, 1.0
+    elif isinstance(op, CausalMask):
+        if sc.scale <= 0:
+            return Miss(f"a non-positive scale acts after causal mask {node.name!r}")
+        if sc.offset is not None:
+            return Miss("two causal masks on one softmax")
+        sc.offset, sc.window = op.offset, op.window
+        sc.view_for_rows = graph.types[node.name].shape
+    elif isinstance(op, Where):
+        return _absorb_bool_mask(graph, node, sc)
+    else:
+        return _absorb_additive_mask(graph, node, sc)
+    return node.inputs[0]
+
+
+def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
+    """``Where(mask, s, -inf)``: a bool mask (several are ANDed: a per-row causal keep and a key padding)."""
+    cond, a, b = node.inputs
+    if sc.scale <= 0:
+        return Miss(f"a non-positive scale acts after mask {node.name!r}")
+    if not _neg_inf_constant(graph, b) or graph.types[cond].dtype != "bool":
+        return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf)")
+    if sc.mask is not None and sc.mask_kind != "bool":
+        return Miss("a bool mask and an additive mask on one softmax")
+    if sc.mask is None:
+        sc.mask, sc.mask_kind = cond, "bool"
+    else:
+        sc.more_masks = (*sc.more_masks, cond)
+    sc.view_for_rows = sc.view_for_rows or graph.types[node.name].shape
+    return a
+
+
+def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
+    """``s + m``; an exporter's ``Where(causal & window & padding, 0, fill)`` is read back as the op's causal mask."""
+    if node.op.fn != "add":  # type: ignore[attr-defined]
+        return None
+    if sc.scale != 1.0:
+        return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
+    full = graph.types[node.name].shape
+    cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
+    if len(cands) != 1:
+        return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
+    pos = cands[0]
+    if sc.mask is not None:
+        return Miss("more than one user mask on one softmax")
+    sc.mask, sc.mask_kind = node.inputs[1 - pos], "additive"
+    sc.view_for_rows = sc.view_for_rows or full
+    split = split_additive_mask(graph, sc.mask) if sc.offset is None else None
+    if split is not None:
+        sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
+        sc.mask, sc.mask_kind, sc.more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
+    return node.inputs[pos]
+
+
+def _qk_roles(graph: Graph, qk: Node, view: tuple[Dim, ...], offset: Dim | None) -> _Roles | Miss:
+    """Q, K, batch, query-row, key and head-dim labels of the QK^T einsum, and how the rows split into group x queries."""
     spec = qk.op.parsed  # type: ignore[attr-defined]
     if len(spec.inputs) != 2:
         return Miss(f"{qk.name!r} ({spec}) is not a two-operand einsum")
@@ -187,7 +267,6 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
     sizes: dict[str, Dim] = {}
     for term, v in ((q_term, qk.inputs[qpos]), (k_term, qk.inputs[1 - qpos])):
         sizes.update(zip(term, graph.types[v].shape))
-    view = view_for_rows or graph.types[softmax.inputs[0]].shape
     n_rows = dim_prod(sizes[c] for c in rows)
     sq = view[-2] if len(view) >= 2 else 1
     group = dim_div(n_rows, sq) if rows else (1 if sq == 1 else None)
@@ -195,78 +274,86 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:  # noqa: C9
         if offset is not None:
             return Miss(f"the causal mask's query axis ({sq!r}) does not divide the query rows ({n_rows!r})")
         sq, group = n_rows, 1
-    # --- down: softmax -> views -> PV
+    return _Roles(qk, qpos, out, q_term, k_term, batch, rows, t, d, sizes, n_rows, sq, group)
+
+
+def _pv_roles(graph: Graph, softmax: Node, sc: _Scores, r: _Roles) -> _Values | Miss:
+    """Walk down from the softmax through views to the PV einsum and read its labels in QK label names."""
     p_val = softmax.name
     readers = graph.consumers(p_val)
     while len(readers) == 1 and isinstance(readers[0].op, Reshape) and not graph.is_output(p_val):
-        chain.insert(0, readers[0].name)
+        sc.chain.insert(0, readers[0].name)
         p_val = readers[0].name
         readers = graph.consumers(p_val)
     if len(readers) != 1 or not isinstance(readers[0].op, Einsum) or not only_reader(graph, p_val, readers[0].name):
         return Miss("the probabilities are not read by one einsum alone")
     pv = readers[0]
     pspec = pv.op.parsed  # type: ignore[attr-defined]
-    split = _rows_split(graph.types[p_val].shape, graph.types[qk.name].shape, len(batch), rows, sizes, group, sq)
-    merged = _rows_merged(graph.types[p_val].shape, graph.types[qk.name].shape, len(batch), rows, sizes)
-    if len(pspec.inputs) != 2 or (graph.types[p_val].shape != graph.types[qk.name].shape and split is None and not merged):
+    p_shape, s_shape = graph.types[p_val].shape, graph.types[r.qk.name].shape
+    split = _rows_split(p_shape, s_shape, len(r.batch), r.rows, r.sizes, r.group, r.sq)
+    merged = _rows_merged(p_shape, s_shape, len(r.batch), r.rows, r.sizes)
+    if len(pspec.inputs) != 2 or (p_shape != s_shape and split is None and not merged):
         return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape (or in it with the query rows split into group x queries, "
                     "or merged from group x queries)")
     ppos = pv.inputs.index(p_val)
     p_term, v_term_raw = pspec.inputs[ppos], pspec.inputs[1 - ppos]
-    pv_rows = rows
-    if split is not None:  # P is [.., group, queries, keys] where the scores are [.., group*queries, keys]
-        used = set(out + q_term + k_term + pspec.labels)
-        g_label, s_label = [c for c in "GQJKLMNOPRSTUVWXYZ" if c not in used][:2]
-        at = len(batch)
-        rename = dict(zip(p_term, out[:at] + g_label + s_label + out[at + 1 :]))
-        sizes[g_label], sizes[s_label] = split
-        pv_rows = g_label + s_label
-    elif merged:  # P is [.., group*queries, keys] where the scores are [.., group, queries, keys] (a grouped QK)
-        used = set(out + q_term + k_term + pspec.labels)
-        m_label = next(c for c in "MGQJKLNOPRSTUVWXYZ" if c not in used)
-        at = len(batch)
-        rename = dict(zip(p_term, out[:at] + m_label + out[at + len(rows) :]))
-        sizes[m_label] = n_rows
-        pv_rows = m_label
-    else:
-        rename = dict(zip(p_term, out))
-    if rename[p_term[-1]] != t or p_term[-1] in pspec.output or p_term[-1] not in v_term_raw:
+    rename, pv_rows = _p_labels(r, p_term, set(pspec.labels), split, merged)
+    if rename[p_term[-1]] != r.t or p_term[-1] in pspec.output or p_term[-1] not in v_term_raw:
         return Miss(f"{pv.name!r} ({pspec}) does not contract the key axis against V")
     v_free = [c for c in v_term_raw if c not in p_term]
     if len(v_free) != 1 or v_free[0] not in pspec.output:
         return Miss(f"{pv.name!r} ({pspec}) has no single value-dim label")
-    e = "E" if "E" not in out + q_term + pv_rows else next(c for c in "ZYXWVU" if c not in out + q_term + pv_rows)
+    taken = r.out + r.q_term + pv_rows
+    e = "E" if "E" not in taken else next(c for c in "ZYXWVU" if c not in taken)
     rename[v_free[0]] = e
     v_term = "".join(rename[c] for c in v_term_raw)
     out_term = "".join(rename.get(c, "?") for c in pspec.output)
-    if set(v_term) != set(batch + t + e) or set(out_term) != set(batch + pv_rows + e):
+    if set(v_term) != set(r.batch + r.t + e) or set(out_term) != set(r.batch + pv_rows + e):
         return Miss(f"{pv.name!r} ({pspec}) mixes labels across the batch, query and value axes")
-    sizes[e] = graph.types[pv.inputs[1 - ppos]].shape[v_term.index(e)]
-    # --- Q, K, V producers: absorb a scale on Q or K and the KV-head repeat
-    q, f = _strip_scale(graph, qk.inputs[qpos], qk.name)
-    scale *= f
-    k = _unwrap_kv(graph, qk.inputs[1 - qpos], k_term, qk.name, batch, take_scale=True)
-    v = _unwrap_kv(graph, pv.inputs[1 - ppos], v_term, pv.name, batch, take_scale=False)
+    r.sizes[e] = graph.types[pv.inputs[1 - ppos]].shape[v_term.index(e)]
+    return _Values(pv, ppos, v_term, out_term, pv_rows, e)
+
+
+def _p_labels(r: _Roles, p_term: str, pv_labels: set[str], split: tuple[Dim, Dim] | None, merged: bool) -> tuple[dict[str, str], str]:
+    """P's labels renamed to the scores' (with fresh labels for split or merged query rows), and the PV output's row labels."""
+    at = len(r.batch)
+    used = set(r.out + r.q_term + r.k_term) | pv_labels
+    if split is not None:  # P is [.., group, queries, keys] where the scores are [.., group*queries, keys]
+        g_label, s_label = [c for c in "GQJKLMNOPRSTUVWXYZ" if c not in used][:2]
+        r.sizes[g_label], r.sizes[s_label] = split
+        return dict(zip(p_term, r.out[:at] + g_label + s_label + r.out[at + 1 :])), g_label + s_label
+    if merged:  # P is [.., group*queries, keys] where the scores are [.., group, queries, keys] (a grouped QK)
+        m_label = next(c for c in "MGQJKLNOPRSTUVWXYZ" if c not in used)
+        r.sizes[m_label] = r.n_rows
+        return dict(zip(p_term, r.out[:at] + m_label + r.out[at + len(r.rows) :])), m_label
+    return dict(zip(p_term, r.out)), r.rows
+
+
+def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Values) -> AttentionMatch | Miss:
+    """Q, K, V below a scale on Q or K and the KV-head repeat, and a KV cache ``Concat``: the complete match."""
+    q, f = _strip_scale(graph, r.qk.inputs[r.qpos], r.qk.name)
+    k = _unwrap_kv(graph, r.qk.inputs[1 - r.qpos], r.k_term, r.qk.name, r.batch, take_scale=True)
+    v = _unwrap_kv(graph, pv.pv.inputs[1 - pv.ppos], pv.v_term, pv.pv.name, r.batch, take_scale=False)
     if isinstance(k, Miss) or isinstance(v, Miss):
         return k if isinstance(k, Miss) else v
     (k, rk, fk), (v, rv, _) = k, v
-    scale *= fk
     if rk != rv:
         return Miss(f"K is repeated {rk}x but V {rv}x")
-    q_shape = (dim_prod(sizes[c] for c in batch[:-1]), dim_prod([sizes[batch[-1]] if batch else 1, group]), sq, sizes[d])
-    if mask is not None and graph.types[mask].rank > 2 and view_for_rows != (*q_shape[:3], sizes[t]):
-        return Miss(f"the mask is applied to a {list(view_for_rows or ())} view, not [batch, heads, queries, keys]")
+    s = r.sizes
+    q_shape = (dim_prod(s[c] for c in r.batch[:-1]), dim_prod([s[r.batch[-1]] if r.batch else 1, r.group]), r.sq, s[r.d])
+    if sc.mask is not None and graph.types[sc.mask].rank > 2 and sc.view_for_rows != (*q_shape[:3], s[r.t]):
+        return Miss(f"the mask is applied to a {list(sc.view_for_rows or ())} view, not [batch, heads, queries, keys]")
     past = presents = None
-    if offset is not None and len(batch) == 2 and k_term == batch + t + d and v_term == batch + t + e:
+    if sc.offset is not None and len(r.batch) == 2 and r.k_term == r.batch + r.t + r.d and pv.v_term == r.batch + r.t + pv.e:
         kc, vc = graph.producer(k), graph.producer(v)
         if all(c is not None and isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
-            if graph.types[kc.inputs[0]].shape[2] == offset and _later_readers_ok(graph, (kc, vc), pv):  # type: ignore[union-attr]
+            if graph.types[kc.inputs[0]].shape[2] == sc.offset and _later_readers_ok(graph, (kc, vc), pv.pv):  # type: ignore[union-attr]
                 past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)  # type: ignore[union-attr]
                 k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
     return AttentionMatch(
-        softmax, pv, q, k, v, q_term, k_term, v_term, batch, rows, t, d, e, sizes, q_shape, group * rk, scale, offset, mask, mask_kind,
-        past, presents, out_term, chain + [qk.name], window=window, softcap=cap, pv_rows=pv_rows, empty_rows=empty_rows,
-        more_masks=tuple(more_masks),
+        softmax, pv.pv, q, k, v, r.q_term, r.k_term, pv.v_term, r.batch, r.rows, r.t, r.d, pv.e, s, q_shape, r.group * rk,
+        sc.scale * f * fk, sc.offset, sc.mask, sc.mask_kind, past, presents, pv.out_term, sc.chain + [r.qk.name], window=sc.window,
+        softcap=sc.cap, pv_rows=pv.pv_rows, empty_rows=sc.empty_rows, more_masks=sc.more_masks,
     )
 
 

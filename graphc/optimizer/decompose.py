@@ -63,27 +63,8 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
         s = add(Reshape((b, hkv, g, sq, sk)), [s], "scores_BHkvGST")
     if op.softcap is not None:
         s = add(Scale(op.softcap), [add(Unary("tanh"), [s], "capped")], "softcapped")
+    s, empty = _apply_masks(graph, op, s, mask, g, hkv, add)
     dtype = graph.types[s].dtype
-    empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
-    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
-        # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
-        fill = _shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
-        zero = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
-        mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
-        bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
-        bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
-        if op.causal_offset is not None:
-            bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")
-        empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
-        s = add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked")
-    else:
-        if op.causal_offset is not None:
-            s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
-        if mask is not None:
-            s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
-        if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
-            neg_inf = _shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
-            empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
     p = add(Softmax(-1), [s], "probs")
     if empty is not None:  # the rows' value: zeros, or the mean of V over every key
         row_value = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
@@ -108,6 +89,34 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
         replacements.update({node.outputs[1]: k, node.outputs[2]: v})
     graph.substitute(node_name, replacements)
     return f"decomposed into grouped einsums (group {g}, no K/V copy)"
+
+
+def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, hkv: Dim, add) -> tuple[str, str | None]:  # noqa: ANN001
+    """The causal mask, window and user mask on the scores ``s``; returns the masked scores and, when some row may see
+    no key, a bool ``[.., Sq, 1]`` marking such rows (they take the op's empty-row value)."""
+    sq, sk = graph.types[s].shape[-2:]
+    dtype = graph.types[s].dtype
+    empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
+    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
+        # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
+        fill = _shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
+        zero = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
+        bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
+        bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
+        if op.causal_offset is not None:
+            bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")
+        empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
+        s = add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked")
+    else:
+        if op.causal_offset is not None:
+            s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
+        if mask is not None:
+            s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
+        if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
+            neg_inf = _shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
+            empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
+    return s, empty
 
 
 def _shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
