@@ -538,7 +538,6 @@ class Graph(GraphBuilder):
             if v.producer is not None:
                 self._touch(v.producer.name)
 
-    replace_all_uses_with = replace_uses
 
     def rename_value(self, old: str, new: str) -> None:
         """Give value ``old`` the unused name ``new`` everywhere (readers, outputs, its node): O(readers)."""
@@ -650,28 +649,12 @@ class Graph(GraphBuilder):
         del self.initializers[name]
         del self._values[name]
 
-    def place_before(self, name: str, anchor: str) -> None:
-        """Move node ``name`` just before node ``anchor`` in the order."""
-        node = self._nodes[name]
-        self._unlink(node)
-        self._link_before(node, self._nodes[anchor])
-
     def _check_acyclic(self) -> nx.DiGraph:
         dag = self.to_networkx()
         if not nx.is_directed_acyclic_graph(dag):
             cycle = nx.find_cycle(dag)
             raise CycleError(f"graph {self.name!r} has a cycle: {' -> '.join(a for a, _ in cycle)} -> {cycle[0][0]}")
         return dag
-
-    def sort(self) -> None:
-        """Re-sort the nodes topologically, keeping the current order where it is valid (after edits that broke the order)."""
-        dag = self._check_acyclic()
-        order = list(nx.lexicographical_topological_sort(dag, key=lambda n: self._nodes[n]._key))
-        for n in order:
-            node = self._nodes[n]
-            self._unlink(node)
-            self._link_before(node, self._head)
-        self._renumber()
 
     # ----------------------------------------------------------- validation
     def verify(self) -> None:
@@ -689,7 +672,7 @@ class Graph(GraphBuilder):
                     raise UndefinedValueError(f"node {node.name!r} ({node.op.kind}): operand {i} {inp!r} is used but never defined")
                 if inp not in defined:
                     self._check_acyclic()
-                    raise GraphError(f"node {node.name!r} reads {inp!r}, which is defined after it; graph.sort() restores a topological order")
+                    raise GraphError(f"node {node.name!r} reads {inp!r}, which is defined after it (a node must come after the values it reads)")
             defined.update(node.outputs)
         if not self._outputs:
             raise GraphError(f"graph {self.name!r} has no outputs")

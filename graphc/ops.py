@@ -44,6 +44,8 @@ __all__ = [
     "Scale",
     "CausalMask",
     "UNARY_FUNCTIONS",
+    "UnaryFunction",
+    "register_unary",
     "BINARY_FUNCTIONS",
     "OP_TYPES",
     "register_op",
@@ -57,7 +59,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 """Storage dtypes whose values every backend computes with in float32 (see :mod:`graphc.optimizer.precision`)."""
-UNARY_FUNCTIONS = ("exp", "neg", "tanh", "sqrt", "reciprocal", "relu", "sigmoid", "cos", "sin", "erf")
+UNARY_FUNCTIONS: dict[str, "UnaryFunction"] = {}
+"""Every unary function by name (see :func:`register_unary`); the ``Unary`` op, its NumPy semantics, the ONNX emitter,
+the torch kernel and the ONNX importer all read this one table."""
 BINARY_FUNCTIONS = ("add", "sub", "mul", "div", "max", "min", "pow")
 
 
@@ -393,23 +397,51 @@ class Cast(Op):
 
 @dataclass(frozen=True)
 class Unary(Op):
-    """Elementwise unary function ``fn``, one of :data:`UNARY_FUNCTIONS`."""
+    """Elementwise unary function ``fn``, one of :data:`UNARY_FUNCTIONS` (:func:`register_unary` adds one)."""
 
     fn: str
     arity: ClassVar[int | None] = 1
 
     def __post_init__(self) -> None:
         if _str_attr("Unary", "fn", self.fn) not in UNARY_FUNCTIONS:
-            raise UnknownNameError("unary function", self.fn, UNARY_FUNCTIONS)
+            raise UnknownNameError("unary function", self.fn, list(UNARY_FUNCTIONS))
+
+    @property
+    def function(self) -> UnaryFunction:
+        """The registered function: its NumPy semantics and its ONNX and torch spellings."""
+        return UNARY_FUNCTIONS[self.fn]
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
-        if self.fn != "neg":
+        if not self.function.on_ints:
             _float(f"Unary {self.fn}", ins[0])
         _numeric(f"Unary {self.fn}", ins)
         return ins[0]
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
-        return _UNARY[self.fn](args[0])
+        return self.function.numpy(args[0])
+
+
+@dataclass(frozen=True)
+class UnaryFunction:
+    """A unary function in one place: ``numpy`` (the reference semantics, in the input's dtype), ``onnx`` (the ONNX
+    op type computing it, or ``None``: export refuses it, naming it), ``torch`` (the attribute path of the torch
+    function, e.g. ``"nn.functional.softplus"``, or ``None``: the torch backend runs the NumPy semantics)."""
+
+    name: str
+    numpy: Callable[[np.ndarray], np.ndarray]
+    onnx: str | None = None
+    torch: str | None = None
+    on_ints: bool = False
+
+
+def register_unary(name: str, numpy: Callable[[np.ndarray], np.ndarray], onnx: str | None = None, torch: str | None = None,
+                   on_ints: bool = False) -> UnaryFunction:
+    """Add the unary function ``name`` to every layer at once (``Unary(name)``, NumPy, ONNX export and import, torch)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise OpError(f"register_unary: name must be an identifier, got {name!r}")
+    fn = UnaryFunction(name, numpy, onnx, torch, on_ints)
+    UNARY_FUNCTIONS[name] = fn
+    return fn
 
 
 @dataclass(frozen=True)
@@ -552,18 +584,19 @@ def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(zero, np.zeros((), q.dtype), q)
 
 
-_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "exp": np.exp,
-    "neg": np.negative,
-    "tanh": np.tanh,
-    "sqrt": np.sqrt,
-    "reciprocal": np.reciprocal,
-    "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
-    "cos": np.cos,
-    "sin": np.sin,
-    "erf": lambda x: _erf(x),
-}
+for _name, _numpy, _onnx, _torch in (
+    ("exp", np.exp, "Exp", "exp"),
+    ("neg", np.negative, "Neg", "neg"),
+    ("tanh", np.tanh, "Tanh", "tanh"),
+    ("sqrt", np.sqrt, "Sqrt", "sqrt"),
+    ("reciprocal", np.reciprocal, "Reciprocal", "reciprocal"),
+    ("relu", lambda x: np.maximum(x, np.zeros((), x.dtype)), "Relu", "relu"),
+    ("sigmoid", lambda x: 1 / (1 + np.exp(-x)), "Sigmoid", "sigmoid"),
+    ("cos", np.cos, "Cos", "cos"),
+    ("sin", np.sin, "Sin", "sin"),
+    ("erf", lambda x: _erf(x), "Erf", "erf"),
+):
+    register_unary(_name, _numpy, _onnx, _torch, on_ints=_name == "neg")
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

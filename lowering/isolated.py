@@ -27,7 +27,7 @@ import numpy as np
 
 from graphc.errors import BackendError
 
-__all__ = ["IsolatedSession", "shutdown_worker"]
+__all__ = ["IsolatedSession"]
 
 
 def _serve_fds(read_fd: int, write_fd: int) -> None:  # pragma: no cover - runs in the child process
@@ -120,15 +120,6 @@ def _worker() -> _Worker:
     if _WORKER is None or not _WORKER.alive:
         _WORKER = _Worker()
     return _WORKER
-
-
-def shutdown_worker() -> None:
-    """Stop the worker process (it also stops with the parent)."""
-    global _WORKER
-    if _WORKER is not None and _WORKER.alive:
-        _WORKER.process.terminate()
-        _WORKER.process.wait(timeout=5)
-    _WORKER = None
 
 
 class IsolatedSession:

@@ -45,10 +45,6 @@ __all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DT
 
 DEFAULT_OPSET = 23
 MIN_OPSET = 18
-_UNARY = {
-    "exp": "Exp", "neg": "Neg", "tanh": "Tanh", "sqrt": "Sqrt", "reciprocal": "Reciprocal", "relu": "Relu", "sigmoid": "Sigmoid",
-    "cos": "Cos", "sin": "Sin", "erf": "Erf",
-}
 _COMPARE = {"less": "Less", "less_equal": "LessOrEqual", "greater": "Greater", "greater_equal": "GreaterOrEqual", "equal": "Equal"}
 _REDUCE = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax", "min": "ReduceMin"}
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min", "pow": "Pow"}
@@ -185,7 +181,6 @@ ONNX_EMITTERS.update({
     Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op.shape, node.name),  # type: ignore[attr-defined]
     Concat: _simple("Concat", axis=lambda op: op.axis),  # type: ignore[attr-defined]
     Cast: _simple("Cast", to=lambda op: ONNX_DTYPES[op.dtype]),  # type: ignore[attr-defined]
-    Unary: lambda b, node, mode: b.op(_UNARY[node.op.fn], list(node.inputs), node.name),  # type: ignore[attr-defined]
     Compare: lambda b, node, mode: b.op(_COMPARE[node.op.fn], list(node.inputs), node.name),  # type: ignore[attr-defined]
     Gather: _simple("Gather", axis=lambda op: op.axis),  # type: ignore[attr-defined]
     GatherElements: _simple("GatherElements", axis=lambda op: op.axis),  # type: ignore[attr-defined]
@@ -194,6 +189,14 @@ ONNX_EMITTERS.update({
     Opaque: lambda b, node, mode: b.nodes.append(node.op.node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),  # type: ignore[attr-defined]
     Attention: _emit_attention,
 })
+
+
+@onnx_emitter(Unary)
+def _unary(b: OnnxBuilder, node: Node, mode: str) -> None:
+    fn = node.op.function  # type: ignore[attr-defined]
+    if fn.onnx is None:
+        raise ExportError(f"node {node.name!r}: unary function {fn.name!r} has no ONNX spelling (register_unary(..., onnx=...))")
+    b.op(fn.onnx, list(node.inputs), node.name)
 
 
 @onnx_emitter(Transpose)

@@ -33,8 +33,15 @@ __all__ = ["prepare_torch"]
 
 def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
-    unary = {"exp": torch.exp, "neg": torch.neg, "tanh": torch.tanh, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal, "relu": torch.relu, "sigmoid": torch.sigmoid,
-             "cos": torch.cos, "sin": torch.sin, "erf": torch.erf}
+
+    def unary(op: Unary, a: list[Any], env: dict[str, int]) -> Any:
+        path = op.function.torch
+        if path is None:  # no torch spelling: the function's NumPy semantics
+            return _to_torch(torch, contiguous(op.evaluate([_to_numpy(torch, a[0].cpu())], env))).to(a[0].device)
+        fn: Any = torch
+        for part in path.split("."):
+            fn = getattr(fn, part)
+        return fn(a[0])
 
     def divide(a: Any, b: Any) -> Any:  # graphc's integer div: truncating, 0 for a zero divisor
         if a.dtype.is_floating_point:
@@ -90,7 +97,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         Softmax: softmax,
         Concat: lambda op, a, env: torch.cat(a, dim=op.axis),
         Cast: lambda op, a, env: a[0].to(dtypes[op.dtype]),
-        Unary: lambda op, a, env: unary[op.fn](a[0]),
+        Unary: unary,
         Binary: lambda op, a, env: binary[op.fn](a[0], a[1]),
         Where: lambda op, a, env: torch.where(a[0], a[1], a[2]),
         Compare: lambda op, a, env: compare[op.fn](a[0], a[1]),

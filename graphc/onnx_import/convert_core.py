@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dims import Dim, dim_add, dim_sub, format_shape, normalize_dim
 from ..errors import GraphcError
-from ..ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
+from ..ops import UNARY_FUNCTIONS, Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
 from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, GatherElements, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
@@ -27,12 +27,11 @@ from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 from .triangles import NEG_INF_LIKE, tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
 from .unify import DimConflict, conflict_in_broadcast
 
-__all__ = ["CORE_CONVERTERS", "Converter"]
+__all__ = ["CORE_CONVERTERS", "Converter", "unary_converter"]
 
 Converter = Callable[[ImportContext, list, dict], list]
 LETTERS = string.ascii_letters
 
-_UNARY = {"Exp": "exp", "Neg": "neg", "Tanh": "tanh", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Relu": "relu", "Sigmoid": "sigmoid", "Cos": "cos", "Sin": "sin", "Erf": "erf"}
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "Max": "max", "Min": "min"}
 _COMPARE = {"Less": "less", "LessOrEqual": "less_equal", "Greater": "greater", "GreaterOrEqual": "greater_equal", "Equal": "equal"}
 
@@ -160,8 +159,10 @@ def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
     return [ctx.add(Binary(fn), list(ops), op_type.lower())]
 
 
-def _unary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
-    return [ctx.add(Unary(_UNARY[op_type]), [ctx.tensor(ins[0])], op_type.lower())]
+def unary_converter(op_type: str) -> Converter | None:
+    """The converter of an ONNX op that is a registered unary function (``UNARY_FUNCTIONS``' ``onnx`` spelling), if any."""
+    names = [f.name for f in UNARY_FUNCTIONS.values() if f.onnx == op_type]
+    return (lambda ctx, ins, attrs: [ctx.add(Unary(names[0]), [ctx.tensor(ins[0])], op_type.lower())]) if names else None
 
 
 def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
@@ -648,7 +649,6 @@ def _with(fn: Callable[..., list], *extra: Any) -> Converter:
 
 CORE_CONVERTERS: dict[str, Converter] = {
     **{op: _with(_binary, op) for op in _BINARY},
-    **{op: _with(_unary, op) for op in _UNARY},
     **{op: _with(_compare, op) for op in _COMPARE},
     **{op: _with(_logical, op) for op in ("And", "Or", "Not")},
     "Where": _where,

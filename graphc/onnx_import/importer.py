@@ -25,10 +25,10 @@ from ..dims import Dim, normalize_dim
 from ..errors import GraphcError, OnnxImportError, UnknownNameError
 from ..graph import Graph
 from ..opaque import Opaque
-from ..ops import Reshape
+from ..ops import UNARY_FUNCTIONS, Reshape
 from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
 from .convert_contrib import CONTRIB_CONVERTERS
-from .convert_core import CORE_CONVERTERS, SPLIT
+from .convert_core import CORE_CONVERTERS, SPLIT, unary_converter
 from .convert_fused import FUSED_CONVERTERS
 from .loading import read_model
 from .schema import SchemaChecker
@@ -43,7 +43,8 @@ _NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUnifo
 
 def supported_ops() -> dict[str, list[str]]:
     """The op types graphc converts, by domain (anything else imports as an opaque node)."""
-    std = sorted({*CORE_CONVERTERS, "Split", "Constant", *(k for (d, k) in FUSED_CONVERTERS if d == "")})
+    unary = (f.onnx for f in UNARY_FUNCTIONS.values() if f.onnx)
+    std = sorted({*CORE_CONVERTERS, *unary, "Split", "Constant", *(k for (d, k) in FUSED_CONVERTERS if d == "")})
     return {"ai.onnx": std, "com.microsoft": sorted(k for (d, k) in {**FUSED_CONVERTERS, **CONTRIB_CONVERTERS} if d == "com.microsoft")}
 
 
@@ -325,7 +326,7 @@ def _convert_node(ctx: ImportContext, node: onnx.NodeProto, ins: list, opsets: M
 def _convert(ctx: ImportContext, node: onnx.NodeProto, domain: str, ins: list, attrs: dict, opsets: Mapping[str, int]) -> list[Imported]:
     if domain == "" and node.op_type == "Split":
         return SPLIT(ctx, ins, attrs, len(node.output))
-    conv = CORE_CONVERTERS.get(node.op_type) if domain == "" else None
+    conv = (CORE_CONVERTERS.get(node.op_type) or unary_converter(node.op_type)) if domain == "" else None
     if conv is None:
         conv = FUSED_CONVERTERS.get((domain, node.op_type)) or CONTRIB_CONVERTERS.get((domain, node.op_type))
     if conv is None:

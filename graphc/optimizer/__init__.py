@@ -1,15 +1,13 @@
 """The graphc optimizer: rewrite passes, a pass manager, contraction planning and a cost model."""
 
-from .cleanup import common_subexpression_elimination, constant_folding, dead_code_elimination, simplify_layout
+from .cleanup import common_subexpression_elimination, dead_code_elimination
 from .cost import GraphCost, format_comparison, graph_cost
-from .grouping import fold_groups, fuse_repeat_kv
 from .attention import fuse_attention
 from .infra import DEFAULT_DIM_HINT, Miss, Pass, PassContext, PassManager, PassResult, RewritePass, Rule, Trace, rewrite_to_fixed_point
 from .decompose import decompose_attention
 from .legalize import LOWERING_STAGES, REFERENCE_TARGET, Target, legalize, lower
-from .pipeline import PIPELINES, STAGES, OptimizationReport, OptimizationResult, optimize, pipeline
+from .pipeline import PIPELINES, STAGES, OptimizationReport, OptimizationResult, optimize, pipeline, register_rule, unregister_rule
 from .planning import OPTIMIZERS, plan_contractions
-from .scaling import hoist_elementwise
 
 __all__ = [
     "optimize",
@@ -18,6 +16,8 @@ __all__ = [
     "PIPELINES",
     "STAGES",
     "pipeline",
+    "register_rule",
+    "unregister_rule",
     "lower",
     "legalize",
     "Target",
@@ -39,12 +39,7 @@ __all__ = [
     "format_comparison",
     "DEFAULT_DIM_HINT",
     "OPTIMIZERS",
-    "fuse_repeat_kv",
-    "fold_groups",
-    "simplify_layout",
-    "hoist_elementwise",
     "plan_contractions",
-    "constant_folding",
     "common_subexpression_elimination",
     "dead_code_elimination",
 ]

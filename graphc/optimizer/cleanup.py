@@ -13,7 +13,7 @@ from graphc.numerics import contiguous
 from graphc.opaque import Opaque
 from graphc.ops import CausalMask, Einsum, Op, Repeat, Reshape, Transpose
 
-from .infra import Miss, Pass, PassContext, RewritePass, Rule
+from .infra import Miss, Pass, PassContext, Rule
 
 __all__ = [
     "remove_if_dead",
@@ -21,8 +21,6 @@ __all__ = [
     "only_reader",
     "dead_code_elimination",
     "common_subexpression_elimination",
-    "constant_folding",
-    "simplify_layout",
     "LAYOUT_RULES",
     "CONSTANT_FOLD_LIMIT",
     "CONSTANT_FOLD_RULE",
@@ -215,11 +213,6 @@ LAYOUT_RULES = (
     Rule("fold_einsum_into_transpose", (Transpose,), _match_einsum_into_transpose, _rewrite_einsum_into_transpose),
 )
 
-simplify_layout = RewritePass(
-    "simplify_layout",
-    "remove identity reshapes/transposes/repeats and masks that hide nothing, fold chains, absorb transposes into einsum specs",
-    LAYOUT_RULES,
-)
 
 
 # --------------------------------------------------------------- whole-graph passes
@@ -305,4 +298,3 @@ def _rewrite_constant(graph: Graph, node: Node, ctx: PassContext) -> str:
 CONSTANT_FOLD_RULE = Rule("constant_fold", (Op,), _match_constant, _rewrite_constant)
 """Evaluate a node whose operands are all initializers with the op's reference semantics."""
 
-constant_folding = RewritePass("constant_fold", "evaluate nodes whose operands are all initializers", [CONSTANT_FOLD_RULE])

@@ -30,9 +30,9 @@ from graphc.graph import Graph, Node
 from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary
 
 from .cleanup import only_reader, remove_if_dead
-from .infra import Miss, PassContext, RewritePass, Rule
+from .infra import Miss, PassContext, Rule
 
-__all__ = ["fuse_repeat_kv", "fold_groups", "EXPAND_REPEAT_RULE", "FUSE_REPEAT_RULE", "ABOVE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
+__all__ = ["EXPAND_REPEAT_RULE", "FUSE_REPEAT_RULE", "ABOVE_REPEAT_RULE", "FOLD_RULE", "HOIST_RULE", "grouped_name", "folded_name"]
 
 _LAYOUT = re.compile(r"^(.*)_BH([A-Z]+)$")
 
@@ -257,12 +257,6 @@ FUSE_REPEAT_RULE = Rule("fuse_repeat_kv", (Repeat,), _match_fuse, _rewrite_fuse)
 ABOVE_REPEAT_RULE = Rule("hoist_above_repeat", (Scale, Unary), _match_above_repeat, _rewrite_hoist)
 FOLD_RULE = Rule("fold_groups", (Einsum,), _match_fold, _rewrite_fold)
 
-fuse_repeat_kv = RewritePass(
-    "fuse_repeat_kv", "turn Repeat of K/V + einsum into a grouped einsum over [kv_heads, group] (no K/V copy)", [FUSE_REPEAT_RULE]
-)
 
-fold_groups = RewritePass(
-    "fold_groups", "merge adjacent free labels of a reshaped operand (group x query rows) into one GEMM axis", [FOLD_RULE]
-)
 
 HOIST_RULE = Rule("hoist_elementwise", (Scale, Unary, CausalMask, Softmax), _match_hoist, _rewrite_hoist)

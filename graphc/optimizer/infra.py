@@ -180,6 +180,7 @@ class Pass:
     name: str
     description: str
     run: Callable[[Graph, PassContext], bool]
+    rules: list[Rule] = field(default_factory=list, compare=False)  # a rewrite pass's rules, in the order they are tried
 
     def __call__(self, graph: Graph, ctx: PassContext) -> PassResult:
         """Run on ``graph`` (edited in place) and return ``PassResult(graph, modified)``."""
@@ -212,7 +213,7 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
         for rule in rules:
             if not isinstance(node.op, rule.ops):
                 continue
-            m = rule.match(graph, node, ctx)
+            m = _guarded(rule, "match", node, lambda: rule.match(graph, node, ctx))
             if isinstance(m, Miss):
                 ctx.missed(rule.name, node.name, m.reason)
                 continue
@@ -220,7 +221,7 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
                 continue
             touched = graph.track_changes()
             try:
-                detail = rule.rewrite(graph, m, ctx)
+                detail = _guarded(rule, "rewrite", node, lambda: rule.rewrite(graph, m, ctx))
             finally:
                 graph.stop_tracking()
             ctx.fired(rule.name, node.name, detail)
@@ -247,13 +248,26 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
     return fired
 
 
+def _guarded(rule: Rule, step: str, node: Node, call: Callable[[], Any]) -> Any:
+    """Run a rule's ``match`` or ``rewrite``; an exception inside it is an :class:`OptimizerError` naming the rule and node."""
+    try:
+        return call()
+    except GraphcError:  # a typed error the rule means to raise (a target refusing a form, a bad graph)
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug in a rule: reported with where it happened
+        raise OptimizerError(f"rule {rule.name!r} failed in {step} on node {node.name!r} ({node.op}): {type(e).__name__}: {e}") from e
+
+
 def RewritePass(name: str, description: str, rules: Sequence[Rule]) -> Pass:
-    """A pass that applies ``rules`` with the worklist driver :func:`rewrite_to_fixed_point`."""
+    """A pass that applies ``rules`` with the worklist driver :func:`rewrite_to_fixed_point`.
+
+    The pass keeps its rule list (``Pass.rules``): :func:`graphc.optimizer.register_rule` adds one in one place."""
+    own = list(rules)
 
     def run(graph: Graph, ctx: PassContext) -> bool:
-        return rewrite_to_fixed_point(graph, rules, ctx, name) > 0
+        return rewrite_to_fixed_point(graph, own, ctx, name) > 0
 
-    return Pass(name, description, run)
+    return Pass(name, description, run, own)
 
 
 class PassManager:

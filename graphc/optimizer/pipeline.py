@@ -14,12 +14,12 @@ from graphc.weights import check_mapped_files
 from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .cost import GraphCost, format_comparison, graph_cost
 from .grouping import ABOVE_REPEAT_RULE, EXPAND_REPEAT_RULE, FOLD_RULE, FUSE_REPEAT_RULE, HOIST_RULE
-from .infra import Pass, PassContext, PassManager, RewritePass, Trace
+from .infra import Pass, PassContext, PassManager, RewritePass, Rule, Trace
 from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
 from .scaling import SCALE_RULES
 
-__all__ = ["optimize", "OptimizationResult", "OptimizationReport", "PIPELINES", "pipeline", "STAGES"]
+__all__ = ["optimize", "OptimizationResult", "OptimizationReport", "PIPELINES", "pipeline", "STAGES", "register_rule", "unregister_rule"]
 
 STAGES: dict[str, Pass] = {
     p.name: p
@@ -49,6 +49,29 @@ PIPELINES: dict[int, tuple[Pass, ...]] = {
     2: tuple(STAGES[n] for n in ("group_kv", "simplify", "plan_contractions", "cleanup", "cse", "dce")),
 }
 """The stages run at each level (level 2 is the default)."""
+
+
+def register_rule(stage: str, rule: Rule, first: bool = False) -> None:
+    """Add ``rule`` to the rewrite stage ``stage`` (one of :data:`STAGES`, or ``fuse_attention``); it then runs in every
+    pipeline that has the stage, traced like the built-in rules.  ``first``: try it before the stage's own rules."""
+    from .legalize import LOWERING_STAGES
+
+    stages = {**STAGES, **{p.name: p for p in LOWERING_STAGES}}
+    if stage not in stages or not stages[stage].rules:
+        raise UnknownNameError("rewrite stage", stage, [n for n, p in stages.items() if p.rules])
+    rules = stages[stage].rules
+    if first:
+        rules.insert(0, rule)
+    else:
+        rules.append(rule)
+
+
+def unregister_rule(stage: str, name: str) -> None:
+    """Remove the rule called ``name`` from ``stage`` (for tests and plug-ins that clean up)."""
+    from .legalize import LOWERING_STAGES
+
+    stages = {**STAGES, **{p.name: p for p in LOWERING_STAGES}}
+    stages[stage].rules[:] = [r for r in stages[stage].rules if r.name != name]
 
 
 def pipeline(level: int) -> tuple[Pass, ...]:

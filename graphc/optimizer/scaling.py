@@ -16,10 +16,9 @@ from graphc.ops import Binary, Einsum, Scale
 from graphc.rotary import Rotary
 
 from .cleanup import only_reader, remove_if_dead
-from .grouping import HOIST_RULE
-from .infra import Miss, PassContext, RewritePass, Rule
+from .infra import Miss, PassContext, Rule
 
-__all__ = ["hoist_elementwise", "SCALE_RULES"]
+__all__ = ["SCALE_RULES"]
 
 
 def _match_scale_of_scale(graph: Graph, node: Node, ctx: PassContext) -> object:
@@ -120,8 +119,3 @@ SCALE_RULES = (
     Rule("scale_over_bias", (Scale,), _match_scale_over_bias, _rewrite_scale_over_bias),
 )
 
-hoist_elementwise = RewritePass(
-    "hoist_elementwise",
-    "move elementwise ops above layout changes, and the attention scale onto the smallest operand or a weight",
-    [HOIST_RULE, *SCALE_RULES],
-)
