@@ -88,7 +88,9 @@ def _export(module, path: Path, feeds: dict, cache: bool) -> None:  # type: igno
     args = tuple(torch.from_numpy(v) for v in feeds.values())
     names = list(feeds)
     outs = ["out", "present_key", "present_value"] if cache else ["out"]
-    torch.onnx.export(module, args, str(path), dynamo=True, input_names=names, output_names=outs, dynamic_shapes=shapes, external_data=True, verbose=False)
+    torch.onnx.export(
+        module, args, str(path), dynamo=True, input_names=names, output_names=outs, dynamic_shapes=shapes, external_data=True, verbose=False
+    )
 
 
 def _variants(path: Path, workdir: Path, sizes: dict[str, int]) -> dict[str, Path]:
@@ -151,8 +153,12 @@ def main() -> None:
     dims = LAYERS[args.layer]
     module = _module(**dims)
     head = dims["hidden"] // dims["heads"]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; layer {args.layer} (d_model {dims['hidden']}, {dims['heads']}/{dims['kv_heads']} heads, "
-          f"head_dim {head}), float32, batch 1; onnxruntime {ort.__version__} CPU ({args.threads} threads), torch {torch.__version__}, onnxscript {onnxscript.__version__}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; layer {args.layer} (d_model {dims['hidden']}, {dims['heads']}/{dims['kv_heads']} "
+        f"heads, "
+        f"head_dim {head}), float32, batch 1; onnxruntime {ort.__version__} CPU ({args.threads} threads), torch {torch.__version__}, onnxscript "
+        f"{onnxscript.__version__}"
+    )
     rng = np.random.default_rng(0)
     for case, c in CASES.items():
         feeds = {"x": rng.standard_normal((1, c["seq"], dims["hidden"]), dtype=np.float32)}

@@ -76,13 +76,17 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = [bench(p, c, args.repeats) for p in args.presets.split(",") for c in args.cases.split(",")]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; numpy {np.__version__}; float32, batch 1, causal; medians of {args.repeats} calls\n")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; numpy {np.__version__}; float32, batch 1, causal; medians of {args.repeats} calls\n"
+    )
     print("| preset | case | as written ms | optimized ms | speedup | peak MiB before / after | max abs diff |")
     print("|---|---|---|---|---|---|---|")
     labels = {"prefill": "causal prefill 1024", "decode": "decode 1 over 4096"}
     for r in rows:
-        print(f"| {r['preset']} ({r['heads']}) | {labels[r['case']]} | {r['unopt_ms']:.1f} | {r['opt_ms']:.1f} | {r['unopt_ms'] / r['opt_ms']:.2f}x "
-              f"| {r['unopt_peak_mib']:.1f} / {r['opt_peak_mib']:.1f} | {r['max_abs_diff']:.1e} |")
+        print(
+            f"| {r['preset']} ({r['heads']}) | {labels[r['case']]} | {r['unopt_ms']:.1f} | {r['opt_ms']:.1f} | {r['unopt_ms'] / r['opt_ms']:.2f}x "
+            f"| {r['unopt_peak_mib']:.1f} / {r['opt_peak_mib']:.1f} | {r['max_abs_diff']:.1e} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -134,7 +134,7 @@ def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> li
             if worst > 1:
                 notes[name] = f"outputs differ ({worst:.1f}x the tolerance)"
                 continue
-            runners[name] = (lambda s: (lambda: s.run(None, f)))(sess)
+            runners[name] = (lambda s: lambda: s.run(None, f))(sess)
         except Exception as e:  # noqa: BLE001 - a peer that cannot handle the file is a row, not a crash
             notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
     for run in runners.values():
@@ -163,9 +163,11 @@ def main() -> None:
     args = ap.parse_args()
     import onnxruntime as ort
 
-    print(f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
-          f"no spinning; legacy torch.onnx exports, sdpa attention, hidden 256, 2 layers, float32, batch 1; "
-          f"median of {args.blocks} alternating blocks of {args.calls} back-to-back calls")
+    print(
+        f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
+        f"no spinning; legacy torch.onnx exports, sdpa attention, hidden 256, 2 layers, float32, batch 1; "
+        f"median of {args.blocks} alternating blocks of {args.calls} back-to-back calls"
+    )
     summary = []
     for family in args.families.split(","):
         print(f"\n{family}:\n\n| case | variant | median ms | vs export | note |\n|---|---|---|---|---|")

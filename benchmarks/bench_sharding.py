@@ -66,7 +66,10 @@ def bench(config: str, n: int, repeats: int, client: object) -> list[dict]:
         first = (runner.last.bytes_sent, runner.last.bytes_received)
         step_feeds = feeds
         if resident:  # later steps read the cache the previous step left on the workers; same past length each call
-            step_feeds = {**feeds, **{"past_key": _resident_past(runner, feeds, "past_key"), "past_value": _resident_past(runner, feeds, "past_value")}}
+            step_feeds = {
+                **feeds,
+                **{"past_key": _resident_past(runner, feeds, "past_key"), "past_value": _resident_past(runner, feeds, "past_value")},
+            }
         times, stats = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -77,9 +80,21 @@ def bench(config: str, n: int, repeats: int, client: object) -> list[dict]:
             if not err <= 1e-3:
                 raise SystemExit(f"{case}: sharded result differs from the 1-process result by {err:.2e}")
         last = stats[-1]
-        rows.append(_row(config, case, f"sharded x{n} (Dask, {n} workers)", times, threads=max(1, threads // n), sent=last.bytes_sent,
-                         received=last.bytes_received, first_sent=first[0], setup_bytes=runner.executor.setup_bytes, setup_s=setup_s,  # type: ignore[attr-defined]
-                         shard_ms=[1e3 * statistics.median(s[i] for st in stats for s in st.shard_s[:1]) for i in range(n)]))
+        rows.append(
+            _row(
+                config,
+                case,
+                f"sharded x{n} (Dask, {n} workers)",
+                times,
+                threads=max(1, threads // n),
+                sent=last.bytes_sent,
+                received=last.bytes_received,
+                first_sent=first[0],
+                setup_bytes=runner.executor.setup_bytes,
+                setup_s=setup_s,  # type: ignore[attr-defined]
+                shard_ms=[1e3 * statistics.median(s[i] for st in stats for s in st.shard_s[:1]) for i in range(n)],
+            )
+        )
     return rows
 
 
@@ -94,8 +109,15 @@ def _resident_past(runner: object, feeds: dict, name: str) -> object:
 
 def _row(config: str, case: str, variant: str, times: list[float], **extra: object) -> dict:
     t = sorted(times)
-    return {"config": config, "case": case, "variant": variant, "ms": 1e3 * statistics.median(t), "p10": 1e3 * t[len(t) // 10],
-            "p90": 1e3 * t[min(len(t) - 1, 9 * len(t) // 10)], **extra}
+    return {
+        "config": config,
+        "case": case,
+        "variant": variant,
+        "ms": 1e3 * statistics.median(t),
+        "p10": 1e3 * t[len(t) // 10],
+        "p90": 1e3 * t[min(len(t) - 1, 9 * len(t) // 10)],
+        **extra,
+    }
 
 
 def _size(n: float) -> str:
@@ -104,7 +126,10 @@ def _size(n: float) -> str:
 
 def markdown(rows: list[dict]) -> str:
     """The README table."""
-    out = ["| case | variant | median ms (p10-p90) | vs 1 process | sent / received per call | shard ms | weights placed |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| case | variant | median ms (p10-p90) | vs 1 process | sent / received per call | shard ms | weights placed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     base = {r["case"]: r["ms"] for r in rows if r["variant"] == "1 process"}
     for r in rows:
         moved = f"{_size(r['sent'])} / {_size(r['received'])}" if "sent" in r else "-"
@@ -112,7 +137,10 @@ def markdown(rows: list[dict]) -> str:
             moved += f" (first call sent {_size(r['first_sent'])})"
         shard_ms = "/".join(f"{t:.0f}" for t in r.get("shard_ms", [])) or "-"
         setup = f"{r['setup_bytes'] / 2**20:.0f} MiB in {r['setup_s']:.1f} s" if "setup_bytes" in r else "-"
-        out.append(f"| {r['case']} | {r['variant']} | {r['ms']:.1f} ({r['p10']:.1f}-{r['p90']:.1f}) | {r['ms'] / base[r['case']]:.2f}x | {moved} | {shard_ms} | {setup} |")
+        out.append(
+            f"| {r['case']} | {r['variant']} | {r['ms']:.1f} ({r['p10']:.1f}-{r['p90']:.1f}) | {r['ms'] / base[r['case']]:.2f}x | {moved} | "
+            f"{shard_ms} | {setup} |"
+        )
     return "\n".join(out)
 
 
@@ -129,7 +157,10 @@ def main() -> None:
         rows = bench(args.config, args.shards, args.repeats, client)
     finally:
         close_cluster(client)
-    header = f"machine: {platform.machine()}, {os.cpu_count()} cores; config {args.config} attention layer, float32, batch 1; numpy backend in every process"
+    header = (
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; config {args.config} attention layer, float32, batch 1; numpy backend in every "
+        f"process"
+    )
     table = markdown(rows)
     print(header)
     print(table)

@@ -157,7 +157,9 @@ def _peak_mib(fn: Callable[[dict], np.ndarray], feeds: dict) -> float:
     return peak / 2**20
 
 
-def time_variants(runs: dict, feed_list: list[dict], want: np.ndarray, repeats: int, tol: float = 1e-3) -> tuple[dict[str, list[float]], dict[str, str]]:
+def time_variants(
+    runs: dict, feed_list: list[dict], want: np.ndarray, repeats: int, tol: float = 1e-3
+) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Check every variant against ``want`` (max abs error <= ``tol``), then time them in ``repeats`` round-robin rounds, a pause before each call.
 
     Returns the seconds per call of each variant that ran, and a note for each that did not.
@@ -200,16 +202,31 @@ def bench_case(config: str, case: str, threads: int, repeats: int, limits: tuple
     copies = max(2, -(-COLD_BYTES // kv_bytes)) if decode else 1
     cold = [feeds] + [random_inputs(g, seed=i + 1) for i in range(copies - 1)] if decode else [feeds]
     rows = []
-    for temp, feed_list in ((("warm", [feeds]), ("cold", cold)) if decode else (("-", [feeds]),)):
+    for temp, feed_list in (("warm", [feeds]), ("cold", cold)) if decode else (("-", [feeds]),):
         times, notes = time_variants(runs, feed_list, want, 3 * repeats if decode else repeats)  # decode calls are short: more of them
         flops = 4 * c["batch"] * cfg.n_heads * c["q_len"] * c["kv_len"] * cfg.hd * (0.5 if c["causal"] else 1.0)
-        peak = {n: (lambda n=n: _peak_mib(runs[n], feeds)) for n in ("graphc numpy", "NumPy np.repeat (naive)") if temp != "cold" and not isinstance(runs[n], str)}
-        rows += make_rows(dict(config=config, case=case, cache=temp), runs, times, notes, flops, kv_bytes + 2 * feeds["q_BHSD"].nbytes, decode, limits, peak)
+        peak = {
+            n: (lambda n=n: _peak_mib(runs[n], feeds))
+            for n in ("graphc numpy", "NumPy np.repeat (naive)")
+            if temp != "cold" and not isinstance(runs[n], str)
+        }
+        rows += make_rows(
+            dict(config=config, case=case, cache=temp), runs, times, notes, flops, kv_bytes + 2 * feeds["q_BHSD"].nbytes, decode, limits, peak
+        )
     return rows
 
 
-def make_rows(key: dict, runs: dict, times: dict[str, list[float]], notes: dict[str, str], flops: float, bytes_moved: float,
-              decode: bool, limits: tuple[float, float], peak: dict[str, Callable[[], float]]) -> list[dict]:
+def make_rows(
+    key: dict,
+    runs: dict,
+    times: dict[str, list[float]],
+    notes: dict[str, str],
+    flops: float,
+    bytes_moved: float,
+    decode: bool,
+    limits: tuple[float, float],
+    peak: dict[str, Callable[[], float]],
+) -> list[dict]:
     """A row per variant: median and p10-p90, ratio to the fastest peer, GB/s (decode) or GFLOP/s (prefill), peak MiB where measured."""
     peers = [statistics.median(t) for n, t in times.items() if n not in GRAPHC]
     best_peer = min(peers) if peers else None
@@ -219,8 +236,12 @@ def make_rows(key: dict, runs: dict, times: dict[str, list[float]], notes: dict[
         if name in times:
             t = sorted(times[name])
             med = statistics.median(t)
-            row.update(ms=1e3 * med, p10=1e3 * t[len(t) // 10], p90=1e3 * t[min(len(t) - 1, (9 * len(t)) // 10)],
-                       vs_best_peer=med / best_peer if best_peer else None)
+            row.update(
+                ms=1e3 * med,
+                p10=1e3 * t[len(t) // 10],
+                p90=1e3 * t[min(len(t) - 1, (9 * len(t)) // 10)],
+                vs_best_peer=med / best_peer if best_peer else None,
+            )
             if decode:
                 row.update(gbs=bytes_moved / med / 1e9, pct_bandwidth=100 * bytes_moved / med / 1e9 / limits[1])
             else:
@@ -251,7 +272,10 @@ def bench_layer_case(case: str, threads: int, repeats: int, limits: tuple[float,
 
 def markdown(rows: list[dict]) -> str:
     """One table: a row per config/case/cache and variant."""
-    out = ["| config | case | cache | variant | median ms (p10-p90) | vs best peer | GFLOP/s (% peak) or GB/s (% bw) | peak extra MiB |", "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| config | case | cache | variant | median ms (p10-p90) | vs best peer | GFLOP/s (% peak) or GB/s (% bw) | peak extra MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "ms" not in r:
             out.append(f"| {r['config']} | {r['case']} | {r['cache']} | {r['variant']} | {r['note']} | | | |")
@@ -260,7 +284,10 @@ def markdown(rows: list[dict]) -> str:
         ratio = f"{r['vs_best_peer']:.2f}x" if r.get("vs_best_peer") else "-"
         bold = "**" if r["variant"] in GRAPHC else ""
         peak = f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-"
-        out.append(f"| {r['config']} | {r['case']} | {r['cache']} | {bold}{r['variant']}{bold} | {r['ms']:.2f} ({r['p10']:.2f}-{r['p90']:.2f}) | {bold}{ratio}{bold} | {rate} | {peak} |")
+        out.append(
+            f"| {r['config']} | {r['case']} | {r['cache']} | {bold}{r['variant']}{bold} | {r['ms']:.2f} ({r['p10']:.2f}-{r['p90']:.2f}) | "
+            f"{bold}{ratio}{bold} | {rate} | {peak} |"
+        )
     return "\n".join(out)
 
 
@@ -270,8 +297,11 @@ TARGET_CONFIGS = ("mistral-7b", "llama2-70b")
 
 def targets(rows: list[dict]) -> str:
     """The issue's targets per case (mistral-7b, llama2-70b): graphc numpy / torch SDPA, graphc ort-cpu / best onnxruntime fused op, decode GB/s."""
-    out = ["| config | case | cache | numpy / torch SDPA | target | ort-cpu / best ORT fused op | target | faster backend % of read bandwidth (decode B=1 cold: >= 67%) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| config | case | cache | numpy / torch SDPA | target | ort-cpu / best ORT fused op | target | faster backend % of read bandwidth "
+        "(decode B=1 cold: >= 67%) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     keys = list(dict.fromkeys((r["config"], r["case"], r["cache"]) for r in rows if r["config"] in TARGET_CONFIGS))
     for key in keys:
         by = {r["variant"]: r for r in rows if (r["config"], r["case"], r["cache"]) == key and "ms" in r}
@@ -308,12 +338,18 @@ def chart(rows: list[dict], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no chart: matplotlib is not installed (pip install matplotlib)"
-    keys = sorted({(r["config"], r["case"], r["cache"]) for r in rows}, key=lambda k: [r for r in rows].index(next(r for r in rows if (r["config"], r["case"], r["cache"]) == k)))
+    keys = sorted(
+        {(r["config"], r["case"], r["cache"]) for r in rows},
+        key=lambda k: [r for r in rows].index(next(r for r in rows if (r["config"], r["case"], r["cache"]) == k)),
+    )
     names = sorted({r["variant"] for r in rows})
     fig, ax = plt.subplots(figsize=(max(8, len(keys) * 0.9), 5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        vals = [next((r.get("vs_best_peer") or 0 for r in rows if (r["config"], r["case"], r["cache"]) == k and r["variant"] == name and "ms" in r), 0) for k in keys]
+        vals = [
+            next((r.get("vs_best_peer") or 0 for r in rows if (r["config"], r["case"], r["cache"]) == k and r["variant"] == name and "ms" in r), 0)
+            for k in keys
+        ]
         ax.bar([j + i * width for j in range(len(keys))], vals, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 for j in range(len(keys))])
@@ -358,8 +394,10 @@ def main() -> None:
     limits = machine_limits(args.threads)
     import onnxruntime as ort
 
-    header = (f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.threads} threads per runtime; numpy {np.__version__}, "
-              f"onnxruntime {ort.__version__}, torch {_torch_version()}; measured limits: fp32 GEMM {limits[0]:.0f} GFLOP/s, read {limits[1]:.1f} GB/s")
+    header = (
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.threads} threads per runtime; numpy {np.__version__}, "
+        f"onnxruntime {ort.__version__}, torch {_torch_version()}; measured limits: fp32 GEMM {limits[0]:.0f} GFLOP/s, read {limits[1]:.1f} GB/s"
+    )
     print(header, flush=True)
     rows: list[dict] = []
     for config in configs:
@@ -375,7 +413,9 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": header, "limits": {"gemm_gflops": limits[0], "read_gbs": limits[1]}, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"machine": header, "limits": {"gemm_gflops": limits[0], "read_gbs": limits[1]}, "rows": rows}, indent=1)
+    )
     out.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
     print(chart(rows, out.with_suffix(".png")))
 

@@ -63,15 +63,19 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/graphc_stack")
     args = ap.parse_args()
     cfg = graphc.preset(args.preset)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {format_bytes(graphc.memory.machine_memory())}; numpy {np.__version__}; "
-          f"preset {args.preset}, {args.layers} layers with a KV cache, float32")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {format_bytes(graphc.memory.machine_memory())}; numpy {np.__version__}; "
+        f"preset {args.preset}, {args.layers} layers with a KV cache, float32"
+    )
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t0 = time.perf_counter()
     g = graphc.attention_stack_graph(cfg, args.layers, kv_cache=True)
     weights = sum(a.nbytes for a in g.initializers.values())
-    print(f"build     {time.perf_counter() - t0:7.1f} s   peak RSS {format_bytes(_peak()):>10}   weights {format_bytes(weights)}, {len(g.nodes)} nodes")
+    print(
+        f"build     {time.perf_counter() - t0:7.1f} s   peak RSS {format_bytes(_peak()):>10}   weights {format_bytes(weights)}, {len(g.nodes)} nodes"
+    )
     t0 = time.perf_counter()
     opt = graphc.optimize(g, hints={"batch": 1, "seq": 1, "past_seq": args.past}).graph
     del g
@@ -81,12 +85,17 @@ def main() -> None:
     model_path = out / "stack.onnx"
     export(opt, model_path, external_data=True)
     sizes = (model_path.stat().st_size, (out / "stack.onnx.data").stat().st_size)
-    print(f"export    {time.perf_counter() - t0:7.1f} s   peak RSS {format_bytes(_peak()):>10}   model {format_bytes(sizes[0])} + data {format_bytes(sizes[1])}")
+    print(
+        f"export    {time.perf_counter() - t0:7.1f} s   peak RSS {format_bytes(_peak()):>10}   model {format_bytes(sizes[0])} + data "
+        f"{format_bytes(sizes[1])}"
+    )
     del opt
     gc.collect()
     child = subprocess.run(
         [sys.executable, "-c", _CHILD, str(model_path), str(args.layers), str(args.past), str(cfg.n_kv_heads), str(cfg.hd), str(cfg.d_model)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     r = json.loads(child.stdout)
     print(f"ort load  {r['load_s']:7.1f} s   peak RSS {format_bytes(r['peak_rss']):>10}   (child process)")

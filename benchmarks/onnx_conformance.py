@@ -46,8 +46,15 @@ def _features(model: onnx.ModelProto) -> str:
         feats.append("past/present")
     if names[6]:
         feats.append("nonpad_kv_seqlen")
-    for key, label in (("is_causal", "causal"), ("softcap", "softcap"), ("scale", "scale"), ("qk_matmul_output_mode", "qk mode"), ("softmax_precision", "softmax_precision"),
-                       ("left_window_size", "left window"), ("right_window_size", "right window")):
+    for key, label in (
+        ("is_causal", "causal"),
+        ("softcap", "softcap"),
+        ("scale", "scale"),
+        ("qk_matmul_output_mode", "qk mode"),
+        ("softmax_precision", "softmax_precision"),
+        ("left_window_size", "left window"),
+        ("right_window_size", "right window"),
+    ):
         if key in attrs and attrs[key] not in (0, -1):
             feats.append(label if key == "is_causal" else f"{label} {attrs[key]:g}" if isinstance(attrs[key], float) else f"{label} {attrs[key]}")
     if len(model.graph.output) > 1 and not names[4]:
@@ -100,10 +107,21 @@ def main() -> None:
         warnings.simplefilter("ignore")
         from onnx.backend.test.case.node import collect_testcases
 
-        cases = sorted((c for c in collect_testcases() if "expanded" not in c.name and len(c.model.graph.node) == 1 and c.model.graph.node[0].op_type == "Attention"), key=lambda c: c.name)
+        cases = sorted(
+            (
+                c
+                for c in collect_testcases()
+                if "expanded" not in c.name and len(c.model.graph.node) == 1 and c.model.graph.node[0].op_type == "Attention"
+            ),
+            key=lambda c: c.name,
+        )
     import onnxruntime as ort
 
-    header = ["case", "opset", "exercises"] + [f"graphc {b}" for b in backends] + ["graphc optimized, ort-cpu", f"onnxruntime {ort.__version__} Attention kernel"]
+    header = (
+        ["case", "opset", "exercises"]
+        + [f"graphc {b}" for b in backends]
+        + ["graphc optimized, ort-cpu", f"onnxruntime {ort.__version__} Attention kernel"]
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     totals = [0] * (len(backends) + 2)
@@ -111,7 +129,10 @@ def main() -> None:
         opset = next(o.version for o in c.model.opset_import if o.domain in ("", "ai.onnx"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results = [_check(c.model, c.data_sets[0], b, False) for b in backends] + [_check(c.model, c.data_sets[0], "ort-cpu", True), _ort_kernel(c.model, c.data_sets[0])]
+            results = [_check(c.model, c.data_sets[0], b, False) for b in backends] + [
+                _check(c.model, c.data_sets[0], "ort-cpu", True),
+                _ort_kernel(c.model, c.data_sets[0]),
+            ]
         totals = [t + (r == "pass") for t, r in zip(totals, results)]
         print(f"| `{c.name.removeprefix('test_')}` | {opset} | {_features(c.model)} | " + " | ".join(results) + " |")
     print("| **passed** | | | " + " | ".join(f"**{t}/{len(cases)}**" for t in totals) + " |")

@@ -42,7 +42,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt
 SIZES = [(1, 5, 0, 0), (1, 1, 100, 0), (2, 1, 260, 0), (3, 7, 13, 0), (2, 30, 5, 0), (3, 7, 13, 2), (3, 1, 20, 4)]
 """(batch, new tokens, past, left padding of row 0)."""
 
-GENERATOR = r'''
+GENERATOR = r"""
 import json, os, subprocess, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, transformers
@@ -66,7 +66,7 @@ else:
                         "-p", "fp32", "-e", "cpu", "-c", os.path.join(out, "cache")], capture_output=True, text=True)
     if r.returncode:
         sys.exit(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "the model builder failed")
-'''
+"""
 
 
 def tool_python(work: Path, tool: str) -> Path:
@@ -137,8 +137,15 @@ def check(path: Path, head_dim: int) -> tuple[str, str, str]:
     except GraphcError as e:
         return "-", "-", f"import refused: {str(e).splitlines()[0][:200]}"
     ops = [n.op for n in lower(optimized, Target("keep", lambda g, n, c: None)).topological_order() if n.op.kind == "Attention"]
-    seen = sorted({("causal" if o.causal_offset is not None else "no causal mask") + (", cache" if o.kv_cache else "")
-                   + (f", window {o.window}" if o.window else "") + (f", {o.mask} mask" if o.has_mask else "") for o in ops})
+    seen = sorted(
+        {
+            ("causal" if o.causal_offset is not None else "no causal mask")
+            + (", cache" if o.kv_cache else "")
+            + (f", window {o.window}" if o.window else "")
+            + (f", {o.mask} mask" if o.has_mask else "")
+            for o in ops
+        }
+    )
     recognised = f"{len(ops)} ({'; '.join(seen)})" if ops else "0"
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,8 +161,11 @@ def check(path: Path, head_dim: int) -> tuple[str, str, str]:
                 refused.append(str((batch, seq, past, pad)))
                 continue
             by_name = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
-            results = {"numpy": lambda: run(optimized, by_name, backend="numpy"), "ort-cpu": lambda: run(optimized, by_name, backend="ort-cpu"),
-                       "re-export": lambda: dict(zip(optimized.outputs, mine.run(None, f)))}
+            results = {
+                "numpy": lambda: run(optimized, by_name, backend="numpy"),
+                "ort-cpu": lambda: run(optimized, by_name, backend="ort-cpu"),
+                "re-export": lambda: dict(zip(optimized.outputs, mine.run(None, f))),
+            }
             for backend, get in results.items():
                 try:
                     got = get()

@@ -77,8 +77,11 @@ def layer_feeds(case: str, seed: int = 0) -> dict[str, np.ndarray]:
     c = LAYER_CASES[case]
     rng = np.random.default_rng(seed)
     kv = (1, SHAPE["num_key_value_heads"], c["past"], SHAPE["head_dim"])
-    return {"x_BSM": rng.standard_normal((1, c["seq"], SHAPE["hidden_size"]), dtype=np.float32),
-            "past_key": rng.standard_normal(kv, dtype=np.float32), "past_value": rng.standard_normal(kv, dtype=np.float32)}
+    return {
+        "x_BSM": rng.standard_normal((1, c["seq"], SHAPE["hidden_size"]), dtype=np.float32),
+        "past_key": rng.standard_normal(kv, dtype=np.float32),
+        "past_value": rng.standard_normal(kv, dtype=np.float32),
+    }
 
 
 def layer_work(case: str) -> tuple[float, float]:
@@ -150,8 +153,16 @@ def layer_variants(case: str, threads: int, workdir: Path | None = None) -> dict
     path = work / "torch_export.onnx"
     try:
         args = tuple(torch.from_numpy(feeds[k]) for k in ("x_BSM", "past_key", "past_value"))
-        torch.onnx.export(step, args, str(path), dynamo=True, input_names=["x", "past_key", "past_value"],
-                          output_names=["out", "present_key", "present_value"], external_data=True, verbose=False)
+        torch.onnx.export(
+            step,
+            args,
+            str(path),
+            dynamo=True,
+            input_names=["x", "past_key", "past_value"],
+            output_names=["out", "present_key", "present_value"],
+            external_data=True,
+            verbose=False,
+        )
         out["torch.onnx export on ORT"] = _ort_runner(path, threads)
     except Exception as e:  # noqa: BLE001 - a peer that cannot be exported is reported, not fatal
         out["torch.onnx export on ORT"] = f"n/a: torch.onnx.export failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -29,7 +29,14 @@ def small_checkpoint(folder: Path) -> tuple[Path, Path]:
     from safetensors.torch import save_file
 
     config = transformers.MistralConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, num_hidden_layers=2, sliding_window=4, vocab_size=32
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        sliding_window=4,
+        vocab_size=32,
     )
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config)
@@ -44,7 +51,10 @@ def main(config_path: Path, weights_path: Path, out: Path) -> None:
     weights = load_weights(weights_path, dtype="float32")  # memory-mapped (a copy only when converting)
     weights = decoder_weights_from_hf(weights, config_path)  # graphc's names (Falcon's fused QKV split; others pass through)
     stack = decoder_stack_graph(configs, weights=weights, kv_cache=True, final_norm="model.norm.weight" in weights)
-    print(f"{len(configs)} layers: {configs[0].attention.kind}, window {configs[0].attention.sliding_window}, rope base {configs[0].attention.rope.base:g}")
+    print(
+        f"{len(configs)} layers: {configs[0].attention.kind}, window {configs[0].attention.sliding_window}, rope base "
+        f"{configs[0].attention.rope.base:g}"
+    )
     sizes = {"batch": 1, "seq": 1, "past_seq": 16}
     optimized, report = graphc.optimize(stack, hints=sizes)
     print(report)

@@ -1,6 +1,6 @@
 """Quickstart: build a preset's GQA attention layer, print its graph and stats, run it in NumPy.
 
-    python examples/quickstart.py [preset] [seq]
+python examples/quickstart.py [preset] [seq]
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Robustness: graphc's own errors, the size guard, and onnxruntime in a worker process.
 
-    python examples/robustness.py
+python examples/robustness.py
 """
 
 import numpy as np

@@ -127,9 +127,7 @@ class Attention(Op):
         if self.kv_cache:
             pk, pv = rest
             if pk.rank != 4 or pk.shape[:2] != (b, hkv) or pk.shape[3] != d or pv.shape != (*pk.shape[:3], dv) or {pk.dtype, pv.dtype} != {q.dtype}:
-                raise ShapeMismatchError(
-                    f"Attention: past_key {pk} / past_value {pv} must be [{b},{hkv},P,{d}] / [{b},{hkv},P,{dv}] of {q.dtype}"
-                )
+                raise ShapeMismatchError(f"Attention: past_key {pk} / past_value {pv} must be [{b},{hkv},P,{d}] / [{b},{hkv},P,{dv}] of {q.dtype}")
             total = dim_add(pk.shape[2], sk)
             outs += [TensorType((b, hkv, total, d), q.dtype), TensorType((b, hkv, total, dv), q.dtype)]
         if mask is not None:

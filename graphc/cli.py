@@ -60,8 +60,19 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src = p.add_argument_group("graph")
     src.add_argument("model", nargs="?", default=None, help="an ONNX model (.onnx) to import instead of a preset")
     src.add_argument("--strict", action="store_true", help="with an ONNX model: refuse ops graphc does not model (default: carry them through)")
-    src.add_argument("--attention-semantics", default="onnx-1.23", choices=("onnx-1.23", "legacy"), help="with an ONNX model: how Attention nodes are read (legacy: onnx <= 1.21, masks before softcap, qk_matmul_output_mode 1/2 swapped)")
-    src.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="with an ONNX model or --graph: size of a symbolic dim (default: batch dims --batch, others --seq)")
+    src.add_argument(
+        "--attention-semantics",
+        default="onnx-1.23",
+        choices=("onnx-1.23", "legacy"),
+        help="with an ONNX model: how Attention nodes are read (legacy: onnx <= 1.21, masks before softcap, qk_matmul_output_mode 1/2 swapped)",
+    )
+    src.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="with an ONNX model or --graph: size of a symbolic dim (default: batch dims --batch, others --seq)",
+    )
     src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
     src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
     src.add_argument("--hf-config", metavar="FILE", help=f"a transformers config.json: a decoder stack of that model ({', '.join(HF_FAMILIES)})")
@@ -96,7 +107,11 @@ def _config(args: argparse.Namespace) -> AttentionConfig:
         from .attention.hf import attention_config_from_hf
 
         return attention_config_from_hf(args.hf_config)
-    custom = [f for f, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model)) if v is not None]
+    custom = [
+        f
+        for f, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model))
+        if v is not None
+    ]
     if args.preset and custom:
         raise UsageError(f"give either --preset or a custom config ({', '.join(custom)}), not both")
     for flag, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model)):
@@ -115,7 +130,9 @@ def _config(args: argparse.Namespace) -> AttentionConfig:
     elif custom:
         raise UsageError(f"{', '.join(custom)} describe a custom config, which needs --heads too")
     else:
-        raise UsageError("no graph given: name an ONNX model (MODEL.onnx), or use --preset NAME, --heads N [--kv-heads M --head-dim D], or --graph FILE")
+        raise UsageError(
+            "no graph given: name an ONNX model (MODEL.onnx), or use --preset NAME, --heads N [--kv-heads M --head-dim D], or --graph FILE"
+        )
     return cfg.with_(causal=not args.no_causal) if args.no_causal else cfg
 
 
@@ -130,7 +147,9 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     if args.weights and not args.hf_config:
         raise UsageError("--weights needs --hf-config (the model config the weights belong to)")
     if args.hf_config:
-        return _hf_stack(args, getattr(args, "dtype", "float32")), ({"batch": batch, "seq": seq, "past_seq": args.past} if args.decode else {"batch": batch, "seq": seq})
+        return _hf_stack(args, getattr(args, "dtype", "float32")), (
+            {"batch": batch, "seq": seq, "past_seq": args.past} if args.decode else {"batch": batch, "seq": seq}
+        )
     if args.model is not None or args.graph:
         if args.model is not None and args.graph:
             raise UsageError("give either an ONNX model or --graph, not both")
@@ -141,7 +160,9 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
         given = _hints(args.dim, "--dim")
         unknown = sorted(set(given) - symbols)
         if unknown:
-            raise UsageError(f"--dim names {', '.join(unknown)}, which the graph's inputs do not use; its symbolic dims: {', '.join(sorted(symbols)) or 'none'}")
+            raise UsageError(
+                f"--dim names {', '.join(unknown)}, which the graph's inputs do not use; its symbolic dims: {', '.join(sorted(symbols)) or 'none'}"
+            )
         return g, {**sizes, **given}
     cfg = _config(args)
     dtype = getattr(args, "dtype", "float32")
@@ -292,8 +313,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         g = optimize(g, hints=hints).graph
     model = export(g, args.output, opset=args.opset, attention=args.attention, hints=hints)
     ops = sorted({n.op_type for n in model.graph.node})
-    print(f"wrote {args.output}: {len(model.graph.node)} nodes ({', '.join(ops)}), opset {args.opset}, IR {model.ir_version}"
-          + (", attention " + args.attention if fused else ""))
+    print(
+        f"wrote {args.output}: {len(model.graph.node)} nodes ({', '.join(ops)}), opset {args.opset}, IR {model.ir_version}"
+        + (", attention " + args.attention if fused else "")
+    )
     return 0
 
 
@@ -339,7 +362,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         target = target_named(args.target)
     onnx_out = bool(args.output and args.output.endswith(".onnx"))
     if onnx_out and target is not None:
-        raise UsageError("--target lowers for a backend inside graphc; to write ONNX for onnxruntime use --attention (and --target ort-cpu/ort-cuda only as a name for it)")
+        raise UsageError(
+            "--target lowers for a backend inside graphc; to write ONNX for onnxruntime use --attention (and --target ort-cpu/ort-cuda only as a "
+            "name for it)"
+        )
     out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True, target=target)
     print(report.explain() if args.explain else report)
     if args.print:
@@ -387,8 +413,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         layers = len(cfgs)
         params = sum(int(np.prod(s)) for c in cfgs for s in decoder_weight_shapes(c).values())
         windows = sorted({c.attention.sliding_window for c in cfgs}, key=lambda w: (w is None, w or 0))
-        print(f"{args.hf_config}: {layers} decoder layers, {params:,} parameters in them (no embeddings), MLP {cfgs[0].mlp} {cfgs[0].activation}, "
-              f"intermediate {cfgs[0].intermediate_size}, windows {windows}")
+        print(
+            f"{args.hf_config}: {layers} decoder layers, {params:,} parameters in them (no embeddings), MLP {cfgs[0].mlp} {cfgs[0].activation}, "
+            f"intermediate {cfgs[0].intermediate_size}, windows {windows}"
+        )
     print(cfg.summary(batch=args.batch, seq_len=seq, dtype=args.dtype, n_layers=layers))
     total = cfg.kv_cache_bytes(args.batch, seq, args.dtype, layers)
     mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, seq, args.dtype, layers)
@@ -398,6 +426,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _describe_graph(g: Graph, source: str) -> str:
     """What ``graphc info`` prints for a graph: interface, ops, parameters, and what the optimizer recognises."""
+
     def shape(name: str) -> str:
         t = g.types[name]
         return f"{name} [{', '.join(str(d) for d in t.shape)}] {t.dtype}"
@@ -438,10 +467,6 @@ def _attention_kind(op: Attention) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``graphc`` command."""
-    from lowering.compare import DEFAULT_BACKENDS
-    from lowering.targets import ATTENTION_MODES
-    from lowering.onnx_export import DEFAULT_OPSET
-
     p = _Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
     p.add_argument("--version", action="version", version=f"graphc {__version__}")
     _add_common_args(p, None)
@@ -449,27 +474,67 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     _add_common_args(common, argparse.SUPPRESS)  # after the subcommand too; SUPPRESS keeps the top-level value
 
+    _add_compare(sub, common)
+    _add_export_and_show(sub, common)
+    _add_optimize(sub, common)
+    i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")
+    _add_graph_args(i)
+    i.add_argument("--dtype", default="float16", choices=DTYPES, help="KV-cache dtype (default float16)")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``graphc compare``."""
+    from lowering.compare import DEFAULT_BACKENDS
+    from lowering.targets import ATTENTION_MODES
+
     c = sub.add_parser("compare", parents=[common], help="run a graph on every backend; exit 1 if any disagrees")
     _add_graph_args(c)
     c.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"comma-separated (default {','.join(DEFAULT_BACKENDS)})")
     c.add_argument("--no-optimize", action="store_true", help="run the unoptimized graph on every backend")
     c.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up (default 5)")
-    c.add_argument("--atol", type=float, default=None, help="absolute tolerance (default per output dtype: 1e-4 float32, 1e-3 float16, 1e-2 bfloat16)")
-    c.add_argument("--rtol", type=float, default=None, help="relative tolerance (default per output dtype: 1e-3 float32, 4e-3 float16, 3e-2 bfloat16)")
-    c.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"), help="storage dtype of weights and inputs (computed in float32)")
-    c.add_argument("--attention", default="auto", choices=ATTENTION_MODES, help="how ONNX backends get attention (default auto: per attention, with the run's sizes)")
+    c.add_argument(
+        "--atol", type=float, default=None, help="absolute tolerance (default per output dtype: 1e-4 float32, 1e-3 float16, 1e-2 bfloat16)"
+    )
+    c.add_argument(
+        "--rtol", type=float, default=None, help="relative tolerance (default per output dtype: 1e-3 float32, 4e-3 float16, 3e-2 bfloat16)"
+    )
+    c.add_argument(
+        "--dtype", default="float32", choices=("float32", "float16", "bfloat16"), help="storage dtype of weights and inputs (computed in float32)"
+    )
+    c.add_argument(
+        "--attention",
+        default="auto",
+        choices=ATTENTION_MODES,
+        help="how ONNX backends get attention (default auto: per attention, with the run's sizes)",
+    )
     c.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("--inputs", metavar="FILE.npz", default=None, help="run on these arrays (numpy .npz keyed by input name) instead of random inputs")
-    c.add_argument("--shards", type=int, default=None, metavar="N", help="also split the graph by KV-head group into N shards and run them on N Dask worker processes (needs graphc[distributed])")
+    c.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also split the graph by KV-head group into N shards and run them on N Dask worker processes (needs graphc[distributed])",
+    )
     c.add_argument("--shard-backend", default="numpy", metavar="NAME", help="backend of each shard with --shards (default numpy)")
     c.set_defaults(func=cmd_compare)
+
+
+def _add_export_and_show(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``graphc export`` and ``graphc show``."""
+    from lowering.onnx_export import DEFAULT_OPSET
+    from lowering.targets import ATTENTION_MODES
 
     e = sub.add_parser("export", parents=[common], help="export a graph to ONNX")
     _add_graph_args(e, sizes=False)
     e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     e.add_argument("--opset", type=int, default=DEFAULT_OPSET)
-    e.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES, help="auto: fused op per attention where it is faster for --hint sizes")
+    e.add_argument(
+        "--attention", default="decomposed", choices=ATTENTION_MODES, help="auto: fused op per attention where it is faster for --hint sizes"
+    )
     e.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim (e.g. seq=1024) for --attention auto")
     e.add_argument("--no-optimize", action="store_true")
     e.set_defaults(func=cmd_export)
@@ -481,25 +546,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     s.set_defaults(func=cmd_show)
 
+
+def _add_optimize(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``graphc optimize``."""
+    from lowering.targets import ATTENTION_MODES
+
     o = sub.add_parser("optimize", parents=[common], help="optimize a graph and report what changed")
     _add_graph_args(o)
     o.add_argument("--explain", action="store_true", help="list every rewrite, and rules that did not fire and why")
     o.add_argument("--level", type=int, default=2, choices=sorted(PIPELINES))
     o.add_argument("--optimizer", default="auto", choices=OPTIMIZERS, help="opt_einsum path optimizer")
     o.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim for cost decisions")
-    o.add_argument("--target", default=None, metavar="NAME", help="also lower for a backend: numpy, reference, torch, onnx-decomposed, onnx-onnx-attention, onnx-ort-gqa, onnx-auto; with -o X.onnx: ort-cpu or ort-cuda (attention auto)")
+    o.add_argument(
+        "--target",
+        default=None,
+        metavar="NAME",
+        help=(
+            "also lower for a backend: numpy, reference, torch, onnx-decomposed, onnx-onnx-attention, onnx-ort-gqa, onnx-auto; "
+            "with -o X.onnx: ort-cpu or ort-cuda (attention auto)"
+        ),
+    )
     o.add_argument("--print", action="store_true", help="print the optimized graph")
-    o.add_argument("-o", "--output", default=None, help="save the optimized graph: .onnx writes ONNX (the input/output names and dynamic axes kept), anything else JSON")
-    o.add_argument("--attention", default="decomposed", choices=ATTENTION_MODES, help="with -o X.onnx: how attention is written (auto: fused where faster for --hint sizes)")
+    o.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="save the optimized graph: .onnx writes ONNX (the input/output names and dynamic axes kept), anything else JSON",
+    )
+    o.add_argument(
+        "--attention",
+        default="decomposed",
+        choices=ATTENTION_MODES,
+        help="with -o X.onnx: how attention is written (auto: fused where faster for --hint sizes)",
+    )
     o.add_argument("--opset", type=int, default=None, help="with -o X.onnx: the ONNX opset (default: the imported model's, at least 18)")
     o.add_argument("--external-data", action="store_true", help="with -o X.onnx: weights in X.onnx.data beside the model")
     o.set_defaults(func=cmd_optimize)
-
-    i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")
-    _add_graph_args(i)
-    i.add_argument("--dtype", default="float16", choices=DTYPES, help="KV-cache dtype (default float16)")
-    i.set_defaults(func=cmd_info)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -305,7 +305,10 @@ def bind_shapes(items: Sequence[tuple[Sequence[Dim], Sequence[int], str]], env: 
                 raise DimError(f"{what}: axis {axis} must be {d!r} = {eval_dim(d, env)}, got {n}")
         elif require_all:
             missing = sorted(s for s in dim_symbols(d) if s not in env)
-            raise DimError(f"{what}: cannot size symbol(s) {missing} of dim {d!r} (axis {axis}) from the input shapes; bound: {dict(sorted(env.items())) or 'none'}")
+            raise DimError(
+                f"{what}: cannot size symbol(s) {missing} of dim {d!r} (axis {axis}) from the input shapes; bound: "
+                f"{dict(sorted(env.items())) or 'none'}"
+            )
 
 
 def format_shape(shape: Sequence[Dim]) -> str:
@@ -333,4 +336,3 @@ def check_sizes(sizes: Mapping[str, object] | None, what: str = "sizes") -> dict
             raise DimError(f"{what}: size of {name!r} must be >= 0, got {value}")
         out[name] = int(value)
     return out
-

@@ -80,9 +80,7 @@ def label_sizes(spec: EinsumSpec, shapes: Sequence[Shape]) -> dict[str, Dim]:
         for c, d in zip(term, shape):
             d = normalize_dim(d)
             if c in sizes and sizes[c] != d:
-                raise EinsumSpecError(
-                    f"einsum spec {str(spec)!r}: label {c!r} has size {sizes[c]!r} in operand {where[c]} but {d!r} in operand {i}"
-                )
+                raise EinsumSpecError(f"einsum spec {str(spec)!r}: label {c!r} has size {sizes[c]!r} in operand {where[c]} but {d!r} in operand {i}")
             sizes.setdefault(c, d)
             where.setdefault(c, i)
     return sizes

@@ -118,8 +118,10 @@ def _operand_name(graph: "Graph", v: ValueLike) -> str:
     """The name of operand ``v``; a :class:`Value` handle must belong to ``graph`` (not to another graph of the same names)."""
     if isinstance(v, Value):
         if graph._values.get(v.name) is not v:
-            raise UndefinedValueError(f"value {v.name!r} is a handle from another graph (or a replaced value), not of graph {graph.name!r}; "
-                                      "pass this graph's values (or their names)")
+            raise UndefinedValueError(
+                f"value {v.name!r} is a handle from another graph (or a replaced value), not of graph {graph.name!r}; "
+                "pass this graph's values (or their names)"
+            )
         return v.name
     if not isinstance(v, str):
         raise GraphError(f"an operand must be a Value of graph {graph.name!r} or a value name, got {type(v).__name__} {v!r}")
@@ -538,7 +540,6 @@ class Graph(GraphBuilder):
             if v.producer is not None:
                 self._touch(v.producer.name)
 
-
     def rename_value(self, old: str, new: str) -> None:
         """Give value ``old`` the unused name ``new`` everywhere (readers, outputs, its node): O(readers)."""
         v = self.value(old)
@@ -696,7 +697,8 @@ class Graph(GraphBuilder):
                     raise DTypeMismatchError(f"node {node.name!r} ({node.op}){which}: declared dtype {declared.dtype} but the op gives {t.dtype}")
                 if t.shape != declared.shape:
                     raise ShapeMismatchError(
-                        f"node {node.name!r} ({node.op}){which}: declared shape {format_shape(declared.shape)} but the op gives {format_shape(t.shape)}"
+                        f"node {node.name!r} ({node.op}){which}: declared shape {format_shape(declared.shape)} but the op gives "
+                        f"{format_shape(t.shape)}"
                     )
         for name, v in self._values.items():
             if v.users != users.get(name, {}):

@@ -96,7 +96,9 @@ class Opaque(Op):
 
     def evaluate_all(self, args: Sequence[np.ndarray], dims: Dims) -> tuple[np.ndarray, ...]:
         if self.domain not in ("", "ai.onnx"):
-            raise OpError(f"Opaque {self.qualified_name}: graphc has no NumPy semantics for this op; run it on onnxruntime (ort-cpu) or export the model")
+            raise OpError(
+                f"Opaque {self.qualified_name}: graphc has no NumPy semantics for this op; run it on onnxruntime (ort-cpu) or export the model"
+            )
         import onnx
         from onnx import helper
         from onnx.reference import ReferenceEvaluator
@@ -105,7 +107,8 @@ class Opaque(Op):
         out_names = [f"out{i}" for i in range(self.num_outputs)]
         node = self.node_proto(in_names, out_names, "opaque")
         g = helper.make_graph(
-            [node], "opaque",
+            [node],
+            "opaque",
             [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for n, a in zip(in_names, args)],
             [helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None) for n in out_names],
         )

@@ -268,7 +268,8 @@ class Reshape(Op):
         (x,) = ins
         if dim_prod(x.shape) != dim_prod(self.shape):
             raise ShapeMismatchError(
-                f"Reshape: cannot reshape {format_shape(x.shape)} ({dim_prod(x.shape)} elements) to {format_shape(self.shape)} ({dim_prod(self.shape)} elements)"
+                f"Reshape: cannot reshape {format_shape(x.shape)} ({dim_prod(x.shape)} elements) to {format_shape(self.shape)} "
+                f"({dim_prod(self.shape)} elements)"
             )
         return TensorType(self.shape, x.dtype)
 
@@ -367,7 +368,8 @@ class Concat(Op):
             for ax in range(rank):
                 if ax != a and t.shape[ax] != ins[0].shape[ax]:
                     raise ShapeMismatchError(
-                        f"Concat(axis={self.axis}): operand {i} shape {format_shape(t.shape)} differs from operand 0 shape {format_shape(ins[0].shape)} at axis {ax}"
+                        f"Concat(axis={self.axis}): operand {i} shape {format_shape(t.shape)} differs from operand 0 shape "
+                        f"{format_shape(ins[0].shape)} at axis {ax}"
                     )
             total = dim_add(total, t.shape[a])
         shape = list(ins[0].shape)
@@ -434,8 +436,9 @@ class UnaryFunction:
     on_ints: bool = False
 
 
-def register_unary(name: str, numpy: Callable[[np.ndarray], np.ndarray], onnx: str | None = None, torch: str | None = None,
-                   on_ints: bool = False) -> UnaryFunction:
+def register_unary(
+    name: str, numpy: Callable[[np.ndarray], np.ndarray], onnx: str | None = None, torch: str | None = None, on_ints: bool = False
+) -> UnaryFunction:
     """Add the unary function ``name`` to every layer at once (``Unary(name)``, NumPy, ONNX export and import, torch)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise OpError(f"register_unary: name must be an identifier, got {name!r}")
@@ -492,7 +495,11 @@ class Compare(Op):
 
 
 _COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "less": np.less, "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal, "equal": np.equal,
+    "less": np.less,
+    "less_equal": np.less_equal,
+    "greater": np.greater,
+    "greater_equal": np.greater_equal,
+    "equal": np.equal,
 }
 
 
@@ -609,6 +616,8 @@ def _erf(x: np.ndarray) -> np.ndarray:
     t = 1.0 / (1.0 + 0.3275911 * z)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     return (np.sign(x) * (1.0 - poly * np.exp(-z * z))).astype(x.dtype)
+
+
 _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "add": np.add,
     "sub": np.subtract,
@@ -620,8 +629,7 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 
 OP_TYPES: dict[str, type[Op]] = {
-    cls.__name__: cls
-    for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Compare, Where, Scale, CausalMask)
+    cls.__name__: cls for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Compare, Where, Scale, CausalMask)
 }
 """Every op kind by name (the loader's registry); :func:`register_op` adds one."""
 

@@ -51,7 +51,12 @@ def _int(op: str, name: str, value: object, least: int) -> int:
 
 
 def _number(op: str, name: str, value: object, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value) or (positive and value <= 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
         raise OpError(f"{op}: attribute {name!r} must be a finite number{' > 0' if positive else ''}, got {value!r}")
     return float(value)
 
@@ -170,7 +175,9 @@ class Rotary(Op):
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """The inverse frequencies for ``head_dim``."""
-        return rope_inv_freq(self.dim(head_dim), self.base, self.scaling, self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position)
+        return rope_inv_freq(
+            self.dim(head_dim), self.base, self.scaling, self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position
+        )
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         x, pos = ins

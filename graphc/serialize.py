@@ -110,7 +110,7 @@ def _type(d: Any, where: str) -> TensorType:
 def graph_from_dict(doc: Any) -> Graph:
     """Rebuild a graph from :func:`graph_to_dict` output and verify it."""
     if not isinstance(doc, dict) or doc.get("format") != "graphc":
-        raise SerializationError("not a graphc graph document (expected a JSON object with \"format\": \"graphc\")")
+        raise SerializationError('not a graphc graph document (expected a JSON object with "format": "graphc")')
     if doc.get("version") != FORMAT_VERSION:
         raise SerializationError(f"unsupported graphc format version {doc.get('version')!r}; this graphc reads version {FORMAT_VERSION}")
     g = Graph(_req(doc, "name", str, "graph"))
@@ -158,7 +158,9 @@ def graph_from_dict(doc: Any) -> Graph:
     return g
 
 
-def _dependency_order(pending: list[tuple[str, Op, list[str], list[str], list[TensorType]]]) -> list[tuple[str, Op, list[str], list[str], list[TensorType]]]:
+def _dependency_order(
+    pending: list[tuple[str, Op, list[str], list[str], list[TensorType]]],
+) -> list[tuple[str, Op, list[str], list[str], list[TensorType]]]:
     """The nodes of a document in an order where each reads only what came before (file order kept where valid)."""
     producer: dict[str, int] = {}
     for k, p in enumerate(pending):

@@ -82,7 +82,8 @@ class Reduce(Op):
 @register_op
 @dataclass(frozen=True)
 class Gather(Op):
-    """``take(data, indices, axis)``: the output replaces axis ``axis`` of ``data`` by the shape of ``indices`` (int32/int64; negative counts from the end)."""
+    """``take(data, indices, axis)``: the output replaces axis ``axis`` of ``data`` by the shape of ``indices`` (int32/int64; negative counts
+    from the end)."""
 
     axis: int = 0
     arity: ClassVar[int | None] = 2
@@ -188,8 +189,10 @@ class Slice(Op):
         a = self.axis % x.ndim
         start, stop = eval_dim(self.start, dims), eval_dim(self.stop, dims)
         if not 0 <= start <= stop <= x.shape[a]:  # an import's assumption (x[-8:] of an axis >= 8) that this run breaks
-            raise DimError(f"Slice: bounds {self.start}..{self.stop} = {start}..{stop} fall outside axis {a} of size {x.shape[a]} "
-                           f"(with {', '.join(f'{k}={v}' for k, v in dims.items())})")
+            raise DimError(
+                f"Slice: bounds {self.start}..{self.stop} = {start}..{stop} fall outside axis {a} of size {x.shape[a]} "
+                f"(with {', '.join(f'{k}={v}' for k, v in dims.items())})"
+            )
         index = [slice(None)] * x.ndim
         index[a] = slice(start, stop, self.step)
         return x[tuple(index)]
@@ -272,7 +275,9 @@ class BroadcastTo(Op):
         (x,) = ins
         out = broadcast_shapes(x.shape, self.shape, "BroadcastTo")
         if tuple(out) != tuple(self.shape):
-            raise ShapeMismatchError(f"BroadcastTo: {format_shape(x.shape)} does not broadcast to {format_shape(self.shape)} (it gives {format_shape(out)})")
+            raise ShapeMismatchError(
+                f"BroadcastTo: {format_shape(x.shape)} does not broadcast to {format_shape(self.shape)} (it gives {format_shape(out)})"
+            )
         return TensorType(self.shape, x.dtype)
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:

@@ -41,9 +41,9 @@ def to_dot(graph: Graph, title: str | None = None) -> str:
     if title:
         lines.append(f"  labelloc=t; label={_q(title)};")
     for name in graph.inputs:
-        lines.append(f"  {_q(name)} [shape=ellipse, fillcolor=\"#ffffff\", label={_q(name + chr(10) + str(graph.types[name]))}];")
+        lines.append(f'  {_q(name)} [shape=ellipse, fillcolor="#ffffff", label={_q(name + chr(10) + str(graph.types[name]))}];')
     for name in sorted(graph.initializers):
-        lines.append(f"  {_q(name)} [shape=note, fillcolor=\"#f7f7f7\", label={_q(name + chr(10) + str(graph.types[name]))}];")
+        lines.append(f'  {_q(name)} [shape=note, fillcolor="#f7f7f7", label={_q(name + chr(10) + str(graph.types[name]))}];')
     for node in graph.topological_order():
         label = f"{node.op}\n{node.name}"
         shape = "doubleoctagon" if node.name in graph.outputs else "box"
@@ -54,8 +54,10 @@ def to_dot(graph: Graph, title: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-_NO_DOT = ("SVG output needs the Graphviz 'dot' program (apt install graphviz, brew install graphviz; the graphviz Python package "
-           "alone is not enough) or use --format dot")
+_NO_DOT = (
+    "SVG output needs the Graphviz 'dot' program (apt install graphviz, brew install graphviz; the graphviz Python package "
+    "alone is not enough) or use --format dot"
+)
 
 
 def to_svg(graph: Graph, title: str | None = None) -> bytes:

@@ -43,8 +43,16 @@ except ImportError:  # pragma: no cover
     bfloat16 = None
 
 SAFETENSORS_DTYPES: dict[str, Any] = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U8": np.uint8, "BOOL": np.bool_, "BF16": bfloat16,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "BF16": bfloat16,
 }
 _MAX_HEADER = 100_000_000  # the safetensors library's limit
 _U64 = 2**64
@@ -105,7 +113,9 @@ def _header_entries(path: Path, header: dict[str, Any], data_bytes: int) -> list
             raise SerializationError(f"{path}: tensor {name!r} at bytes {start}..{stop} {what}; tensors must tile the data section")
         end = stop
     if end != data_bytes:
-        raise SerializationError(f"{path}: the tensors cover {end} bytes of a {data_bytes}-byte data section (truncated, or bytes after the last tensor)")
+        raise SerializationError(
+            f"{path}: the tensors cover {end} bytes of a {data_bytes}-byte data section (truncated, or bytes after the last tensor)"
+        )
     return entries
 
 
@@ -186,7 +196,9 @@ def check_mapped_files(arrays: Iterable[Any]) -> None:
             except OSError as e:
                 raise WeightError(f"weights file {name!r} is gone since it was loaded ({e.strerror or e}); load the checkpoint again") from None
             if st.st_size != size or st.st_ino != ino or st.st_mtime_ns != mtime:
-                raise WeightError(f"weights file {name!r} changed since it was loaded ({size} bytes then, {st.st_size} now); load the checkpoint again")
+                raise WeightError(
+                    f"weights file {name!r} changed since it was loaded ({size} bytes then, {st.st_size} now); load the checkpoint again"
+                )
 
 
 def _inside(root: Path, path: Path) -> bool:
@@ -226,7 +238,7 @@ def _read_index(index: Path) -> dict[str, str]:
         raise SerializationError(f"{index}: not a safetensors index (not valid JSON: {e})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise SerializationError(f"{index}: not a safetensors index (expected an object with a \"weight_map\" of tensor name -> file name)")
+        raise SerializationError(f'{index}: not a safetensors index (expected an object with a "weight_map" of tensor name -> file name)')
     return weight_map
 
 
@@ -266,9 +278,7 @@ def _as_array(name: str, value: Any) -> np.ndarray:
     raise WeightError(f"tensor {name!r} is a {type(value).__name__}, expected a numpy array or a torch tensor")
 
 
-def load_weights(
-    source: str | Path | Iterable[str | Path] | Mapping[str, Any], dtype: str | None = None, prefix: str = ""
-) -> dict[str, np.ndarray]:
+def load_weights(source: str | Path | Iterable[str | Path] | Mapping[str, Any], dtype: str | None = None, prefix: str = "") -> dict[str, np.ndarray]:
     """Tensors by name from safetensors file(s) or a directory of them, or from a ``state_dict``; see the module doc.
 
     ``dtype`` converts every floating tensor to that dtype (a copy); ``prefix`` keeps only names starting with it.

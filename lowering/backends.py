@@ -30,7 +30,18 @@ from .numpy_interpreter import NumpyInterpreter
 from .runner import Runner
 from .targets import NUMPY_TARGET, REFERENCE_TARGET
 
-__all__ = ["Runner", "BackendSpec", "BACKENDS", "register_backend", "unregister_backend", "backend_names", "get_backend", "prepare", "run", "unavailable_reason"]
+__all__ = [
+    "Runner",
+    "BackendSpec",
+    "BACKENDS",
+    "register_backend",
+    "unregister_backend",
+    "backend_names",
+    "get_backend",
+    "prepare",
+    "run",
+    "unavailable_reason",
+]
 
 
 @dataclass(frozen=True)
@@ -46,9 +57,7 @@ class BackendSpec:
 Sizes = Mapping[str, int] | None
 
 
-def _numpy(
-    graph: Graph, compute_dtype: str | None = None, threads: int | None = None, reference: bool = False, sizes: Sizes = None
-) -> Runner:
+def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None = None, reference: bool = False, sizes: Sizes = None) -> Runner:
     lowered = lower(graph, REFERENCE_TARGET if reference else NUMPY_TARGET, sizes)
     interp = NumpyInterpreter(lowered, compute_dtype=compute_dtype, threads=threads, reference=reference)
     provider = f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else "")

@@ -243,7 +243,9 @@ def compare(
     return report
 
 
-def _inputs(graph: Graph, inputs: Mapping[str, np.ndarray] | None, sizes: Mapping[str, int] | None, seed: int) -> tuple[Mapping[str, np.ndarray], dict[str, int]]:
+def _inputs(
+    graph: Graph, inputs: Mapping[str, np.ndarray] | None, sizes: Mapping[str, int] | None, seed: int
+) -> tuple[Mapping[str, np.ndarray], dict[str, int]]:
     """The inputs (seeded random ones sized by ``sizes`` when none are given) and the sizes of the graph's symbols,
     after checking that the float64 reference fits the memory cap."""
     if inputs is None:
@@ -272,7 +274,9 @@ def _check_arguments(graph: Graph, backends: Sequence[str], repeats: int, atol: 
     return float(atol), float(rtol)
 
 
-def _reference(graph: Graph, reference_model: Any, bindings: Mapping[str, int]) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
+def _reference(
+    graph: Graph, reference_model: Any, bindings: Mapping[str, int]
+) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
     """What the backends are checked against, and how to run it: the imported ONNX model's own run, else NumPy float64."""
     if reference_model is not None:
         from .onnx_reference import onnx_model_reference
@@ -285,8 +289,16 @@ def _reference(graph: Graph, reference_model: Any, bindings: Mapping[str, int]) 
     return "numpy float64 on the unoptimized graph, attention decomposed (no fused kernel)", run_reference
 
 
-def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],
-                 repeats: int, atol: float, rtol: float) -> BackendResult:
+def _run_sharded(
+    plan: Any,
+    backend: str,
+    opts: dict[str, Any],
+    inputs: Mapping[str, np.ndarray],
+    want: Mapping[str, np.ndarray],
+    repeats: int,
+    atol: float,
+    rtol: float,
+) -> BackendResult:
     from .dask_shards import close_cluster, sharded_runner
 
     name = f"sharded x{plan.n} ({backend})"
@@ -308,13 +320,23 @@ def _run_sharded(plan: Any, backend: str, opts: dict[str, Any], inputs: Mapping[
         return BackendResult(name, "error", reason=f"{type(e).__name__}: {e}")
     finally:
         close_cluster(client)
-    where = (f"dask, {plan.n} worker processes; per call sent {sent / 2**20:.2f} MiB, received {received / 2**20:.2f} MiB; "
-             f"shard ms {'/'.join(f'{t:.1f}' for t in shard_ms)}")
+    where = (
+        f"dask, {plan.n} worker processes; per call sent {sent / 2**20:.2f} MiB, received {received / 2**20:.2f} MiB; "
+        f"shard ms {'/'.join(f'{t:.1f}' for t in shard_ms)}"
+    )
     return _result(name, where, got, want, atol, rtol, times, bytes_sent=sent, bytes_received=received)
 
 
-def _result(name: str, provider: str | None, got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], atol: float, rtol: float,
-            times: list[float], **extra: Any) -> BackendResult:
+def _result(
+    name: str,
+    provider: str | None,
+    got: Mapping[str, np.ndarray],
+    want: Mapping[str, np.ndarray],
+    atol: float,
+    rtol: float,
+    times: list[float],
+    **extra: Any,
+) -> BackendResult:
     """A backend's row: errors against the reference, PASS/FAIL, median and p90 of ``times`` (ms)."""
     err, rel, worst, ok = _errors(got, want, atol, rtol)
     return BackendResult(
@@ -337,7 +359,14 @@ def _check_reference_memory(graph: Graph, bindings: Mapping[str, int]) -> None:
 
 
 def _run_backend(
-    graph: Graph, name: str, opts: dict[str, Any], inputs: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], repeats: int, atol: float, rtol: float
+    graph: Graph,
+    name: str,
+    opts: dict[str, Any],
+    inputs: Mapping[str, np.ndarray],
+    want: Mapping[str, np.ndarray],
+    repeats: int,
+    atol: float,
+    rtol: float,
 ) -> BackendResult:
     try:
         runner = prepare(graph, name, **opts)

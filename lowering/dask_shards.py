@@ -42,8 +42,9 @@ def _distributed() -> Any:
 def local_cluster(n_workers: int, threads_per_worker: int = 1, processes: bool = True) -> Any:
     """A ``distributed.Client`` on a new ``LocalCluster`` of ``n_workers`` worker processes."""
     distributed = _distributed()
-    cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=processes,
-                                       dashboard_address=":0", memory_limit=0)  # any free port: never clashes with a running cluster
+    cluster = distributed.LocalCluster(
+        n_workers=n_workers, threads_per_worker=threads_per_worker, processes=processes, dashboard_address=":0", memory_limit=0
+    )  # any free port: never clashes with a running cluster
     client = distributed.Client(cluster)
     atexit.register(close_cluster, client)  # a script that never closes it exits quietly (workers would log lost data)
     return client
@@ -111,7 +112,9 @@ class DaskExecutor:
         """Small arrays travel inside the task that reads them (no extra round trip); large ones are scattered to the shard's worker."""
         if array.nbytes <= EMBED_BYTES:
             return array
-        [future] = self.client.scatter([array], workers=[self.workers[shard]], hash=False)  # a unique key per send: the same array goes to several workers
+        [future] = self.client.scatter(
+            [array], workers=[self.workers[shard]], hash=False
+        )  # a unique key per send: the same array goes to several workers
         return self._submit(shard, _aligned, future)
 
     def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,8 +148,9 @@ def sharded_runner(graph: Graph | ShardPlan, n: int | None = None, backend: str 
     return ShardedRunner(plan, executor, backend, **options)
 
 
-def run_sharded(graph: Graph, inputs: Mapping[str, Any], n: int, backend: str = "numpy", client: Any = None,
-                **options: Any) -> tuple[dict[str, Any], RunStats]:
+def run_sharded(
+    graph: Graph, inputs: Mapping[str, Any], n: int, backend: str = "numpy", client: Any = None, **options: Any
+) -> tuple[dict[str, Any], RunStats]:
     """Split ``graph`` into ``n`` shards, run them on Dask (``client``, or a LocalCluster closed afterwards), gather the outputs.
 
     Returns the outputs and the run's :class:`RunStats`.  For several calls

@@ -29,6 +29,7 @@ ONNX_DTYPES = {
     "bool": TensorProto.BOOL,
 }
 
+
 class OnnxBuilder:
     """Collects ONNX nodes and initializers; computes shape tensors for symbolic dims."""
 
@@ -123,7 +124,6 @@ class OnnxBuilder:
     def reshape(self, x: str, shape: tuple[Dim, ...] | list[Dim], output: str | None = None) -> str:
         """Reshape ``x`` (allowzero: a 0 in the target means an empty axis, never 'copy')."""
         return self.op("Reshape", [x, self.shape(shape)], output, base=f"{x}_r", allowzero=1)
-
 
 
 def may_carry_neg_inf(g: Graph) -> dict[str, bool]:

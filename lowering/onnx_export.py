@@ -176,19 +176,21 @@ def _simple(onnx_op: str, **attrs: Callable[[Op], object]) -> Emitter:
     return emit
 
 
-ONNX_EMITTERS.update({
-    Einsum: lambda b, node, mode: _lower_einsum(b, node),
-    Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op.shape, node.name),  # type: ignore[attr-defined]
-    Concat: _simple("Concat", axis=lambda op: op.axis),  # type: ignore[attr-defined]
-    Cast: _simple("Cast", to=lambda op: ONNX_DTYPES[op.dtype]),  # type: ignore[attr-defined]
-    Compare: lambda b, node, mode: b.op(_COMPARE[node.op.fn], list(node.inputs), node.name),  # type: ignore[attr-defined]
-    Gather: _simple("Gather", axis=lambda op: op.axis),  # type: ignore[attr-defined]
-    GatherElements: _simple("GatherElements", axis=lambda op: op.axis),  # type: ignore[attr-defined]
-    BroadcastTo: lambda b, node, mode: b.op("Expand", [node.inputs[0], b.shape(node.op.shape)], node.name),  # type: ignore[attr-defined]
-    Arange: lambda b, node, mode: _range(b, node.op.start, node.op.stop, node.name),  # type: ignore[attr-defined]
-    Opaque: lambda b, node, mode: b.nodes.append(node.op.node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),  # type: ignore[attr-defined]
-    Attention: _emit_attention,
-})
+ONNX_EMITTERS.update(
+    {
+        Einsum: lambda b, node, mode: _lower_einsum(b, node),
+        Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op.shape, node.name),  # type: ignore[attr-defined]
+        Concat: _simple("Concat", axis=lambda op: op.axis),  # type: ignore[attr-defined]
+        Cast: _simple("Cast", to=lambda op: ONNX_DTYPES[op.dtype]),  # type: ignore[attr-defined]
+        Compare: lambda b, node, mode: b.op(_COMPARE[node.op.fn], list(node.inputs), node.name),  # type: ignore[attr-defined]
+        Gather: _simple("Gather", axis=lambda op: op.axis),  # type: ignore[attr-defined]
+        GatherElements: _simple("GatherElements", axis=lambda op: op.axis),  # type: ignore[attr-defined]
+        BroadcastTo: lambda b, node, mode: b.op("Expand", [node.inputs[0], b.shape(node.op.shape)], node.name),  # type: ignore[attr-defined]
+        Arange: lambda b, node, mode: _range(b, node.op.start, node.op.stop, node.name),  # type: ignore[attr-defined]
+        Opaque: lambda b, node, mode: b.nodes.append(node.op.node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),  # type: ignore[attr-defined]
+        Attention: _emit_attention,
+    }
+)
 
 
 @onnx_emitter(Unary)

@@ -34,8 +34,10 @@ def onnx_model_reference(model: str | os.PathLike[str] | onnx.ModelProto, graph:
     onnx_inputs = [vi.name for vi in proto.graph.input if vi.name not in init]
     onnx_outputs = [vi.name for vi in proto.graph.output]
     if len(onnx_inputs) != len(graph.inputs) or len(onnx_outputs) != len(graph.outputs):
-        raise GraphcError(f"graph {graph.name!r} has {len(graph.inputs)} inputs / {len(graph.outputs)} outputs, the ONNX model "
-                          f"{len(onnx_inputs)} / {len(onnx_outputs)}: it was not imported from this model")
+        raise GraphcError(
+            f"graph {graph.name!r} has {len(graph.inputs)} inputs / {len(graph.outputs)} outputs, the ONNX model "
+            f"{len(onnx_inputs)} / {len(onnx_outputs)}: it was not imported from this model"
+        )
     run, what = _onnxruntime(model)
     if run is None:
         run, what = _reference_evaluator(model)

@@ -60,7 +60,8 @@ class Executor(Protocol):
 
 @dataclass
 class Resident:
-    """A value left on the shards (a KV cache between decode steps: each shard's part, or its own copy when replicated); pass it back as an input to keep it there."""
+    """A value left on the shards (a KV cache between decode steps: each shard's part, or its own copy when replicated); pass it back as an input
+    to keep it there."""
 
     name: str
     parts: list[Any]
@@ -231,5 +232,3 @@ class ShardedRunner:
         self.last.shard_s = [flat[i * plan.n : (i + 1) * plan.n] for i in range(len(seconds))]
         self.last.wall_s = time.perf_counter() - t0
         return result
-
-

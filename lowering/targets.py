@@ -52,6 +52,8 @@ def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
 
 
 NUMPY_TARGET = Target("numpy", _numpy_policy, description="row-blocked attention kernel, GEMM contractions")
+
+
 def _torch_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
     op: Attention = node.op  # type: ignore[assignment]
     if op.window is not None or op.softcap is not None:

@@ -32,7 +32,15 @@ __all__ = ["prepare_torch"]
 
 
 def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
-    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+    dtypes = {
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+        "float64": torch.float64,
+        "int32": torch.int32,
+        "int64": torch.int64,
+        "bool": torch.bool,
+    }
 
     def unary(op: Unary, a: list[Any], env: dict[str, int]) -> Any:
         path = op.function.torch
@@ -70,26 +78,8 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         fns = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
         return fns[op.fn](a[0], dim=axes, keepdim=op.keepdims) if axes else a[0].clone()
 
-    def attention(op: Attention, a: list[Any], env: dict[str, int]) -> Any:
-        q, k, v = a[:3]
-        rest = a[3:]
-        mask = rest.pop(0) if op.has_mask else None
-        if op.kv_cache:
-            k, v = torch.cat([rest[0], k], dim=2), torch.cat([rest[1], v], dim=2)
-        sq, sk = q.shape[2], k.shape[2]
-        bias = None
-        if op.causal_offset is not None:
-            hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(eval_dim(op.causal_offset, env) + 1)
-            bias = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
-        if mask is not None:
-            m = mask if op.mask == "additive" else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-            bias = m if bias is None else bias + m
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=op.scale, enable_gqa=k.shape[1] != q.shape[1])
-        out = torch.nan_to_num(out, nan=0.0)  # a row with no visible key: zeros
-        return (out, k, v) if op.kv_cache else out
-
     return {
-        Attention: attention,
+        Attention: lambda op, a, env: _attention(torch, op, a, env),
         Einsum: lambda op, a, env: torch.einsum(op.spec, *a),
         Reshape: lambda op, a, env: a[0].reshape(eval_shape(op.shape, env)),
         Transpose: lambda op, a, env: a[0].permute(*op.perm),
@@ -107,9 +97,30 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         Slice: lambda op, a, env: a[0][(slice(None),) * (op.axis % a[0].dim()) + (slice(eval_dim(op.start, env), eval_dim(op.stop, env), op.step),)],
         GatherElements: lambda op, a, env: torch.gather(a[0], op.axis, a[1] % a[0].shape[op.axis]),
         Gather: lambda op, a, env: torch.index_select(a[0], op.axis, (a[1] % a[0].shape[op.axis]).reshape(-1)).reshape(
-            a[0].shape[: op.axis % a[0].dim()] + a[1].shape + a[0].shape[op.axis % a[0].dim() + 1 :]),
+            a[0].shape[: op.axis % a[0].dim()] + a[1].shape + a[0].shape[op.axis % a[0].dim() + 1 :]
+        ),
         Positions: lambda op, a, env: torch.arange(a[0].shape[op.axis], device=a[0].device) + eval_dim(op.offset, env),
     }
+
+
+def _attention(torch: Any, op: Attention, a: list[Any], env: dict[str, int]) -> Any:
+    """The Attention op as scaled_dot_product_attention (the causal mask and a user mask as one additive bias)."""
+    q, k, v = a[:3]
+    rest = a[3:]
+    mask = rest.pop(0) if op.has_mask else None
+    if op.kv_cache:
+        k, v = torch.cat([rest[0], k], dim=2), torch.cat([rest[1], v], dim=2)
+    sq, sk = q.shape[2], k.shape[2]
+    bias = None
+    if op.causal_offset is not None:
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(eval_dim(op.causal_offset, env) + 1)
+        bias = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+    if mask is not None:
+        m = mask if op.mask == "additive" else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        bias = m if bias is None else bias + m
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=op.scale, enable_gqa=k.shape[1] != q.shape[1])
+    out = torch.nan_to_num(out, nan=0.0)  # a row with no visible key: zeros
+    return (out, k, v) if op.kv_cache else out
 
 
 def _to_torch(torch: Any, arr: np.ndarray) -> Any:

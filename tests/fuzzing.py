@@ -218,7 +218,9 @@ def _concat_repeat_step(d: _Dag) -> None:
     name, shape = d.pick(1)
     axis = d.draw(st.integers(0, len(shape) - 1))
     if d.draw(st.booleans()):
-        others = [n for n, s in d.values + d.const_values if len(s) == len(shape) and all(a == b for i, (a, b) in enumerate(zip(s, shape)) if i != axis)]
+        others = [
+            n for n, s in d.values + d.const_values if len(s) == len(shape) and all(a == b for i, (a, b) in enumerate(zip(s, shape)) if i != axis)
+        ]
         other, other_shape = d.draw(st.sampled_from(others)), None
         other_shape = dict(d.values + d.const_values)[other]
         v = d.g.concat([name, other], axis=axis, name=d.name("cat"))
@@ -228,7 +230,18 @@ def _concat_repeat_step(d: _Dag) -> None:
         d.add(d.g.repeat(name, reps, axis=axis, name=d.name("rep")), shape[:axis] + (shape[axis] * reps,) + shape[axis + 1 :])
 
 
-_STEPS = (_einsum_step, _einsum_step, _binary_step, _unary_step, _softmax_step, _masked_softmax_step, _reshape_step, _transpose_step, _scale_step, _concat_repeat_step)
+_STEPS = (
+    _einsum_step,
+    _einsum_step,
+    _binary_step,
+    _unary_step,
+    _softmax_step,
+    _masked_softmax_step,
+    _reshape_step,
+    _transpose_step,
+    _scale_step,
+    _concat_repeat_step,
+)
 
 
 @st.composite
@@ -277,7 +290,8 @@ def int_graphs(draw: st.DrawFn) -> Case:
 
 @st.composite
 def attention_graphs(draw: st.DrawFn) -> Case:
-    """Attention graphs from the builders: MHA/GQA/MQA, bias, causal or not, sliding window, softcap, core or layer, decode over a cache of any length."""
+    """Attention graphs from the builders: MHA/GQA/MQA, bias, causal or not, sliding window, softcap, core or layer, decode over a cache of any
+    length."""
     n_kv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([1, 2, 4, 8]))
@@ -285,8 +299,17 @@ def attention_graphs(draw: st.DrawFn) -> Case:
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 5))) if causal else None
     softcap = draw(st.one_of(st.none(), st.sampled_from([0.5, 3.0])))
-    cfg = AttentionConfig(heads * head_dim, heads, n_kv, head_dim=head_dim, bias=draw(st.booleans()), causal=causal, sliding_window=window, softcap=softcap,
-                          alibi=draw(st.booleans()))
+    cfg = AttentionConfig(
+        heads * head_dim,
+        heads,
+        n_kv,
+        head_dim=head_dim,
+        bias=draw(st.booleans()),
+        causal=causal,
+        sliding_window=window,
+        softcap=softcap,
+        alibi=draw(st.booleans()),
+    )
     seed = draw(st.integers(0, 1000))
     kind = draw(st.sampled_from(["core", "layer", "decode", "core_cache"]))
     batch, seq, past = draw(st.integers(1, 2)), draw(st.integers(1, 6)), draw(st.integers(0, 6))

@@ -30,11 +30,26 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64) -
     if family == "gpt_neox":
         return "GPTNeoXConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "falcon":
-        return "FalconConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common)
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma2": "Gemma2Config",
-               "phi3": "Phi3Config"}
-    kw = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=2 * hidden,
-              head_dim=hidden // 8, **common)
+        return "FalconConfig", dict(
+            hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common
+        )
+    classes = {
+        "llama": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+        "gemma2": "Gemma2Config",
+        "phi3": "Phi3Config",
+    }
+    kw = dict(
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        head_dim=hidden // 8,
+        **common,
+    )
     if family in ("mistral", "gemma2"):
         kw.update(sliding_window=16)
     if family == "gemma2":
@@ -103,13 +118,23 @@ def export_model(family: str, exporter: str, attention: str, cache: bool, path: 
         if exporter == "dynamo":
             d = torch.export.Dim.DYNAMIC
             shapes = ({0: d, 1: d}, {0: d, 1: d}) + ((tuple({0: d, 2: d} for _ in past),) if cache else ())
-            torch.onnx.export(Wrapped(), (ids, mask, *past), str(path), dynamo=True, input_names=inputs, output_names=outputs,
-                              dynamic_shapes=shapes, optimize=True, verbose=False)
+            torch.onnx.export(
+                Wrapped(),
+                (ids, mask, *past),
+                str(path),
+                dynamo=True,
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=shapes,
+                optimize=True,
+                verbose=False,
+            )
         else:
             axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total_seq"}}
             axes.update({n: {0: "batch", 2: "past_seq"} for n in cache_names})
-            torch.onnx.export(Wrapped(), (ids, mask, *past), str(path), dynamo=False, input_names=inputs, output_names=outputs,
-                              dynamic_axes=axes, opset_version=18)
+            torch.onnx.export(
+                Wrapped(), (ids, mask, *past), str(path), dynamo=False, input_names=inputs, output_names=outputs, dynamic_axes=axes, opset_version=18
+            )
     return Path(path)
 
 

@@ -89,3 +89,19 @@ def test_every_op_has_an_onnx_emitter_or_is_lowered_before_export():
 
     lowered_first = {"Rotary"}  # legalisation decomposes it for every target
     assert sorted(n for n, t in OP_TYPES.items() if t not in ONNX_EMITTERS) == sorted(lowered_first)
+
+
+def test_ruff_check_passes():
+    """The lint configuration in pyproject.toml holds for the whole tree."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode:
+        import pytest
+
+        pytest.skip("ruff is not installed (pip install '.[test]')")
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "graphc", "lowering", "tests", "benchmarks", "examples"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:]

@@ -40,7 +40,7 @@ def _check_all(g, feeds, want, sizes, name="attn_BHSD", **modes):
         for backend in BACKENDS:
             if not _available(backend):
                 continue
-            for attention in (("decomposed", "auto") if backend in ("onnx-reference", "ort-cpu") else (None,)):
+            for attention in ("decomposed", "auto") if backend in ("onnx-reference", "ort-cpu") else (None,):
                 opts = {"sizes": sizes} | ({"attention": attention} if attention else {})
                 got = prepare(graph, backend, **opts).run(feeds)[name]
                 np.testing.assert_allclose(got, want, **TOL, err_msg=f"{backend} {attention or ''}")

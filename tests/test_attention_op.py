@@ -152,7 +152,9 @@ def test_the_reference_is_independent_of_the_kernel_it_checks(monkeypatch):
     ok = compare(g, sizes={"batch": 1, "seq": 8}, backends=["numpy"], repeats=1)
     assert ok.ok and "attention decomposed" in ok.reference
     real = ak.blocked_attention
-    monkeypatch.setattr(ak, "blocked_attention", lambda q, k, v, sq, off, scale, threads=None, **kw: real(q, k, v, sq, off, (scale or 1.0) * 1.5, threads, **kw))
+    monkeypatch.setattr(
+        ak, "blocked_attention", lambda q, k, v, sq, off, scale, threads=None, **kw: real(q, k, v, sq, off, (scale or 1.0) * 1.5, threads, **kw)
+    )
     bad = compare(g, sizes={"batch": 1, "seq": 8}, backends=["numpy"], repeats=1)
     assert not bad.ok and bad.results[0].status == "mismatch" and "FAIL" in str(bad)
 
@@ -224,7 +226,13 @@ def test_reference_evaluator_cannot_run_contrib_ops_and_says_so():
     from lowering import compare
 
     g = graphc.sdpa_graph(CFG)
-    report = compare(g, sizes={"batch": 1, "seq": 4}, backends=["onnx-reference", "ort-cpu"], options={"onnx-reference": {"attention": "ort-gqa"}, "ort-cpu": {"attention": "ort-gqa"}}, repeats=1)
+    report = compare(
+        g,
+        sizes={"batch": 1, "seq": 4},
+        backends=["onnx-reference", "ort-cpu"],
+        options={"onnx-reference": {"attention": "ort-gqa"}, "ort-cpu": {"attention": "ort-gqa"}},
+        repeats=1,
+    )
     (ref, ort) = report.results
     assert ref.status == "skipped" and "GroupQueryAttention" in ref.reason
     assert ort.status == "ok" and report.ok
@@ -300,8 +308,12 @@ def test_empty_rows_mean_is_what_a_min_filled_additive_mask_gives(hkv, group, s,
     np.testing.assert_allclose(run(g, feeds, reference=True)["o"], want, rtol=2e-5, atol=2e-6)
     d = g.copy()
     decompose_attention(d, "o")
-    results = {"decomposed": run(d, feeds, reference=True), "numpy": run(g, feeds), "onnx decomposed": run(g, feeds, "ort-cpu", attention="decomposed"),
-               "onnx chunked": run(g, feeds, "ort-cpu", attention="chunked")}
+    results = {
+        "decomposed": run(d, feeds, reference=True),
+        "numpy": run(g, feeds),
+        "onnx decomposed": run(g, feeds, "ort-cpu", attention="decomposed"),
+        "onnx chunked": run(g, feeds, "ort-cpu", attention="chunked"),
+    }
     if not unavailable_reason("torch"):
         results["torch"] = run(g, feeds, "torch")
     for name, got in results.items():

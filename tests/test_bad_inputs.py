@@ -84,7 +84,9 @@ CASES: list = [
     # ---- configs
     pytest.param(lambda t: AttentionConfig(32, 0, 1), AttentionConfigError, ["n_heads", "> 0"], id="config-zero-heads"),
     pytest.param(lambda t: AttentionConfig(32, 4, 3, head_dim=8), AttentionConfigError, ["n_kv_heads", "3"], id="config-kv-heads-not-dividing"),
-    pytest.param(lambda t: AttentionConfig(32, 2, 4, head_dim=8), AttentionConfigError, ["n_kv_heads (4)", "n_heads (2)"], id="config-more-kv-than-query-heads"),
+    pytest.param(
+        lambda t: AttentionConfig(32, 2, 4, head_dim=8), AttentionConfigError, ["n_kv_heads (4)", "n_heads (2)"], id="config-more-kv-than-query-heads"
+    ),
     pytest.param(lambda t: AttentionConfig(32, 4.0, 2), AttentionConfigError, ["n_heads", "float"], id="config-float-heads"),
     pytest.param(lambda t: AttentionConfig(32, 4, 2, head_dim=-8), AttentionConfigError, ["head_dim"], id="config-negative-head-dim"),
     pytest.param(lambda t: AttentionConfig(32, 4, 2, head_dim=8, scale=float("nan")), AttentionConfigError, ["scale"], id="config-nan-scale"),
@@ -111,7 +113,9 @@ CASES: list = [
     # ---- builder misuse and op attributes
     pytest.param(lambda t: (g := _g(), g.relu("nope")), UndefinedValueError, ["'nope'", "not defined"], id="builder-undefined-value"),
     pytest.param(lambda t: (g := _g(), g.input("x", [1])), DuplicateNameError, ["'x'"], id="builder-duplicate-name"),
-    pytest.param(lambda t: (g := _g(), g.reshape("x", [4, 2])), ShapeMismatchError, ["[2,3]", "6 elements", "[4,2]", "8 elements"], id="builder-reshape-count"),
+    pytest.param(
+        lambda t: (g := _g(), g.reshape("x", [4, 2])), ShapeMismatchError, ["[2,3]", "6 elements", "[4,2]", "8 elements"], id="builder-reshape-count"
+    ),
     pytest.param(lambda t: Transpose((0, 0)), OpError, ["perm [0, 0]", "not a permutation"], id="op-transpose-not-permutation"),
     pytest.param(lambda t: Transpose((0.5, 1)), OpError, ["'perm'", "int", "0.5"], id="op-transpose-float-perm"),
     pytest.param(lambda t: Softmax(0.5), OpError, ["Softmax", "'axis'", "int", "0.5"], id="op-softmax-float-axis"),
@@ -127,13 +131,20 @@ CASES: list = [
     pytest.param(lambda t: Binary(["add"]), OpError, ["'fn'", "list"], id="op-binary-fn-not-string"),
     pytest.param(lambda t: Reshape("abc"), DimError, ["shape", "str"], id="op-reshape-shape-string"),
     pytest.param(
-        lambda t: (g := _g(), g.input("m", [2, 3], "bool"), g.add("m", "m")), DTypeMismatchError, ["Binary add", "operand 0 is bool"], id="builder-bool-add"
+        lambda t: (g := _g(), g.input("m", [2, 3], "bool"), g.add("m", "m")),
+        DTypeMismatchError,
+        ["Binary add", "operand 0 is bool"],
+        id="builder-bool-add",
     ),
     pytest.param(
         lambda t: (g := _g(), g.input("i", [2, 3], "int32"), g.add("x", "i")), DTypeMismatchError, ["float32", "int32"], id="builder-mixed-dtypes"
     ),
-    pytest.param(lambda t: (g := _g(), g.where("x", "x", "x")), DTypeMismatchError, ["condition", "bool", "float32"], id="builder-where-float-condition"),
-    pytest.param(lambda t: (g := _g(), g.input("y", [4]), g.add("x", "y")), ShapeMismatchError, ["[2,3]", "[4]", "do not broadcast"], id="builder-broadcast"),
+    pytest.param(
+        lambda t: (g := _g(), g.where("x", "x", "x")), DTypeMismatchError, ["condition", "bool", "float32"], id="builder-where-float-condition"
+    ),
+    pytest.param(
+        lambda t: (g := _g(), g.input("y", [4]), g.add("x", "y")), ShapeMismatchError, ["[2,3]", "[4]", "do not broadcast"], id="builder-broadcast"
+    ),
     pytest.param(lambda t: (g := _g(), g.input("v", [3]), g.causal_mask("v")), ShapeMismatchError, ["rank >= 2"], id="builder-causal-mask-rank"),
     pytest.param(lambda t: Graph("t").input("x", [2, -1]), DimError, ["-1", "negative"], id="builder-negative-dim"),
     pytest.param(lambda t: Graph("t").input("x", [2, "seq+"]), DimError, ["seq+"], id="builder-bad-dim-expression"),
@@ -149,36 +160,80 @@ CASES: list = [
     # ---- JSON graph files
     pytest.param(lambda t: load_graph(t / "missing.json"), SerializationError, ["cannot read", "missing.json"], id="json-missing-file"),
     pytest.param(lambda t: load_graph(t), SerializationError, ["cannot read"], id="json-directory"),
-    pytest.param(lambda t: (p := t / "b.onnx", p.write_bytes(b"\x08\x07\xff\xfe"), load_graph(p))[-1], SerializationError, ["not UTF-8"], id="json-binary-file"),
-    pytest.param(lambda t: (p := t / "d.json", p.write_text("[" * 100000), load_graph(p))[-1], SerializationError, ["nested too deeply"], id="json-deep-nesting"),
-    pytest.param(lambda t: (p := t / "j.json", p.write_text("{"), load_graph(p))[-1], SerializationError, ["not valid JSON", "line 1"], id="json-truncated"),
-    pytest.param(lambda t: (p := t / "o.json", p.write_text("{}"), load_graph(p))[-1], SerializationError, ["not a graphc graph"], id="json-not-graphc"),
+    pytest.param(
+        lambda t: (p := t / "b.onnx", p.write_bytes(b"\x08\x07\xff\xfe"), load_graph(p))[-1], SerializationError, ["not UTF-8"], id="json-binary-file"
+    ),
+    pytest.param(
+        lambda t: (p := t / "d.json", p.write_text("[" * 100000), load_graph(p))[-1],
+        SerializationError,
+        ["nested too deeply"],
+        id="json-deep-nesting",
+    ),
+    pytest.param(
+        lambda t: (p := t / "j.json", p.write_text("{"), load_graph(p))[-1], SerializationError, ["not valid JSON", "line 1"], id="json-truncated"
+    ),
+    pytest.param(
+        lambda t: (p := t / "o.json", p.write_text("{}"), load_graph(p))[-1], SerializationError, ["not a graphc graph"], id="json-not-graphc"
+    ),
     pytest.param(lambda t: load_graph(_graph_file(t, _set("version", 99))), SerializationError, ["version 99"], id="json-wrong-version"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.kind", "Gelu"))), SerializationError, ["'Gelu'", "Softmax"], id="json-unknown-op"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs.axis", "1"))), SerializationError, ["nodes[0]", "'axis'", "str"], id="json-string-axis"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs.axis", 0.5))), SerializationError, ["nodes[0]", "'axis'", "0.5"], id="json-float-axis"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs", {"axis": -1, "temperature": 2}))), SerializationError, ["takes attributes ['axis']", "temperature"], id="json-unknown-attribute"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("inputs.0.shape", "ab"))), SerializationError, ["inputs[0]", "'shape'", "array"], id="json-shape-not-list"),
+    pytest.param(
+        lambda t: load_graph(_graph_file(t, _set("nodes.0.op.kind", "Gelu"))), SerializationError, ["'Gelu'", "Softmax"], id="json-unknown-op"
+    ),
+    pytest.param(
+        lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs.axis", "1"))),
+        SerializationError,
+        ["nodes[0]", "'axis'", "str"],
+        id="json-string-axis",
+    ),
+    pytest.param(
+        lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs.axis", 0.5))),
+        SerializationError,
+        ["nodes[0]", "'axis'", "0.5"],
+        id="json-float-axis",
+    ),
+    pytest.param(
+        lambda t: load_graph(_graph_file(t, _set("nodes.0.op.attrs", {"axis": -1, "temperature": 2}))),
+        SerializationError,
+        ["takes attributes ['axis']", "temperature"],
+        id="json-unknown-attribute",
+    ),
+    pytest.param(
+        lambda t: load_graph(_graph_file(t, _set("inputs.0.shape", "ab"))),
+        SerializationError,
+        ["inputs[0]", "'shape'", "array"],
+        id="json-shape-not-list",
+    ),
     pytest.param(lambda t: load_graph(_graph_file(t, _set("nodes.0.inputs", ["zz"]))), UndefinedValueError, ["'zz'"], id="json-undefined-input"),
     pytest.param(
-        lambda t: load_graph(_graph_file(t, _set("initializers", [{"name": "w", "shape": [2], "dtype": "float32", "data": base64.b64encode(b"abc").decode()}]))),
+        lambda t: load_graph(
+            _graph_file(t, _set("initializers", [{"name": "w", "shape": [2], "dtype": "float32", "data": base64.b64encode(b"abc").decode()}]))
+        ),
         SerializationError,
         ["initializers[0]", "float32[2]"],
         id="json-bad-weight-bytes",
     ),
-    pytest.param(lambda t: save_graph(graphc.sdpa_graph(CFG), t / "no" / "dir" / "g.json"), SerializationError, ["cannot write", "g.json"], id="json-save-missing-dir"),
+    pytest.param(
+        lambda t: save_graph(graphc.sdpa_graph(CFG), t / "no" / "dir" / "g.json"),
+        SerializationError,
+        ["cannot write", "g.json"],
+        id="json-save-missing-dir",
+    ),
     # ---- ONNX export
     pytest.param(lambda t: export(graphc.sdpa_graph(CFG), t / "no" / "m.onnx"), ExportError, ["cannot write", "m.onnx"], id="onnx-unwritable-path"),
     pytest.param(lambda t: export(graphc.sdpa_graph(CFG), opset=7), ExportError, ["opset", "7"], id="onnx-opset-too-old"),
-    pytest.param(lambda t: export(graphc.sdpa_graph(CFG), attention="flash"), UnknownNameError, ["'flash'", "decomposed"], id="onnx-unknown-attention-mode"),
-    pytest.param(lambda t: export(graphc.sdpa_graph(CFG), external_data=True), ExportError, ["external_data", "path"], id="onnx-external-data-no-path"),
     pytest.param(
-        lambda t: export((g := _g(), g.output("x"), g)[-1]), ExportError, ["output 'x'", "graph input"], id="onnx-output-is-input"
+        lambda t: export(graphc.sdpa_graph(CFG), attention="flash"), UnknownNameError, ["'flash'", "decomposed"], id="onnx-unknown-attention-mode"
     ),
+    pytest.param(
+        lambda t: export(graphc.sdpa_graph(CFG), external_data=True), ExportError, ["external_data", "path"], id="onnx-external-data-no-path"
+    ),
+    pytest.param(lambda t: export((g := _g(), g.output("x"), g)[-1]), ExportError, ["output 'x'", "graph input"], id="onnx-output-is-input"),
     # ---- runtime inputs
     pytest.param(lambda t: run(*_sdpa_inputs()[:1], {}), InputError, ["missing input", "q_BHSD"], id="run-missing-input"),
     pytest.param(lambda t: run(*(_sdpa_inputs(extra=np.zeros(1, np.float32)))), InputError, ["unexpected input", "extra"], id="run-extra-input"),
-    pytest.param(lambda t: run(*(_sdpa_inputs(q_BHSD=np.zeros((1, 4, 4, 8), np.float64)))), InputError, ["q_BHSD", "float64", "float32"], id="run-wrong-dtype"),
+    pytest.param(
+        lambda t: run(*(_sdpa_inputs(q_BHSD=np.zeros((1, 4, 4, 8), np.float64)))), InputError, ["q_BHSD", "float64", "float32"], id="run-wrong-dtype"
+    ),
     pytest.param(lambda t: run(*(_sdpa_inputs(q_BHSD=np.zeros((1, 4, 4, 7), np.float32)))), InputError, ["q_BHSD", "7"], id="run-wrong-shape"),
     pytest.param(lambda t: run(*(_sdpa_inputs(q_BHSD=np.zeros((1, 4, 5, 8), np.float32)))), InputError, ["seq"], id="run-inconsistent-symbol"),
     pytest.param(lambda t: run(*(_sdpa_inputs(q_BHSD=[[1.0]]))), InputError, ["q_BHSD", "numpy.ndarray", "list"], id="run-list-input"),
@@ -192,14 +247,35 @@ CASES: list = [
     pytest.param(lambda t: optimize(graphc.sdpa_graph(CFG), hints={"seq": -3}), DimError, ["hints", "'seq'", "-3"], id="optimize-negative-hint"),
     pytest.param(lambda t: optimize(graphc.sdpa_graph(CFG), hints={"2x": 3}), DimError, ["'2x'", "symbol name"], id="optimize-bad-hint-name"),
     pytest.param(lambda t: optimize(graphc.sdpa_graph(CFG), level=7), UnknownNameError, ["optimization level '7'", "2"], id="optimize-unknown-level"),
-    pytest.param(lambda t: optimize(graphc.sdpa_graph(CFG), optimizer="fastest"), UnknownNameError, ["'fastest'", "greedy"], id="optimize-unknown-optimizer"),
+    pytest.param(
+        lambda t: optimize(graphc.sdpa_graph(CFG), optimizer="fastest"), UnknownNameError, ["'fastest'", "greedy"], id="optimize-unknown-optimizer"
+    ),
     pytest.param(lambda t: prepare(graphc.sdpa_graph(CFG), "tpu"), UnknownNameError, ["backend 'tpu'", "ort-cpu"], id="backend-unknown"),
     pytest.param(lambda t: prepare(graphc.sdpa_graph(CFG), "numpy", opset=18), BackendError, ["'numpy'", "opset"], id="backend-unknown-option"),
-    pytest.param(lambda t: prepare(graphc.sdpa_graph(CFG), "numpy", compute_dtype="int32"), GraphcError, ["compute_dtype", "int32"], id="backend-int-compute-dtype"),
-    pytest.param(lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, repeats=0), GraphcError, ["repeats", "0"], id="compare-zero-repeats"),
-    pytest.param(lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, atol=-1), GraphcError, ["atol", "-1"], id="compare-negative-atol"),
-    pytest.param(lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, backends=[]), GraphcError, ["backends", "non-empty"], id="compare-no-backends"),
-    pytest.param(lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, backends="numpy"), GraphcError, ["backends", "'numpy'"], id="compare-backends-string"),
+    pytest.param(
+        lambda t: prepare(graphc.sdpa_graph(CFG), "numpy", compute_dtype="int32"),
+        GraphcError,
+        ["compute_dtype", "int32"],
+        id="backend-int-compute-dtype",
+    ),
+    pytest.param(
+        lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, repeats=0), GraphcError, ["repeats", "0"], id="compare-zero-repeats"
+    ),
+    pytest.param(
+        lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, atol=-1), GraphcError, ["atol", "-1"], id="compare-negative-atol"
+    ),
+    pytest.param(
+        lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, backends=[]),
+        GraphcError,
+        ["backends", "non-empty"],
+        id="compare-no-backends",
+    ),
+    pytest.param(
+        lambda t: compare(graphc.sdpa_graph(CFG), sizes={"batch": 1, "seq": 2}, backends="numpy"),
+        GraphcError,
+        ["backends", "'numpy'"],
+        id="compare-backends-string",
+    ),
     # ---- size guard
     pytest.param(
         lambda t: compare(graphc.attention_layer_graph(graphc.preset("mistral-7b")), sizes={"batch": 1, "seq": 10**9}),
@@ -221,22 +297,39 @@ CASES: list = [
     ),
     pytest.param(lambda t: set_memory_cap("lots"), GraphcError, ["'lots'", "GiB"], id="guard-bad-cap"),
     # ---- earlier raw tracebacks and silent bindings
-    pytest.param(lambda t: CFG.kv_cache_bytes(1, 16, dtype="floaty"), UnknownNameError, ["dtype 'floaty'", "float32"], id="config-cache-bytes-unknown-dtype"),
+    pytest.param(
+        lambda t: CFG.kv_cache_bytes(1, 16, dtype="floaty"), UnknownNameError, ["dtype 'floaty'", "float32"], id="config-cache-bytes-unknown-dtype"
+    ),
     pytest.param(lambda t: Graph("t").input("x", [10**30, 3]), DimError, ["exceeds", "2**48"], id="builder-huge-dim"),
-    pytest.param(lambda t: load_graph(_graph_file(t, _set("inputs.0.shape", [10**30, 3]))), SerializationError, ["inputs[0]", "exceeds"], id="load-huge-dim"),
+    pytest.param(
+        lambda t: load_graph(_graph_file(t, _set("inputs.0.shape", [10**30, 3]))), SerializationError, ["inputs[0]", "exceeds"], id="load-huge-dim"
+    ),
     pytest.param(lambda t: load_graph(None), SerializationError, ["file path", "NoneType"], id="load-graph-none"),
     pytest.param(lambda t: Graph(name=None), GraphError, ["name", "NoneType"], id="graph-name-none"),
     pytest.param(
-        lambda t: (a := _g(), b := _g(), b.output(b.softmax(a.value("x")))), UndefinedValueError, ["'x'", "another graph"], id="builder-value-of-another-graph"
+        lambda t: (a := _g(), b := _g(), b.output(b.softmax(a.value("x")))),
+        UndefinedValueError,
+        ["'x'", "another graph"],
+        id="builder-value-of-another-graph",
     ),
     pytest.param(
         lambda t: (a := _g(), b := _g(), b.output(a.value("x"))), UndefinedValueError, ["another graph"], id="builder-output-of-another-graph"
     ),
     pytest.param(
-        lambda t: graphc.serialize.graph_from_dict(_two_nodes_one_name()), DuplicateNameError, ["'y'", "nodes[0]", "one producer"], id="load-two-nodes-one-name"
+        lambda t: graphc.serialize.graph_from_dict(_two_nodes_one_name()),
+        DuplicateNameError,
+        ["'y'", "nodes[0]", "one producer"],
+        id="load-two-nodes-one-name",
     ),
-    pytest.param(lambda t: run(_softmax_graph(), {"x": np.ones((2, 3), np.float32)}, threads=0), BackendError, ["threads", "0"], id="run-zero-threads"),
-    pytest.param(lambda t: run(_softmax_graph(), {"x": np.ones((2, 3), np.float32)}, backend="ort-cpu", threads=-1), BackendError, ["threads", "-1"], id="run-negative-threads"),
+    pytest.param(
+        lambda t: run(_softmax_graph(), {"x": np.ones((2, 3), np.float32)}, threads=0), BackendError, ["threads", "0"], id="run-zero-threads"
+    ),
+    pytest.param(
+        lambda t: run(_softmax_graph(), {"x": np.ones((2, 3), np.float32)}, backend="ort-cpu", threads=-1),
+        BackendError,
+        ["threads", "-1"],
+        id="run-negative-threads",
+    ),
 ]
 
 

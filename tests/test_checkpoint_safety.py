@@ -107,8 +107,19 @@ def test_the_transformers_cache_layout_of_links_still_loads(tmp_path):
 def test_cli_refuses_an_escaping_index_in_one_line(tmp_path, capsys):
     folder = _checkpoint(tmp_path / "ckpt", {"a": "model-00001.safetensors", "b": "../" * 40 + "etc/passwd"})
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                  "intermediate_size": 128, "num_hidden_layers": 1, "rms_norm_eps": 1e-6}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "num_hidden_layers": 1,
+                "rms_norm_eps": 1e-6,
+            }
+        )
+    )
     assert main(["compare", "--hf-config", str(config), "--weights", str(folder)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len([line for line in err if line.startswith("graphc: error")]) == 1 and "leaves the checkpoint folder" in err[-1]

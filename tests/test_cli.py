@@ -34,7 +34,11 @@ def test_info(capsys):
 def test_compare_all_backends_agree(capsys):
     code, out, _ = _run(capsys, "compare", *SMALL, "--seq", "8", "--batch", "2", "--repeats", "1")
     assert code == 0, out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in ("numpy", "onnx-reference", "ort-cpu", "ort-cuda", "torch")}
+    rows = {
+        line.split()[0]: line
+        for line in out.splitlines()
+        if line.split() and line.split()[0] in ("numpy", "onnx-reference", "ort-cpu", "ort-cuda", "torch")
+    }
     for backend in ("numpy", "onnx-reference", "ort-cpu"):
         assert " PASS " in rows[backend], rows[backend]
     cuda_reason = unavailable_reason("ort-cuda")
@@ -155,16 +159,48 @@ def test_python_dash_m_graphc():
 
 @pytest.mark.parametrize("mode", ["onnx-attention", "ort-gqa", "auto"])
 def test_compare_runs_fused_modes_on_the_optimized_graph(capsys, mode):
-    code, out, _ = _run(capsys, "compare", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--seq", "80",
-                        "--backends", "numpy,onnx-reference,ort-cpu", "--attention", mode, "--repeats", "1")
+    code, out, _ = _run(
+        capsys,
+        "compare",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--seq",
+        "80",
+        "--backends",
+        "numpy,onnx-reference,ort-cpu",
+        "--attention",
+        mode,
+        "--repeats",
+        "1",
+    )
     assert code == 0 and "all backends agree" in out and "(optimized)" in out and "attention decomposed" in out
     if mode == "ort-gqa":
         assert "skipped" in out and "GroupQueryAttention" in out  # the reference evaluator cannot run contrib ops
 
 
 def test_compare_core_decode_binds_the_past_length(capsys):
-    code, out, _ = _run(capsys, "compare", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--core", "--decode", "--past", "9",
-                        "--backends", "numpy,onnx-reference,ort-cpu", "--repeats", "1")
+    code, out, _ = _run(
+        capsys,
+        "compare",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--core",
+        "--decode",
+        "--past",
+        "9",
+        "--backends",
+        "numpy,onnx-reference,ort-cpu",
+        "--repeats",
+        "1",
+    )
     assert code == 0 and "all backends agree" in out
 
 
@@ -194,8 +230,13 @@ def test_info_describes_an_onnx_model(tmp_path, capsys):
     from onnx import TensorProto, helper, numpy_helper
 
     w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "m",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(tmp_path / "m.onnx"))
     assert main(["info", str(tmp_path / "m.onnx")]) == 0
     out = capsys.readouterr().out

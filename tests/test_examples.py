@@ -17,14 +17,26 @@ def test_hf_decoder_example_runs_on_a_falcon_checkpoint_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
-    cfg = transformers.FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=32, new_decoder_architecture=False,
-                                    multi_query=True, parallel_attn=True, bias=False)
+    cfg = transformers.FalconConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        vocab_size=32,
+        new_decoder_architecture=False,
+        multi_query=True,
+        parallel_attn=True,
+        bias=False,
+    )
     torch.manual_seed(0)
     model = transformers.FalconForCausalLM(cfg)
     (tmp_path / "config.json").write_text(cfg.to_json_string())
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp_path / "model.safetensors"))
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "hf_decoder.py"), str(tmp_path / "config.json"), str(tmp_path), str(tmp_path / "d.onnx")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "hf_decoder.py"), str(tmp_path / "config.json"), str(tmp_path), str(tmp_path / "d.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all backends agree" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["numpy"], ["ort-cpu"])]

@@ -66,9 +66,15 @@ def test_a_unary_function_registered_once_runs_on_every_backend(softplus, backen
 
 def test_a_registered_unary_function_imports_from_onnx(softplus):
     node = helper.make_node("Softplus", ["x"], ["y"])
-    model = helper.make_model(helper.make_graph([node], "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                                                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
-                              opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(
+        helper.make_graph(
+            [node],
+            "m",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
     g = from_onnx(model)
     assert g.op_counts() == {"Unary": 1}  # not carried as an opaque node
     xs = np.array([[-2.0, 0.0, 2.0], [5.0, -5.0, 0.5]], np.float32)

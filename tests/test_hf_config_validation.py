@@ -13,13 +13,39 @@ from graphc.cli import main
 from graphc.errors import AttentionConfigError, GraphcError
 
 BASE = {
-    "llama": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-              "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu"},
-    "mistral": {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-                "num_hidden_layers": 2, "sliding_window": 16},
-    "gemma2": {"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-               "num_hidden_layers": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "sliding_window": 8,
-               "hidden_activation": "gelu_pytorch_tanh"},
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "sliding_window": 16,
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "sliding_window": 8,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
     "falcon": {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "multi_query": True},
 }
 

@@ -25,10 +25,24 @@ from graphc.attention.hf import attention_config_from_hf  # noqa: E402
 from graphc.errors import UnknownNameError  # noqa: E402
 from lowering import prepare  # noqa: E402
 
-SMALL = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "num_hidden_layers": 2,
-         "vocab_size": 64, "max_position_embeddings": 128}
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+SMALL = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 128,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def _family(name: str):
@@ -157,8 +171,13 @@ def _decoder_family(name: str):
 
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     title = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}[name]
-    extra = {"llama": {"rope_parameters": LLAMA3_ROPE}, "mistral": {"sliding_window": 3}, "qwen2": {}, "qwen3": {},
-             "gemma2": {"sliding_window": 3, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 12}}[name]
+    extra = {
+        "llama": {"rope_parameters": LLAMA3_ROPE},
+        "mistral": {"sliding_window": 3},
+        "qwen2": {},
+        "qwen3": {},
+        "gemma2": {"sliding_window": 3, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 12},
+    }[name]
     config = getattr(transformers, f"{title}Config")(**SMALL, **extra, attn_implementation="eager")
     return config, getattr(module, f"{title}DecoderLayer"), getattr(module, f"{title}RotaryEmbedding")(config)
 
@@ -185,7 +204,9 @@ def _hf_stack_step(config, layers, rope, x, past, cache):
     with torch.no_grad():
         for i, layer in enumerate(layers):
             window = attention_config_from_hf(config, i).sliding_window
-            x = layer(x, attention_mask=_mask(x.shape[0], x.shape[1], past, window), past_key_values=cache, position_embeddings=emb, position_ids=positions)
+            x = layer(
+                x, attention_mask=_mask(x.shape[0], x.shape[1], past, window), past_key_values=cache, position_embeddings=emb, position_ids=positions
+            )
             x = x[0] if isinstance(x, tuple) else x
     return x.float().numpy()
 
@@ -287,8 +308,14 @@ def test_safetensors_weights_give_the_state_dicts_numbers(tmp_path):
     "change, fragment",
     [
         (lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "missing ['mlp.up_proj.weight']"),
-        (lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((31, 32), np.float32)}), "'self_attn.q_proj.weight' is float32[31, 32], expected float32[32, 32]"),
-        (lambda w: w.update({"model.layers.0.mlp.gate_proj.weight": np.zeros((64, 32), np.float16)}), "'mlp.gate_proj.weight' is float16[64, 32], expected float32"),
+        (
+            lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((31, 32), np.float32)}),
+            "'self_attn.q_proj.weight' is float32[31, 32], expected float32[32, 32]",
+        ),
+        (
+            lambda w: w.update({"model.layers.0.mlp.gate_proj.weight": np.zeros((64, 32), np.float16)}),
+            "'mlp.gate_proj.weight' is float16[64, 32], expected float32",
+        ),
         (lambda w: w.update({"model.layers.0.mlp.gate_projection.weight": np.zeros(2, np.float32)}), "unexpected ['mlp.gate_projection.weight']"),
     ],
 )
@@ -324,9 +351,29 @@ def test_cli_compares_a_transformers_config_and_weights(tmp_path, capsys):
 
     config, model, config_path = _mistral_model(tmp_path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
-    assert main(["compare", "--hf-config", str(config_path), "--weights", str(tmp_path), "--seq", "8", "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--hf-config",
+                str(config_path),
+                "--weights",
+                str(tmp_path),
+                "--seq",
+                "8",
+                "--backends",
+                "numpy,ort-cpu",
+                "--repeats",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert "decoder_stack_2" in capsys.readouterr().out
-    assert main(["compare", "--hf-config", str(config_path), "--decode", "--past", "5", "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
+    assert (
+        main(["compare", "--hf-config", str(config_path), "--decode", "--past", "5", "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
+    )
     assert main(["info", "--hf-config", str(config_path)]) == 0
     assert "2 decoder layers" in capsys.readouterr().out
     assert main(["export", "--hf-config", str(config_path), "--weights", str(tmp_path / "model.safetensors"), "-o", str(tmp_path / "m.onnx")]) == 0
@@ -346,17 +393,71 @@ def test_hf_decoder_example_runs(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "preset, config",
     [
-        ("llama3.1-8b", {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
-                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}}),
-        ("mistral-7b-v0.1", {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 10000.0,
-                             "sliding_window": 4096}),
-        ("mistral-7b", {"model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 1000000.0,
-                        "sliding_window": None}),
-        ("qwen2-7b", {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0,
-                      "use_sliding_window": False, "sliding_window": 131072}),
-        ("gemma2-9b", {"model_type": "gemma2", "hidden_size": 3584, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-                       "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "sliding_window": 4096, "rope_theta": 10000.0}),
+        (
+            "llama3.1-8b",
+            {
+                "model_type": "llama",
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "rope_theta": 500000.0,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            },
+        ),
+        (
+            "mistral-7b-v0.1",
+            {
+                "model_type": "mistral",
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "rope_theta": 10000.0,
+                "sliding_window": 4096,
+            },
+        ),
+        (
+            "mistral-7b",
+            {
+                "model_type": "mistral",
+                "hidden_size": 4096,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "rope_theta": 1000000.0,
+                "sliding_window": None,
+            },
+        ),
+        (
+            "qwen2-7b",
+            {
+                "model_type": "qwen2",
+                "hidden_size": 3584,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "rope_theta": 1000000.0,
+                "use_sliding_window": False,
+                "sliding_window": 131072,
+            },
+        ),
+        (
+            "gemma2-9b",
+            {
+                "model_type": "gemma2",
+                "hidden_size": 3584,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 256,
+                "query_pre_attn_scalar": 256,
+                "attn_logit_softcapping": 50.0,
+                "sliding_window": 4096,
+                "rope_theta": 10000.0,
+            },
+        ),
     ],
 )
 def test_presets_match_the_published_config_json(preset, config):
@@ -412,8 +513,15 @@ FALCONS = {
 def _falcon(kind: str, n_layers: int = 2):
     from transformers.models.falcon import modeling_falcon as falcon
 
-    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=n_layers, vocab_size=64, ffn_hidden_size=64,
-                                       **FALCONS[kind], attn_implementation="eager")
+    config = transformers.FalconConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=n_layers,
+        vocab_size=64,
+        ffn_hidden_size=64,
+        **FALCONS[kind],
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     layers = [falcon.FalconDecoderLayer(config, layer_idx=i).eval() for i in range(n_layers)]
     with torch.no_grad():
@@ -428,8 +536,14 @@ def _falcon_step(layers, rope, x, past, cache):
     emb = rope(x, positions)
     with torch.no_grad():
         for layer in layers:
-            x = layer(x, alibi=None, attention_mask=_mask(x.shape[0], x.shape[1], past, None), position_ids=positions, layer_past=cache,
-                      position_embeddings=emb)[0]
+            x = layer(
+                x,
+                alibi=None,
+                attention_mask=_mask(x.shape[0], x.shape[1], past, None),
+                position_ids=positions,
+                layer_past=cache,
+                position_embeddings=emb,
+            )[0]
     return x.numpy()
 
 
@@ -450,7 +564,10 @@ def test_falcon_stack_matches_transformers(kind):
         for backend in ("numpy", "ort-cpu"):
             np.testing.assert_allclose(prepare(graph, backend).run({"x_BSM": x.numpy()})["out_BSM"], want, **TOL, err_msg=f"{kind} {backend}")
     # decode one token over transformers' cache (the new architecture caches K/V repeated to every query head)
-    prefix, step = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(8)), torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(9))
+    prefix, step = (
+        torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(8)),
+        torch.randn(1, 1, 32, generator=torch.Generator().manual_seed(9)),
+    )
     cache = DynamicCache()
     _falcon_step(layers, rope, prefix, 0, cache)
     group = cfgs[0].attention.n_heads // cfgs[0].attention.n_kv_heads if FALCONS[kind]["new_decoder_architecture"] else 1
@@ -464,6 +581,7 @@ def test_falcon_stack_matches_transformers(kind):
 
 
 # ------------------------------------------------------------------ padding masks
+
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 @pytest.mark.parametrize("per_query", [False, True])
@@ -553,8 +671,12 @@ def test_position_ids_input_drives_rope():
     with torch.no_grad():
         want, _ = module(x, position_embeddings=rope(x, positions), attention_mask=_mask(1, 3, 0, None))
     g = graphc.kv_cache_graph(cfg, weights=_weights(module), position_ids=True)
-    feeds = {"x_BSM": x.numpy(), "past_key": np.zeros((1, 2, 0, 8), np.float32), "past_value": np.zeros((1, 2, 0, 8), np.float32),
-             "position_ids": positions.numpy()}
+    feeds = {
+        "x_BSM": x.numpy(),
+        "past_key": np.zeros((1, 2, 0, 8), np.float32),
+        "past_value": np.zeros((1, 2, 0, 8), np.float32),
+        "position_ids": positions.numpy(),
+    }
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(prepare(g, backend).run(feeds)["out_BSM"], want.numpy(), **TOL, err_msg=backend)
 

@@ -120,7 +120,7 @@ def test_fused_masked_softmax_equals_mask_then_softmax(shape, offset, threads):
     got = masked_softmax(x, offset, threads)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     if offset is not None and offset < 0:
-        assert (got[..., : -offset, :] == 0).all()  # rows that see no key are zeros
+        assert (got[..., :-offset, :] == 0).all()  # rows that see no key are zeros
 
 
 def test_interpreter_runs_mask_and_softmax_as_written_when_both_are_outputs():

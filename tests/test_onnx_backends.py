@@ -116,9 +116,7 @@ def _inferred_mismatches(g: Graph, model, allow_unknown: bool = True) -> list:
             bad.append((name, "not inferred"))
             continue
         dims = [d.dim_param or d.dim_value for d in infos[name].type.tensor_type.shape.dim]
-        ok = len(dims) == t.rank and all(
-            theirs == ours or (allow_unknown and str(theirs).startswith("unk__")) for ours, theirs in zip(t.shape, dims)
-        )
+        ok = len(dims) == t.rank and all(theirs == ours or (allow_unknown and str(theirs).startswith("unk__")) for ours, theirs in zip(t.shape, dims))
         if not ok:
             bad.append((name, t.shape, dims))
     return bad

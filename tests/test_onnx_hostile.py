@@ -117,8 +117,12 @@ def test_variadic_max_and_min(n):
 
 # ---------------------------------------------------------------- invalid models that were accepted
 def _shape_gather(index):
-    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i"], ["d"], axis=0),
-             helper.make_node("Cast", ["d"], ["df"], to=F), helper.make_node("Mul", ["x", "df"], ["y"])]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i"], ["d"], axis=0),
+        helper.make_node("Cast", ["d"], ["df"], to=F),
+        helper.make_node("Mul", ["x", "df"], ["y"]),
+    ]
     return _model(nodes, [_vi("x", F, ["b", 3])], [_vi("y", F, None)], [_i64("i", index)])
 
 
@@ -130,19 +134,48 @@ X23 = [_vi("x", F, [2, 3])]
 BAD = {
     "gather index past a shape": (_shape_gather(5), r"Gather indices \[5\] are out of range"),
     "gather negative index past a shape": (_shape_gather(-3), "out of range"),
-    "squeeze axis past the rank": (_node_model(helper.make_node("Squeeze", ["x", "a"], ["y"]), X23, [_i64("a", [3])]), "Squeeze axis 3 is out of range for rank 2"),
-    "unsqueeze axis past the rank": (_node_model(helper.make_node("Unsqueeze", ["x", "a"], ["y"]), X23, [_i64("a", [5])]), "Unsqueeze axis 5 is out of range"),
-    "slice axis past the rank": (_node_model(helper.make_node("Slice", ["x", "s", "e", "a"], ["y"]), X23, [_i64("s", [0]), _i64("e", [1]), _i64("a", [4])]), "Slice axis 4 is out of range"),
-    "split axis past the rank": (_model([helper.make_node("Split", ["x", "sp"], ["y", "z"], axis=3)], X23, [_vi("y", F, None), _vi("z", F, None)], [_i64("sp", [1, 1])]), "Split axis 3 is out of range"),
+    "squeeze axis past the rank": (
+        _node_model(helper.make_node("Squeeze", ["x", "a"], ["y"]), X23, [_i64("a", [3])]),
+        "Squeeze axis 3 is out of range for rank 2",
+    ),
+    "unsqueeze axis past the rank": (
+        _node_model(helper.make_node("Unsqueeze", ["x", "a"], ["y"]), X23, [_i64("a", [5])]),
+        "Unsqueeze axis 5 is out of range",
+    ),
+    "slice axis past the rank": (
+        _node_model(helper.make_node("Slice", ["x", "s", "e", "a"], ["y"]), X23, [_i64("s", [0]), _i64("e", [1]), _i64("a", [4])]),
+        "Slice axis 4 is out of range",
+    ),
+    "split axis past the rank": (
+        _model([helper.make_node("Split", ["x", "sp"], ["y", "z"], axis=3)], X23, [_vi("y", F, None), _vi("z", F, None)], [_i64("sp", [1, 1])]),
+        "Split axis 3 is out of range",
+    ),
     "flatten axis past the rank": (_node_model(helper.make_node("Flatten", ["x"], ["y"], axis=5), X23), "Flatten axis 5 is out of range"),
     "concat of shape values on axis 1": (
-        _model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Concat", ["s", "s"], ["c"], axis=1), helper.make_node("Reshape", ["x", "c"], ["y"])], X23, [_vi("y", F, None)]),
+        _model(
+            [
+                helper.make_node("Shape", ["x"], ["s"]),
+                helper.make_node("Concat", ["s", "s"], ["c"], axis=1),
+                helper.make_node("Reshape", ["x", "c"], ["y"]),
+            ],
+            X23,
+            [_vi("y", F, None)],
+        ),
         "Concat axis 1 is out of range for rank 1",
     ),
     "relu with two inputs": (_node_model(helper.make_node("Relu", ["x", "x"], ["y"]), X23), "input size 2 not in range"),
-    "float32 plus float64": (_model([helper.make_node("Add", ["x", "d"], ["y"])], [_vi("x", F, [2]), _vi("d", D, [2])], [_vi("y", F, None)]), "input 1 .* is tensor\\(double\\) but input 0 is tensor\\(float\\)"),
-    "float32 times a float64 scalar": (_model([helper.make_node("Mul", ["x", "d"], ["y"])], [_vi("x", F, [2])], [_vi("y", F, None)], [numpy_helper.from_array(np.array(2.0), "d")]), "needs one type"),
-    "domain not imported": (_node_model(helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft"), X23), "domain 'com.microsoft' is not in the model's opset_import"),
+    "float32 plus float64": (
+        _model([helper.make_node("Add", ["x", "d"], ["y"])], [_vi("x", F, [2]), _vi("d", D, [2])], [_vi("y", F, None)]),
+        "input 1 .* is tensor\\(double\\) but input 0 is tensor\\(float\\)",
+    ),
+    "float32 times a float64 scalar": (
+        _model([helper.make_node("Mul", ["x", "d"], ["y"])], [_vi("x", F, [2])], [_vi("y", F, None)], [numpy_helper.from_array(np.array(2.0), "d")]),
+        "needs one type",
+    ),
+    "domain not imported": (
+        _node_model(helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft"), X23),
+        "domain 'com.microsoft' is not in the model's opset_import",
+    ),
     "cast without to": (_node_model(helper.make_node("Cast", ["x"], ["y"]), X23), "Required attribute 'to' is missing"),
     "concat without axis": (_node_model(helper.make_node("Concat", ["x", "x"], ["y"]), X23), "Required attribute 'axis' is missing"),
     "einsum without equation": (_node_model(helper.make_node("Einsum", ["x"], ["y"]), X23), "Required attribute 'equation' is missing"),
@@ -150,13 +183,24 @@ BAD = {
     "attribute of the wrong type": (_node_model(helper.make_node("Softmax", ["x"], ["y"], axis="last"), X23), "Mismatched attribute type"),
     "unknown attribute": (_node_model(helper.make_node("Relu", ["x"], ["y"], alpha=1.0), X23), "Unrecognized attribute: alpha"),
     "transpose perm not a permutation": (_node_model(helper.make_node("Transpose", ["x"], ["y"], perm=[0, 0]), X23), "not a permutation"),
-    "gather index past a static axis": (_node_model(helper.make_node("Gather", ["x", "i"], ["y"], axis=1), X23, [_i64("i", [0, 3])]), "out of range for axis 1 of size 3"),
+    "gather index past a static axis": (
+        _node_model(helper.make_node("Gather", ["x", "i"], ["y"], axis=1), X23, [_i64("i", [0, 3])]),
+        "out of range for axis 1 of size 3",
+    ),
     "attention with zero heads": (
-        _model([helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=0, kv_num_heads=0)], [_vi(n, F, [1, 4, 8]) for n in "qkv"], [_vi("y", F, None)], opset=23),
+        _model(
+            [helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=0, kv_num_heads=0)],
+            [_vi(n, F, [1, 4, 8]) for n in "qkv"],
+            [_vi("y", F, None)],
+            opset=23,
+        ),
         "q_num_heads=0; head counts must be >= 1",
     ),
     "unknown standard op": (_node_model(helper.make_node("NoSuchOp", ["x"], ["y"]), X23), "No Op registered for NoSuchOp"),
-    "keepdims that is not a flag": (_node_model(helper.make_node("ReduceSum", ["x", "a"], ["y"], keepdims=-1), X23, [_i64("a", [1])]), "keepdims=-1; it is a flag"),
+    "keepdims that is not a flag": (
+        _node_model(helper.make_node("ReduceSum", ["x", "a"], ["y"], keepdims=-1), X23, [_i64("a", [1])]),
+        "keepdims=-1; it is a flag",
+    ),
     "transpose of Gemm not a flag": (_node_model(helper.make_node("Gemm", ["x", "x"], ["y"], transB=2), X23), "transB=2"),
 }
 
@@ -182,9 +226,18 @@ def test_cli_prints_one_line_and_exits_2_on_invalid_onnx(tmp_path, capsys, case)
 @pytest.mark.parametrize(
     "nodes, inits",
     [
-        ([helper.make_node("ConstantOfShape", ["s"], ["c"], value=numpy_helper.from_array(np.array([1.0], np.float32)))], [_i64("s", [1 << 15, 1 << 15])]),
-        ([helper.make_node("Expand", ["one", "s"], ["c"])], [numpy_helper.from_array(np.array(1.0, np.float32), "one"), _i64("s", [1 << 15, 1 << 15])]),
-        ([helper.make_node("Range", ["a", "b", "d"], ["c"])], [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("a", 0), ("b", 3e9), ("d", 1))]),
+        (
+            [helper.make_node("ConstantOfShape", ["s"], ["c"], value=numpy_helper.from_array(np.array([1.0], np.float32)))],
+            [_i64("s", [1 << 15, 1 << 15])],
+        ),
+        (
+            [helper.make_node("Expand", ["one", "s"], ["c"])],
+            [numpy_helper.from_array(np.array(1.0, np.float32), "one"), _i64("s", [1 << 15, 1 << 15])],
+        ),
+        (
+            [helper.make_node("Range", ["a", "b", "d"], ["c"])],
+            [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("a", 0), ("b", 3e9), ("d", 1))],
+        ),
     ],
     ids=["ConstantOfShape", "Expand", "Range"],
 )
@@ -241,7 +294,9 @@ def test_loading_external_data_checks_the_memory_cap_first(tmp_path):
         set_memory_cap(None)
 
 
-@pytest.mark.parametrize("field, value, words", [("offset", "-5", "non-negative|must be >= 0"), ("length", "12", "needs"), ("offset", "abc", "malformed")])
+@pytest.mark.parametrize(
+    "field, value, words", [("offset", "-5", "non-negative|must be >= 0"), ("length", "12", "needs"), ("offset", "abc", "malformed")]
+)
 def test_bad_external_data_entries_are_named(tmp_path, field, value, words):
     path = _external_model(tmp_path, 4096 * 4)
     model = onnx.load_model(str(path), load_external_data=False)
@@ -256,7 +311,12 @@ def test_bad_external_data_entries_are_named(tmp_path, field, value, words):
 # ---------------------------------------------------------------- mutants of valid models
 def _seed_models():
     w = numpy_helper.from_array(RNG.standard_normal((6, 4)).astype(np.float32), "w")
-    yield _model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Softmax", ["h"], ["y"], axis=-1)], [_vi("x", F, ["b", 6])], [_vi("y", F, None)], [w])
+    yield _model(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Softmax", ["h"], ["y"], axis=-1)],
+        [_vi("x", F, ["b", 6])],
+        [_vi("y", F, None)],
+        [w],
+    )
     nodes = [
         helper.make_node("Shape", ["x"], ["s"]),
         helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
@@ -268,8 +328,11 @@ def _seed_models():
     ]
     inits = [_i64("i0", 0), _i64("a0", [0]), _i64("tail", [2, 3]), _i64("ax", [1])]
     yield _model(nodes, [_vi("x", F, ["b", 6])], [_vi("y", F, None)], inits)
-    nodes = [helper.make_node("Split", ["x", "sp"], ["p", "q"], axis=1), helper.make_node("Mul", ["p", "q"], ["m"]),
-             helper.make_node("Squeeze", ["m", "ax"], ["y"])]
+    nodes = [
+        helper.make_node("Split", ["x", "sp"], ["p", "q"], axis=1),
+        helper.make_node("Mul", ["p", "q"], ["m"]),
+        helper.make_node("Squeeze", ["m", "ax"], ["y"]),
+    ]
     yield _model(nodes, [_vi("x", F, [1, 6])], [_vi("y", F, None)], [_i64("sp", [3, 3]), _i64("ax", [0])])
 
 
@@ -340,7 +403,12 @@ def test_mutants_import_equal_to_onnxruntime_or_are_refused(model):
 # ---------------------------------------------------------------- compare's reference is the original model
 def _relu_model():
     w = numpy_helper.from_array(RNG.standard_normal((6, 4)).astype(np.float32), "w")
-    return _model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], [_vi("x", F, ["batch", 6])], [_vi("y", F, ["batch", 4])], [w])
+    return _model(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        [_vi("x", F, ["batch", 6])],
+        [_vi("y", F, ["batch", 4])],
+        [w],
+    )
 
 
 def test_compare_of_an_imported_graph_checks_against_the_original_model(tmp_path, monkeypatch):

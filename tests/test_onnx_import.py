@@ -49,7 +49,10 @@ def test_shape_chain_becomes_a_symbolic_reshape() -> None:
     c = lambda name, v: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(v, np.int64)))  # noqa: E731
     nodes = [
         helper.make_node("Shape", ["x"], ["s"]),
-        c("i0", 0), c("i1", 1), c("ax", [0]), c("tail", [-1, 4]),
+        c("i0", 0),
+        c("i1", 1),
+        c("ax", [0]),
+        c("tail", [-1, 4]),
         helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
         helper.make_node("Gather", ["s", "i1"], ["n"], axis=0),
         helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
@@ -67,7 +70,10 @@ def test_shape_chain_becomes_a_symbolic_reshape() -> None:
 
 def test_value_names_and_dims_are_kept() -> None:
     model = _model(
-        [helper.make_node("MatMul", ["x", "w"], ["/model/layers.0/self_attn/q_proj/MatMul_output_0"]), helper.make_node("Relu", ["/model/layers.0/self_attn/q_proj/MatMul_output_0"], ["y"])],
+        [
+            helper.make_node("MatMul", ["x", "w"], ["/model/layers.0/self_attn/q_proj/MatMul_output_0"]),
+            helper.make_node("Relu", ["/model/layers.0/self_attn/q_proj/MatMul_output_0"], ["y"]),
+        ],
         [helper.make_tensor_value_info("x", F, ["batch", "seq + past", 8])],
         [helper.make_tensor_value_info("y", F, None)],
         [numpy_helper.from_array(_w(8, 4), "w")],
@@ -89,13 +95,22 @@ def test_gemm_split_slice_gather_softmax_match_onnxruntime() -> None:
         helper.make_node("ReduceMean", ["b2", "rax"], ["y2"], keepdims=0),
     ]
     inits = [
-        numpy_helper.from_array(_w(12, 6), "w"), numpy_helper.from_array(_w(12), "bias"),
+        numpy_helper.from_array(_w(12, 6), "w"),
+        numpy_helper.from_array(_w(12), "bias"),
         numpy_helper.from_array(np.array([8, 4], np.int64), "sizes"),
-        numpy_helper.from_array(np.array([1], np.int64), "st"), numpy_helper.from_array(np.array([7], np.int64), "en"),
-        numpy_helper.from_array(np.array([1], np.int64), "axs"), numpy_helper.from_array(np.array([2], np.int64), "stp"),
-        numpy_helper.from_array(np.array([3, 0, 3], np.int64), "idx"), numpy_helper.from_array(np.array([1], np.int64), "rax"),
+        numpy_helper.from_array(np.array([1], np.int64), "st"),
+        numpy_helper.from_array(np.array([7], np.int64), "en"),
+        numpy_helper.from_array(np.array([1], np.int64), "axs"),
+        numpy_helper.from_array(np.array([2], np.int64), "stp"),
+        numpy_helper.from_array(np.array([3, 0, 3], np.int64), "idx"),
+        numpy_helper.from_array(np.array([1], np.int64), "rax"),
     ]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F, [5, 6])], [helper.make_tensor_value_info("y1", F, None), helper.make_tensor_value_info("y2", F, None)], inits)
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [5, 6])],
+        [helper.make_tensor_value_info("y1", F, None), helper.make_tensor_value_info("y2", F, None)],
+        inits,
+    )
     x = _w(5, 6)
     want = _ort(model, {"x": x})
     g = from_onnx(model, strict=True)
@@ -116,8 +131,16 @@ def test_contrib_norms_and_rotary_match_onnxruntime() -> None:
         helper.make_node("Add", ["r", "n2"], ["y"]),
     ]
     angles = np.arange(32)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None, :]
-    inits = [numpy_helper.from_array(_w(hidden), "gamma"), numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
-    inputs = [helper.make_tensor_value_info("x", F, ["batch", "seq", hidden]), helper.make_tensor_value_info("skip", F, ["batch", "seq", hidden]), helper.make_tensor_value_info("pos", TensorProto.INT64, ["batch", "seq"])]
+    inits = [
+        numpy_helper.from_array(_w(hidden), "gamma"),
+        numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
+        numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", F, ["batch", "seq", hidden]),
+        helper.make_tensor_value_info("skip", F, ["batch", "seq", hidden]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, ["batch", "seq"]),
+    ]
     model = _model(nodes, inputs, [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("sum", F, None)], inits, ms=True)
     feeds = {"x": _w(b, s, hidden), "skip": _w(b, s, hidden), "pos": np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]], np.int64)}
     want = _ort(model, feeds)
@@ -130,7 +153,11 @@ def test_contrib_norms_and_rotary_match_onnxruntime() -> None:
 
 # ---------------------------------------------------------------- ops graphc does not model
 def _cumsum_model() -> onnx.ModelProto:
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("CumSum", ["h", "axis"], ["c"], reverse=1), helper.make_node("Softmax", ["c"], ["y"], axis=-1)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("CumSum", ["h", "axis"], ["c"], reverse=1),
+        helper.make_node("Softmax", ["c"], ["y"], axis=-1),
+    ]
     inits = [numpy_helper.from_array(_w(6, 4), "w"), numpy_helper.from_array(np.array(1, np.int64), "axis")]
     return _model(nodes, [helper.make_tensor_value_info("x", F, ["batch", 6])], [helper.make_tensor_value_info("y", F, ["batch", 4])], inits)
 
@@ -158,7 +185,13 @@ def test_strict_import_names_op_domain_and_node() -> None:
 
 def test_contrib_op_graphc_does_not_model_runs_on_onnxruntime_only() -> None:
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("FastGelu", ["h"], ["y"], domain="com.microsoft")]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 6])], [helper.make_tensor_value_info("y", F, [2, 4])], [numpy_helper.from_array(_w(6, 4), "w")], ms=True)
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [2, 6])],
+        [helper.make_tensor_value_info("y", F, [2, 4])],
+        [numpy_helper.from_array(_w(6, 4), "w")],
+        ms=True,
+    )
     x = _w(2, 6)
     g = from_onnx(model)
     np.testing.assert_allclose(run(g, {"x": x}, backend="ort-cpu")["y"], _ort(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
@@ -182,7 +215,12 @@ def test_supported_ops_lists_the_converters() -> None:
 
 # ---------------------------------------------------------------- bad ONNX
 def _small_model() -> onnx.ModelProto:
-    return _model([helper.make_node("MatMul", ["x", "w"], ["y"])], [helper.make_tensor_value_info("x", F, [2, 64])], [helper.make_tensor_value_info("y", F, None)], [numpy_helper.from_array(_w(64, 64), "w")])
+    return _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", F, [2, 64])],
+        [helper.make_tensor_value_info("y", F, None)],
+        [numpy_helper.from_array(_w(64, 64), "w")],
+    )
 
 
 def test_truncated_file(tmp_path: Path) -> None:
@@ -258,13 +296,19 @@ def test_unknown_opset() -> None:
 
 
 def test_huge_dim() -> None:
-    model = _model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", F, [10**12, 4])], [helper.make_tensor_value_info("y", F, None)])
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", F, [10**12, 4])], [helper.make_tensor_value_info("y", F, None)]
+    )
     with pytest.raises(OnnxImportError, match=rf"graph input 'x' axis 0 has size 1000000000000; graphc accepts sizes 0\.\.{MAX_DIM}"):
         from_onnx(model)
 
 
 def test_unsupported_input_dtype() -> None:
-    model = _model([helper.make_node("Cast", ["x"], ["y"], to=F)], [helper.make_tensor_value_info("x", TensorProto.UINT8, [4])], [helper.make_tensor_value_info("y", F, None)])
+    model = _model(
+        [helper.make_node("Cast", ["x"], ["y"], to=F)],
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [4])],
+        [helper.make_tensor_value_info("y", F, None)],
+    )
     with pytest.raises(OnnxImportError, match=r"graph input 'x' has a type graphc does not support \(UINT8"):
         from_onnx(model)
 
@@ -338,7 +382,9 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
         angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
         inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
         ins += ["cos", "sin"]
-    node = helper.make_node("GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv, **cfg)
+    node = helper.make_node(
+        "GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv, **cfg
+    )
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
     model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
     want = _ort(model, feeds)
@@ -352,8 +398,16 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
 @pytest.mark.parametrize("attr", [{"sliding_window_cache": 1}, {"qk_output": 1}, {"future_attribute": 3}])
 def test_group_query_attention_attributes_graphc_does_not_model_are_refused(attr) -> None:
     """onnxruntime-genai writes sliding_window_cache=1 for a rolling window cache: refused by name, never ignored."""
-    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["y", "present_key", "present_value"],
-                            domain="com.microsoft", num_heads=2, kv_num_heads=1, local_window_size=4, **attr)
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["q", "k", "v", "pk", "pv", "seqlens", "total"],
+        ["y", "present_key", "present_value"],
+        domain="com.microsoft",
+        num_heads=2,
+        kv_num_heads=1,
+        local_window_size=4,
+        **attr,
+    )
     shapes = {"q": [1, 1, 32], "k": [1, 1, 16], "v": [1, 1, 16], "pk": [1, 1, 3, 16], "pv": [1, 1, 3, 16], "seqlens": [1], "total": []}
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, sh) for n, sh in shapes.items()]
     model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], ms=True)
@@ -361,7 +415,13 @@ def test_group_query_attention_attributes_graphc_does_not_model_are_refused(attr
         from_onnx(model)
 
 
-MHA_CASES = {"cross": dict(), "causal-self": dict(unidirectional=1, self=True), "attention-bias": dict(bias=True), "causal-with-past": dict(past=True, unidirectional=1, self=True), "scaled": dict(scale=0.3)}
+MHA_CASES = {
+    "cross": dict(),
+    "causal-self": dict(unidirectional=1, self=True),
+    "attention-bias": dict(bias=True),
+    "causal-with-past": dict(past=True, unidirectional=1, self=True),
+    "scaled": dict(scale=0.3),
+}
 
 
 @pytest.mark.parametrize("case", sorted(MHA_CASES))
@@ -379,7 +439,12 @@ def test_multi_head_attention_matches_onnxruntime(case: str) -> None:
         ins += ["pk", "pv"]
     outs = ["y", "present_key", "present_value"] if past else ["y"]
     node = helper.make_node("MultiHeadAttention", ins, outs, domain="com.microsoft", num_heads=heads, **cfg)
-    model = _model([node], [helper.make_tensor_value_info(n, F, list(a.shape)) for n, a in feeds.items()], [helper.make_tensor_value_info(o, F, None) for o in outs], ms=True)
+    model = _model(
+        [node],
+        [helper.make_tensor_value_info(n, F, list(a.shape)) for n, a in feeds.items()],
+        [helper.make_tensor_value_info(o, F, None) for o in outs],
+        ms=True,
+    )
     want = _ort(model, feeds)
     g = optimize(from_onnx(model, strict=True)).graph
     for backend in ("numpy", "ort-cpu"):

@@ -192,7 +192,12 @@ def test_transformers_llama_attention_export(tmp_path: Path) -> None:
     args = (torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HEAD_DIM), torch.randn(2, 5, HEAD_DIM), torch.zeros(2, 1, 5, 5))
     path = tmp_path / "llama_attention.onnx"
     torch.onnx.export(
-        wrapper, args, str(path), dynamo=True, input_names=["hidden", "cos", "sin", "causal_bias"], output_names=["out"],
+        wrapper,
+        args,
+        str(path),
+        dynamo=True,
+        input_names=["hidden", "cos", "sin", "causal_bias"],
+        output_names=["out"],
         dynamic_shapes={"hidden": {0: b, 1: s}, "cos": {0: b, 1: s}, "sin": {0: b, 1: s}, "causal_bias": {0: b, 2: s, 3: s}},
     )
     imported = from_onnx(path, strict=True)
@@ -201,7 +206,9 @@ def test_transformers_llama_attention_export(tmp_path: Path) -> None:
     from lowering.targets import target_named
 
     _, report = optimize(imported, target=target_named("numpy"))  # the mask input has its own name; attention is still recognised
-    assert [f.detail for f in report.trace.fired if f.rule == "fuse_attention"] == ["attention recognised: scale=0.353553, group=4, additive mask 'causal_bias'"]
+    assert [f.detail for f in report.trace.fired if f.rule == "fuse_attention"] == [
+        "attention recognised: scale=0.353553, group=4, additive mask 'causal_bias'"
+    ]
     hidden, cos, sin = torch.randn(3, 7, HIDDEN), torch.randn(3, 7, HEAD_DIM), torch.randn(3, 7, HEAD_DIM)
     bias = torch.triu(torch.full((7, 7), float("-inf")), 1).expand(3, 1, 7, 7).contiguous()
     with torch.no_grad():

@@ -45,7 +45,11 @@ def test_two_names_for_one_length_are_unified_and_checked_at_run_time():
     nodes = [helper.make_node("MatMul", ["x", "xt"], ["scores"]), helper.make_node("Add", ["scores", "mask"], ["y"])]
     model = _model(nodes, [_vi("x", F, ["b", "s", 4]), _vi("xt", F, ["b", 4, "s"]), _vi("mask", F, ["b", 1, "total"])], [_vi("y", F, None)])
     rng = np.random.default_rng(0)
-    feeds = {"x": rng.standard_normal((2, 3, 4), np.float32), "xt": rng.standard_normal((2, 4, 3), np.float32), "mask": rng.standard_normal((2, 1, 3), np.float32)}
+    feeds = {
+        "x": rng.standard_normal((2, 3, 4), np.float32),
+        "xt": rng.standard_normal((2, 4, 3), np.float32),
+        "mask": rng.standard_normal((2, 1, 3), np.float32),
+    }
     g = _check(model, feeds)
     assert g.types["mask"].shape == ("b", 1, "s")  # the later name gave way
     with pytest.raises(InputError, match="mask"):
@@ -73,8 +77,11 @@ def test_range_over_a_sum_of_dims_no_tensor_has():
         helper.make_node("Cast", ["pos"], ["posf"], to=F),
         helper.make_node("Unsqueeze", ["posf", "zero"], ["y"]),
     ]
-    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"), numpy_helper.from_array(np.array(0, np.int64), "start"),
-             numpy_helper.from_array(np.array(1, np.int64), "one")]
+    inits = [
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array(0, np.int64), "start"),
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+    ]
     model = _model(nodes, [_vi("past", F, [1, "p"]), _vi("x", F, [1, "s"])], [_vi("y", F, None)], inits)
     feeds = {"past": np.zeros((1, 5), np.float32), "x": np.zeros((1, 2), np.float32)}
     g = _check(model, feeds)
@@ -83,8 +90,11 @@ def test_range_over_a_sum_of_dims_no_tensor_has():
 
 def test_expand_to_a_symbolic_shape_used_as_it_is():
     """An Expand whose result is an output (not broadcast into another op): materialised as BroadcastTo."""
-    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Unsqueeze", ["v", "zero"], ["v1"]),
-             helper.make_node("Expand", ["v1", "s"], ["y"])]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Unsqueeze", ["v", "zero"], ["v1"]),
+        helper.make_node("Expand", ["v1", "s"], ["y"]),
+    ]
     inits = [numpy_helper.from_array(np.array([0], np.int64), "zero")]
     model = _model(nodes, [_vi("x", F, ["b", 3]), _vi("v", F, [3])], [_vi("y", F, None)], inits)
     g = _check(model, {"x": np.zeros((4, 3), np.float32), "v": np.arange(3, dtype=np.float32)})

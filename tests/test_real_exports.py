@@ -27,7 +27,11 @@ from lowering.targets import NUMPY_TARGET  # noqa: E402
 
 SLIDING_CACHE = {("mistral", True), ("gemma2", True)}  # sliding-window caches: see test_sliding_window_cache_exports
 CASES = [
-    (f, ex, at, c) for f in FAMILIES for ex in ("legacy", "dynamo") for at in ("sdpa", "eager") for c in (False, True)
+    (f, ex, at, c)
+    for f in FAMILIES
+    for ex in ("legacy", "dynamo")
+    for at in ("sdpa", "eager")
+    for c in (False, True)
     if not (f == "bert" and c) and not (f == "gemma2" and at == "sdpa") and (f, c) not in SLIDING_CACHE
 ]
 """Every family (9 causal LMs and BERT) by both exporters, sdpa and eager attention (Gemma 2 has eager only), with and
@@ -107,7 +111,9 @@ def test_optimize_cli_reexports_a_real_export(tmp_path, capsys):
     path = export_model("llama", "legacy", "sdpa", True, tmp_path / "model.onnx")
     assert main(["optimize", str(path), "--target", "ort-cpu", "--explain", "-o", str(tmp_path / "opt.onnx")]) == 0
     explained = capsys.readouterr().out
-    assert explained.count("attention recognised: scale=") == 2 and "causal offset past_seq" in explained and "KV cache past_key_values.0" in explained
+    assert (
+        explained.count("attention recognised: scale=") == 2 and "causal offset past_seq" in explained and "KV cache past_key_values.0" in explained
+    )
     assert explained.count("legalize_attention on") + explained.count("Attention kept for") == 2  # the form chosen for each
     assert main(["info", str(path)]) == 0
     assert "attention recognised: 2\n    2 x causal (offset past_seq), KV cache, bool mask" in capsys.readouterr().out
@@ -168,8 +174,12 @@ def _repeat_then_sdpa_with_mask(self, x):  # noqa: ANN001, ANN202
 
 
 FORMS = {
-    "sdpa-is-causal": (_sdpa_causal, HEADS), "sdpa-is-causal-enable-gqa": (_sdpa_causal, KV_HEADS), "bool-triu-masked-fill": (_bool_triu, HEADS),
-    "nanogpt-tril-buffer": (_nanogpt, HEADS), "full-inf-triu": (_full_triu, HEADS), "repeat-interleave-sdpa-mask": (_repeat_then_sdpa_with_mask, KV_HEADS),
+    "sdpa-is-causal": (_sdpa_causal, HEADS),
+    "sdpa-is-causal-enable-gqa": (_sdpa_causal, KV_HEADS),
+    "bool-triu-masked-fill": (_bool_triu, HEADS),
+    "nanogpt-tril-buffer": (_nanogpt, HEADS),
+    "full-inf-triu": (_full_triu, HEADS),
+    "repeat-interleave-sdpa-mask": (_repeat_then_sdpa_with_mask, KV_HEADS),
 }
 
 
@@ -188,7 +198,9 @@ def test_causal_attention_forms_import_with_outputs_equal_to_onnxruntime(form, e
         d = torch.export.Dim.DYNAMIC
         torch.onnx.export(m, (x,), str(path), dynamo=True, input_names=["x"], output_names=["y"], dynamic_shapes=({0: d, 1: d},), verbose=False)
     else:
-        torch.onnx.export(m, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch", 1: "seq"}}, opset_version=18)
+        torch.onnx.export(
+            m, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch", 1: "seq"}}, opset_version=18
+        )
     graph = from_onnx(path)
     optimized = optimize(graph).graph
     attention = [n.op for n in lower(optimized, NUMPY_TARGET).nodes.values() if n.op.kind == "Attention"]

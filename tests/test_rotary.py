@@ -67,19 +67,39 @@ def test_llama3_and_linear_scaling_match_transformers_inv_freq():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=params)
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
     got = rope_inv_freq(64, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+    cfg = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    )
     want, _ = ROPE_INIT_FUNCTIONS["linear"](cfg, torch.device("cpu"))
     np.testing.assert_allclose(rope_inv_freq(64, 10000.0, "linear", 4.0), want.numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0}, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rotary_matches_transformers_llama_rope(rope):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -135,7 +155,9 @@ def test_rotary_attributes_and_shapes_are_checked():
 
 
 @settings(max_examples=20, deadline=None)
-@given(style=st.sampled_from(["half", "interleaved"]), half=st.integers(1, 4), extra=st.integers(0, 2), seq=st.integers(0, 5), offset=st.integers(0, 9))
+@given(
+    style=st.sampled_from(["half", "interleaved"]), half=st.integers(1, 4), extra=st.integers(0, 2), seq=st.integers(0, 5), offset=st.integers(0, 9)
+)
 def test_random_rotary_decomposition_equals_the_op(style, half, extra, seq, offset):
     d = 2 * half + 2 * extra
     g = Graph("rope")

@@ -116,7 +116,11 @@ def test_every_shard_is_an_ordinary_graph_that_optimizes_exports_and_runs_on_onn
 @pytest.mark.parametrize(
     "build, n, fragment",
     [
-        (lambda: graphc.sdpa_graph(GQA), 3, r"8 query / 4 KV heads\) cannot be split into 3 shards; shard counts that divide the 4 KV heads: \[2, 4\]"),
+        (
+            lambda: graphc.sdpa_graph(GQA),
+            3,
+            r"8 query / 4 KV heads\) cannot be split into 3 shards; shard counts that divide the 4 KV heads: \[2, 4\]",
+        ),
         (lambda: graphc.sdpa_graph(AttentionConfig(71 * 8, 71, 1)), 2, r"splits its 71 query heads instead: shard counts \[71\]"),
         (lambda: graphc.sdpa_graph(GQA), 0, "shard count must be an int >= 1"),
     ],

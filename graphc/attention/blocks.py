@@ -30,7 +30,9 @@ def _row_factor(g: Graph, x: Value, sumsq: Value, eps: float, base: str) -> Valu
     """``1 / sqrt(sumsq / n + eps)`` for the rows of ``x`` (``n`` its last axis)."""
     n = x.type.shape[-1]
     mean = g.scale(sumsq, 1.0 / n, name=g.fresh_name(f"{base}_mean_sq"))
-    return g.reciprocal(g.sqrt(g.add(mean, _const(g, f"{base}_eps", eps, x.type.dtype)), name=g.fresh_name(f"{base}_rms")), name=g.fresh_name(f"{base}_inv_rms"))
+    return g.reciprocal(
+        g.sqrt(g.add(mean, _const(g, f"{base}_eps", eps, x.type.dtype)), name=g.fresh_name(f"{base}_rms")), name=g.fresh_name(f"{base}_inv_rms")
+    )
 
 
 def rms_norm(g: Graph, x: Value, weight: str, eps: float, offset: float = 0.0, name: str | None = None) -> Value:
@@ -52,7 +54,9 @@ def layer_norm(g: Graph, x: Value, weight: str, bias: str | None, eps: float, na
     mean = g.scale(g.einsum(f"{lab}->{lab[:-1]}", x, name=g.fresh_name(f"{base}_sum")), 1.0 / n, name=g.fresh_name(f"{base}_mean"))
     centred = g.sub(x, g.reshape(mean, [*x.type.shape[:-1], 1], name=g.fresh_name(f"{base}_mean_col")), name=g.fresh_name(f"{base}_centred"))
     sumsq = g.einsum(f"{lab},{lab}->{lab[:-1]}", centred, centred, name=g.fresh_name(f"{base}_sum_sq"))
-    y = g.einsum(f"{lab},{lab[:-1]},{lab[-1]}->{lab}", centred, _row_factor(g, centred, sumsq, eps, base), weight, name=g.fresh_name(f"{base}_scaled"))
+    y = g.einsum(
+        f"{lab},{lab[:-1]},{lab[-1]}->{lab}", centred, _row_factor(g, centred, sumsq, eps, base), weight, name=g.fresh_name(f"{base}_scaled")
+    )
     return g.add(y, bias, name=name or g.fresh_name(f"{base}_out")) if bias else y
 
 

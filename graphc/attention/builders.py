@@ -61,7 +61,9 @@ def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
 def init_weights(cfg: AttentionConfig, seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
     """Random weights from a seeded RNG, scaled by ``fan_in ** -0.5`` (biases small)."""
     shapes = weight_shapes(cfg)
-    check_allocation(weight_bytes(cfg, dtype), f"the weights of a {cfg.kind} layer (d_model={cfg.d_model}, {cfg.n_heads} heads of {cfg.hd}) in {dtype}")
+    check_allocation(
+        weight_bytes(cfg, dtype), f"the weights of a {cfg.kind} layer (d_model={cfg.d_model}, {cfg.n_heads} heads of {cfg.hd}) in {dtype}"
+    )
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in shapes.items():
@@ -213,14 +215,21 @@ def _past_length_mask(g: Graph, cfg: AttentionConfig, q: Value, past_k: Value, k
     """
     batch = q.type.shape[0]
     lengths = g.reshape(past_lengths, [batch, 1], name=g.fresh_name("past_lengths_B1"))
-    past_slots = g.reshape(g.add_node(Positions(2, 0), [past_k], g.fresh_name("past_slot_P")), [1, past_k.type.shape[2]], name=g.fresh_name("past_slot_1P"))
-    new_index = g.reshape(g.add_node(Positions(2, 0), [k_new], g.fresh_name("new_index_S")), [1, k_new.type.shape[2]], name=g.fresh_name("new_index_1S"))
+    past_slots = g.reshape(
+        g.add_node(Positions(2, 0), [past_k], g.fresh_name("past_slot_P")), [1, past_k.type.shape[2]], name=g.fresh_name("past_slot_1P")
+    )
+    new_index = g.reshape(
+        g.add_node(Positions(2, 0), [k_new], g.fresh_name("new_index_S")), [1, k_new.type.shape[2]], name=g.fresh_name("new_index_1S")
+    )
     new_tokens = g.add(lengths, new_index, name=g.fresh_name("new_token_BS"))  # P_b + i
     zero = g.constant(g.fresh_name("zero"), np.array(0, np.int64))
     past_tokens = g.add(past_slots, g.mul(lengths, zero), name=g.fresh_name("past_token_BP"))  # slot j is token j, per batch
     token = g.concat([past_tokens, new_tokens], axis=1, name=g.fresh_name("key_token_BT"))
     valid = g.concat(
-        [g.compare("less", past_slots, lengths, name=g.fresh_name("past_valid_BP")), g.compare("greater_equal", new_tokens, zero, name=g.fresh_name("new_valid_BS"))],
+        [
+            g.compare("less", past_slots, lengths, name=g.fresh_name("past_valid_BP")),
+            g.compare("greater_equal", new_tokens, zero, name=g.fresh_name("new_valid_BS")),
+        ],
         axis=1,
         name=g.fresh_name("key_valid_BT"),
     )

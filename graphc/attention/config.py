@@ -97,9 +97,7 @@ class AttentionConfig:
             )
         if self.head_dim is None:
             if self.d_model % self.n_heads:
-                raise AttentionConfigError(
-                    f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); pass head_dim explicitly"
-                )
+                raise AttentionConfigError(f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); pass head_dim explicitly")
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         else:
             _positive_int("head_dim", self.head_dim)
@@ -118,7 +116,9 @@ class AttentionConfig:
                 raise AttentionConfigError(f"right_window must be an int >= 0, got {self.right_window!r}")
             if self.causal or self.sliding_window is None:
                 raise AttentionConfigError("right_window is for non-causal attention with a sliding_window (a band of keys around each query)")
-        if self.qk_norm_eps is not None and (isinstance(self.qk_norm_eps, bool) or not isinstance(self.qk_norm_eps, (int, float)) or not 0 <= self.qk_norm_eps < 1):
+        if self.qk_norm_eps is not None and (
+            isinstance(self.qk_norm_eps, bool) or not isinstance(self.qk_norm_eps, (int, float)) or not 0 <= self.qk_norm_eps < 1
+        ):
             raise AttentionConfigError(f"qk_norm_eps must be a small number >= 0 or None, got {self.qk_norm_eps!r}")
         if not isinstance(self.alibi, bool):
             raise AttentionConfigError(f"alibi must be a bool, got {self.alibi!r}")
@@ -133,7 +133,9 @@ class AttentionConfig:
             if unknown:
                 raise AttentionConfigError(f"biases names unknown projection(s) {unknown}; valid: {', '.join(PROJECTIONS)}")
             object.__setattr__(self, "biases", tuple(p for p in PROJECTIONS if p in self.biases))
-        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf")):
+        if self.softcap is not None and (
+            isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf")
+        ):
             raise AttentionConfigError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
 
     # --------------------------------------------------------------- shape
@@ -223,7 +225,8 @@ class AttentionConfig:
         kv = self.kv_cache_bytes(batch, seq_len, dtype, n_layers)
         per_token = self.kv_cache_bytes(1, 1, dtype, n_layers)
         lines = [
-            f"{self.kind}: d_model={self.d_model}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.hd}, group_size={self.group_size}",
+            f"{self.kind}: d_model={self.d_model}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.hd}, "
+            f"group_size={self.group_size}",
             f"  causal={self.causal}, bias={','.join(self.biases) if self.biases is not None else self.bias}, scale={self.softmax_scale:.6g}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window is not None else "")
             + (f", right_window={self.right_window}" if self.right_window is not None else "")
@@ -276,7 +279,9 @@ PRESETS: dict[str, Preset] = {
         Preset("llama3-8b", AttentionConfig(4096, 32, 8, rope=RopeConfig(base=500000.0)), 32, "Llama 3 8B (GQA, 8 groups of 4)"),
         Preset("llama3.1-8b", AttentionConfig(4096, 32, 8, rope=_LLAMA31_ROPE), 32, "Llama 3.1 8B (GQA, 8 groups of 4; RoPE with Llama 3 scaling)"),
         Preset("llama3-70b", AttentionConfig(8192, 64, 8, rope=RopeConfig(base=500000.0)), 80, "Llama 3 70B (GQA, 8 groups of 8)"),
-        Preset("mistral-7b", AttentionConfig(4096, 32, 8, rope=RopeConfig(base=1000000.0)), 32, "Mistral 7B v0.3 (GQA, 8 groups of 4; no sliding window)"),
+        Preset(
+            "mistral-7b", AttentionConfig(4096, 32, 8, rope=RopeConfig(base=1000000.0)), 32, "Mistral 7B v0.3 (GQA, 8 groups of 4; no sliding window)"
+        ),
         Preset(
             "mistral-7b-v0.1",
             AttentionConfig(4096, 32, 8, rope=_ROPE_1E4, sliding_window=4096),

@@ -106,7 +106,9 @@ def decoder_weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
 def init_decoder_weights(cfg: DecoderConfig, seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
     """Seeded random weights for one layer: projections scaled by ``fan_in ** -0.5``, norm gains around 1 (0 with an offset)."""
     shapes = decoder_weight_shapes(cfg)
-    check_allocation(sum(int(np.prod(s)) for s in shapes.values()) * np.dtype(check_dtype(dtype)).itemsize, f"the weights of a decoder layer in {dtype}")
+    check_allocation(
+        sum(int(np.prod(s)) for s in shapes.values()) * np.dtype(check_dtype(dtype)).itemsize, f"the weights of a decoder layer in {dtype}"
+    )
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in shapes.items():
@@ -173,7 +175,9 @@ def decoder_layer_graph(
     h = _norm(g, cfg, x, "input_layernorm")
     masking = {"mask": mask, "mask_per_query": mask_per_query}
     if kv_cache:
-        layer = kv_cache_graph(cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, position_ids=position_ids, **masking)
+        layer = kv_cache_graph(
+            cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, position_ids=position_ids, **masking
+        )
         pk = g.input("past_key", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         pv = g.input("past_value", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
         bindings: dict[str, Value] = {"x_BSM": h, "past_key": pk, "past_value": pv}
@@ -253,7 +257,16 @@ def decoder_stack_graph(
             if not layer_weights:
                 raise WeightError(f"no weights start with {prefix!r}; expected transformers' names such as {prefix}self_attn.q_proj.weight")
         layer = decoder_layer_graph(
-            cfg, layer_weights, kv_cache, batch, seq, past, dtype=dtype, mask=mask, mask_per_query=mask_per_query, past_lengths=past_lengths,
+            cfg,
+            layer_weights,
+            kv_cache,
+            batch,
+            seq,
+            past,
+            dtype=dtype,
+            mask=mask,
+            mask_per_query=mask_per_query,
+            past_lengths=past_lengths,
             position_ids=position_ids,
         )
         bindings: dict[str, Value | str] = {"x_BSM": x}
@@ -276,4 +289,3 @@ def decoder_stack_graph(
         x = _norm(g, layers[-1], x, "model.norm")
     name_stack_outputs(g, x, presents)
     return g
-

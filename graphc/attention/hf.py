@@ -20,7 +20,16 @@ from graphc.errors import AttentionConfigError, SerializationError, UnknownNameE
 from .config import AttentionConfig, RopeConfig
 from .decoder import DecoderConfig
 
-__all__ = ["attention_config_from_hf", "decoder_config_from_hf", "decoder_weights_from_hf", "decoder_configs_from_hf", "read_hf_config", "HF_FAMILIES", "HF_ACTIVATIONS", "MAX_LAYERS"]
+__all__ = [
+    "attention_config_from_hf",
+    "decoder_config_from_hf",
+    "decoder_weights_from_hf",
+    "decoder_configs_from_hf",
+    "read_hf_config",
+    "HF_FAMILIES",
+    "HF_ACTIVATIONS",
+    "MAX_LAYERS",
+]
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "falcon")
 """``model_type`` values whose attention graphc builds from a transformers config."""
@@ -167,7 +176,9 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
     if family == "falcon":
         if _flag(cfg, "alibi", False):
             raise AttentionConfigError("Falcon with alibi=True is not supported yet (ALiBi biases); rotary Falcon models are")
-        kv_heads = _int(cfg, "num_kv_heads", heads) if _flag(cfg, "new_decoder_architecture", False) else (1 if _flag(cfg, "multi_query", True) else heads)
+        kv_heads = (
+            _int(cfg, "num_kv_heads", heads) if _flag(cfg, "new_decoder_architecture", False) else (1 if _flag(cfg, "multi_query", True) else heads)
+        )
     head_dim = _int(cfg, "head_dim", max(d_model // heads, 1))
     biases: tuple[str, ...] | None = None  # None: all four projections follow `bias`
     bias = False
@@ -271,9 +282,15 @@ def decoder_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, Any
     heads, kv, hd = attention.n_heads, attention.n_kv_heads, attention.hd
     group = heads // kv
     new_arch = bool(cfg.get("new_decoder_architecture"))
-    rename = {"self_attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj", "mlp.dense_4h_to_h": "mlp.down_proj",
-              "ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm", "input_layernorm": "input_layernorm",
-              "post_attention_layernorm": "post_attention_layernorm"}
+    rename = {
+        "self_attention.dense": "self_attn.o_proj",
+        "mlp.dense_h_to_4h": "mlp.up_proj",
+        "mlp.dense_4h_to_h": "mlp.down_proj",
+        "ln_attn": "input_layernorm",
+        "ln_mlp": "post_attention_layernorm",
+        "input_layernorm": "input_layernorm",
+        "post_attention_layernorm": "post_attention_layernorm",
+    }
     out: dict[str, Any] = {}
     for name, arr in weights.items():
         if name.startswith("transformer.ln_f."):

@@ -40,8 +40,20 @@ def _bsnd(ctx: ImportContext, x: str, heads: int, what: str) -> str:
     return ctx.add(Reshape((b, s, heads, hidden // heads)), [x], f"{what}_BSND")
 
 
-GQA_ATTRIBUTES = frozenset({"num_heads", "kv_num_heads", "scale", "softcap", "local_window_size", "do_rotary", "rotary_interleaved",
-                            "smooth_softmax", "sliding_window_cache", "qk_output"})
+GQA_ATTRIBUTES = frozenset(
+    {
+        "num_heads",
+        "kv_num_heads",
+        "scale",
+        "softcap",
+        "local_window_size",
+        "do_rotary",
+        "rotary_interleaved",
+        "smooth_softmax",
+        "sliding_window_cache",
+        "qk_output",
+    }
+)
 """GroupQueryAttention's attributes the import reads (or refuses by value); any other is refused by name, never ignored."""
 
 
@@ -54,12 +66,24 @@ def _write_after_rows_past(ctx: ImportContext, past: str, new: str, lengths: str
     total = dim_add(p, s)
     both = ctx.add(Concat(2), [past, new], f"{what}_concat")  # [B, H, P+S, D]
     slot = ctx.add(Reshape((1, 1, total, 1)), [ctx.add(Arange(0, total), [], f"{what}_slots")], f"{what}_slots4")
-    start = ctx.add(Reshape((b, 1, 1, 1)), [ctx.add(Binary("sub"), [lengths, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], f"{what}_row_past")], f"{what}_row_past4")
+    start = ctx.add(
+        Reshape((b, 1, 1, 1)),
+        [ctx.add(Binary("sub"), [lengths, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], f"{what}_row_past")],
+        f"{what}_row_past4",
+    )
     offset = ctx.add(Binary("sub"), [slot, start], f"{what}_new_slot")  # j - past_b: 0.. on the new keys
     zero, last = ctx.constant(np.array(0, np.int64), "zero"), ctx.add(ShapeValues((dim_add(s, -1),), scalar=True), [], "last_new")
-    index = ctx.add(BroadcastTo((b, heads, total, d)), [ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")], f"{what}_index")
+    index = ctx.add(
+        BroadcastTo((b, heads, total, d)), [ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")], f"{what}_index"
+    )
     moved = ctx.add(GatherElements(2), [new, index], f"{what}_moved")
-    is_past, is_new = (ctx.add(Compare("less"), [slot, x], f"{what}_{n}") for x, n in ((start, "is_past"), (ctx.add(Binary("add"), [start, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], "new_end"), "before_end")))
+    is_past, is_new = (
+        ctx.add(Compare("less"), [slot, x], f"{what}_{n}")
+        for x, n in (
+            (start, "is_past"),
+            (ctx.add(Binary("add"), [start, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], "new_end"), "before_end"),
+        )
+    )
     zeros = ctx.constant(np.zeros((), np.dtype(ctx.graph.types[new].dtype)), "zero")
     return ctx.add(Where(), [is_past, both, ctx.add(Where(), [is_new, moved, zeros], f"{what}_tail")], what)
 
@@ -77,10 +101,14 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if attrs.get("qk_output", 0):
         raise ctx.error("GroupQueryAttention: qk_output (the scores as an extra output) is not supported by graphc's import")
     if attrs.get("sliding_window_cache", 0):
-        raise ctx.error("GroupQueryAttention: sliding_window_cache=1 (a rolling cache of local_window_size slots) is not supported by graphc's import")
+        raise ctx.error(
+            "GroupQueryAttention: sliding_window_cache=1 (a rolling cache of local_window_size slots) is not supported by graphc's import"
+        )
     unknown = sorted(set(attrs) - GQA_ATTRIBUTES)
     if unknown:
-        raise ctx.error(f"GroupQueryAttention: attribute(s) {', '.join(unknown)} are not known to graphc's import (known: {', '.join(sorted(GQA_ATTRIBUTES))})")
+        raise ctx.error(
+            f"GroupQueryAttention: attribute(s) {', '.join(unknown)} are not known to graphc's import (known: {', '.join(sorted(GQA_ATTRIBUTES))})"
+        )
     q = ctx.tensor(ins[0], "query")
     if ins[1] is None:  # packed [Q | K | V]
         b, s, hidden = ctx.graph.types[q].shape
@@ -94,8 +122,13 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if attrs.get("do_rotary", 0):
         if ins[7] is None or ins[8] is None:
             raise ctx.error("GroupQueryAttention with do_rotary=1 needs cos_cache and sin_cache")
-        q, k = (_gqa_rotary(ctx, x, n, lengths, ins[7], ins[8], bool(attrs.get("rotary_interleaved", 0)), what) for x, n, what in ((q, heads, "q"), (k, kv_heads, "k")))
-    q4, k4, v4 = (ctx.add(Transpose((0, 2, 1, 3)), [_bsnd(ctx, x, n, w)], f"{w}_BHSD") for x, n, w in ((q, heads, "q"), (k, kv_heads, "k"), (v, kv_heads, "v")))
+        q, k = (
+            _gqa_rotary(ctx, x, n, lengths, ins[7], ins[8], bool(attrs.get("rotary_interleaved", 0)), what)
+            for x, n, what in ((q, heads, "q"), (k, kv_heads, "k"))
+        )
+    q4, k4, v4 = (
+        ctx.add(Transpose((0, 2, 1, 3)), [_bsnd(ctx, x, n, w)], f"{w}_BHSD") for x, n, w in ((q, heads, "q"), (k, kv_heads, "k"), (v, kv_heads, "v"))
+    )
     window = attrs.get("local_window_size", -1)
     fused = {"is_causal": 1, "softcap": attrs.get("softcap", 0.0)}
     if attrs.get("scale"):
@@ -130,7 +163,9 @@ def _mha(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if not heads:
         raise ctx.error("MultiHeadAttention needs num_heads")
     if ins[1] is None or ins[2] is None or ctx.graph.types[ctx.tensor(ins[1], "key")].rank != 3:
-        raise ctx.error("MultiHeadAttention: packed QKV/KV and BNSH key/value inputs are not supported by graphc's import; give 3D query, key and value")
+        raise ctx.error(
+            "MultiHeadAttention: packed QKV/KV and BNSH key/value inputs are not supported by graphc's import; give 3D query, key and value"
+        )
     if ins[3] is not None:
         raise ctx.error("MultiHeadAttention: the bias input is not supported by graphc's import (add it to Q/K/V before the op)")
     if ins[4] is not None:

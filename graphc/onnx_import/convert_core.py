@@ -19,7 +19,23 @@ import numpy as np
 
 from ..dims import Dim, dim_add, dim_sub, format_shape, normalize_dim
 from ..errors import GraphcError
-from ..ops import UNARY_FUNCTIONS, Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, broadcast_shapes
+from ..ops import (
+    UNARY_FUNCTIONS,
+    Binary,
+    CausalMask,
+    Cast,
+    Compare,
+    Concat,
+    Einsum,
+    Repeat,
+    Reshape,
+    Scale,
+    Softmax,
+    Transpose,
+    Unary,
+    Where,
+    broadcast_shapes,
+)
 from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, GatherElements, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
@@ -62,7 +78,8 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
 
 
 def _causal_window(m: MaskSum) -> tuple[Dim, int] | None:
-    """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 - 1 - k2``."""
+    """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 -
+    1 - k2``."""
     if len(m.parts) != 2 or not all(isinstance(p, Triangle) and float(p.value) <= NEG_INF_LIKE for p in m.parts):
         return None
     up, low = sorted(m.parts, key=lambda p: not p.upper)  # type: ignore[union-attr]
@@ -149,7 +166,13 @@ def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
     a, b = ins
     fn = _BINARY[op_type]
     for x, y in ((a, b), (b, a)):  # x * c, c * x, x / c: a Scale
-        if isinstance(y, np.ndarray) and y.size == 1 and y.dtype.kind == "f" and isinstance(x, str) and (op_type == "Mul" or (op_type == "Div" and y is b)):
+        if (
+            isinstance(y, np.ndarray)
+            and y.size == 1
+            and y.dtype.kind == "f"
+            and isinstance(x, str)
+            and (op_type == "Mul" or (op_type == "Div" and y is b))
+        ):
             factor = float(y.reshape(())) if op_type == "Mul" else 1.0 / float(y.reshape(()))
             if np.isfinite(factor) and ctx.graph.types[x].dtype == str(y.dtype) and y.ndim <= ctx.graph.types[x].rank:
                 return [ctx.add(Scale(factor), [x], "scaled")]

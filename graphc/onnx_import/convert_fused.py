@@ -12,7 +12,23 @@ from __future__ import annotations
 import numpy as np
 
 from ..dims import Dim, dim_prod, is_static, normalize_dim
-from ..ops import FLOAT_DTYPES, LOW_PRECISION_DTYPES, Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from ..ops import (
+    FLOAT_DTYPES,
+    LOW_PRECISION_DTYPES,
+    Binary,
+    CausalMask,
+    Cast,
+    Compare,
+    Concat,
+    Einsum,
+    Repeat,
+    Reshape,
+    Scale,
+    Softmax,
+    Transpose,
+    Unary,
+    Where,
+)
 from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, Reduce, Slice
 from .context import ONNX_TO_DTYPE, ImportContext
@@ -124,7 +140,19 @@ def _softcap(ctx: ImportContext, scores: str, softcap: float) -> str:
     return ctx.add(Scale(softcap), [capped], "qk_capped")
 
 
-def _masks(ctx: ImportContext, scores: str, attrs: dict, mask: object, total: Dim, dtype: str, past_len: Dim, nonpad: object, sq: Dim, batch: Dim, legacy: bool) -> str:
+def _masks(
+    ctx: ImportContext,
+    scores: str,
+    attrs: dict,
+    mask: object,
+    total: Dim,
+    dtype: str,
+    past_len: Dim,
+    nonpad: object,
+    sq: Dim,
+    batch: Dim,
+    legacy: bool,
+) -> str:
     """The attention mask, causal mask, window and key padding on the scores (each hides with -inf or adds)."""
     if mask is not None:
         m = ctx.tensor(mask, "attn_mask")
@@ -193,7 +221,9 @@ def _causal_and_window(ctx: ImportContext, scores: str, attrs: dict, past_len: D
     diff = _positions_grid(ctx, scores)
     rel = ctx.add(Binary("sub"), [diff, offset], "key_minus_position")
     keep = None
-    conds = ([("less_equal", 0)] if causal else []) + ([("greater_equal", -left)] if left >= 0 else []) + ([("less_equal", right)] if right >= 0 else [])
+    conds = (
+        ([("less_equal", 0)] if causal else []) + ([("greater_equal", -left)] if left >= 0 else []) + ([("less_equal", right)] if right >= 0 else [])
+    )
     for fn, bound in conds:
         c = ctx.add(Compare(fn), [rel, _const(ctx, bound, "int64")], "window_keep")
         keep = c if keep is None else ctx.add(Where(), [keep, c, _const(ctx, False, "bool")], "window_keep")
@@ -215,7 +245,11 @@ def _rms(ctx: ImportContext, x: str, axis: int, eps: float, stash: str) -> tuple
     xs = x if ctx.graph.types[x].dtype == stash else ctx.add(Cast(stash), [x], "norm_in")
     sq = ctx.add(Binary("mul"), [xs, xs], "norm_sq")
     mean = ctx.add(Reduce("mean", axes, True), [sq], "norm_mean_sq")
-    inv = ctx.add(Unary("reciprocal"), [ctx.add(Unary("sqrt"), [ctx.add(Binary("add"), [mean, _const(ctx, eps, stash)], "norm_var_eps")], "norm_std")], "norm_inv_std")
+    inv = ctx.add(
+        Unary("reciprocal"),
+        [ctx.add(Unary("sqrt"), [ctx.add(Binary("add"), [mean, _const(ctx, eps, stash)], "norm_var_eps")], "norm_std")],
+        "norm_inv_std",
+    )
     return ctx.add(Binary("mul"), [xs, inv], "normalized"), inv
 
 
@@ -280,7 +314,9 @@ def _rotate(ctx: ImportContext, x: str, cos: str, sin: str, rot_dim: int, interl
     imag = ctx.add(Binary("add"), [mul(sin, x1), mul(cos, x2)], "rope_imag")
     if interleaved:
         shape = ctx.graph.types[real].shape
-        pair = ctx.add(Concat(4), [ctx.add(Reshape(shape + (1,)), [real], "rope_r1"), ctx.add(Reshape(shape + (1,)), [imag], "rope_i1")], "rope_pairs")
+        pair = ctx.add(
+            Concat(4), [ctx.add(Reshape(shape + (1,)), [real], "rope_r1"), ctx.add(Reshape(shape + (1,)), [imag], "rope_i1")], "rope_pairs"
+        )
         rotated = ctx.add(Reshape(shape[:3] + (rot_dim,)), [pair], "rope_interleaved")
     else:
         rotated = ctx.add(Concat(3), [real, imag], "rope_rotated")
@@ -313,7 +349,9 @@ def _rope(ctx: ImportContext, x: str, cos_cache: object, sin_cache: object, posi
     rot_dim = attrs.get("rotary_embedding_dim", 0) or head
     cos, sin = _rope_tables(ctx, cos_cache, sin_cache, positions)
     if ctx.graph.types[cos].shape[3] != rot_dim // 2:
-        raise ctx.error(f"RotaryEmbedding: cos/sin caches have {ctx.graph.types[cos].shape[3]!r} entries per position, rotary_embedding_dim/2 is {rot_dim // 2}")
+        raise ctx.error(
+            f"RotaryEmbedding: cos/sin caches have {ctx.graph.types[cos].shape[3]!r} entries per position, rotary_embedding_dim/2 is {rot_dim // 2}"
+        )
     y = _rotate(ctx, xs, cos, sin, rot_dim, bool(attrs.get("interleaved", 0)))
     if len(shape) == 3:
         return ctx.add(Reshape(shape), [y], "rope")
@@ -333,7 +371,9 @@ def _rotary_ms(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if ctx.graph.types[pos].rank == 1:  # one offset for every sequence: positions offset + arange(S)
         seq_axis = 2 if len(shape) == 4 else 1
         base = ctx.add(Positions(seq_axis), [x], "rope_positions")
-        pos = ctx.add(Binary("add"), [ctx.add(Reshape((1, shape[seq_axis])), [base], "rope_positions_1S"), _as_int64(ctx, pos)], "rope_positions_offset")
+        pos = ctx.add(
+            Binary("add"), [ctx.add(Reshape((1, shape[seq_axis])), [base], "rope_positions_1S"), _as_int64(ctx, pos)], "rope_positions_offset"
+        )
         pos = ctx.add(Reshape((1, shape[seq_axis])), [pos], "rope_positions_BS")
     return [_rope(ctx, x, ins[2], ins[3], _as_int64(ctx, pos), attrs, heads_first=len(shape) == 4)]
 
@@ -342,7 +382,11 @@ def _gelu(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     dtype = ctx.graph.types[x].dtype
     if attrs.get("approximate", "none") == "tanh":
-        inner = ctx.add(Binary("add"), [x, ctx.add(Scale(0.044715), [ctx.add(Binary("mul"), [x, ctx.add(Binary("mul"), [x, x], "x2")], "x3")], "gelu_c")], "gelu_in")
+        inner = ctx.add(
+            Binary("add"),
+            [x, ctx.add(Scale(0.044715), [ctx.add(Binary("mul"), [x, ctx.add(Binary("mul"), [x, x], "x2")], "x3")], "gelu_c")],
+            "gelu_in",
+        )
         t = ctx.add(Unary("tanh"), [ctx.add(Scale(float(np.sqrt(2 / np.pi))), [inner], "gelu_s")], "gelu_t")
     else:
         t = ctx.add(Unary("erf"), [ctx.add(Scale(float(1 / np.sqrt(2))), [x], "gelu_s")], "gelu_t")
@@ -362,4 +406,3 @@ FUSED_CONVERTERS: dict[tuple[str, str], Converter] = {
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): _skip_simplified,
 }
 """Fused-op converters by (domain, op type); ``""`` is the standard domain."""
-

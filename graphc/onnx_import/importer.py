@@ -129,7 +129,12 @@ def _safe_to_propagate(model: onnx.ModelProto) -> bool:
     outputs in full (a ``Range(0, 3e9)`` takes 24 GB there), so a model with a large one is inferred without it."""
     known: dict[str, np.ndarray] = {}
     for t in model.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
+        if t.data_location != onnx.TensorProto.EXTERNAL and t.data_type in (
+            onnx.TensorProto.INT64,
+            onnx.TensorProto.INT32,
+            onnx.TensorProto.FLOAT,
+            onnx.TensorProto.DOUBLE,
+        ):
             if int(np.prod(t.dims, dtype=np.int64)) <= 64:
                 known[t.name] = numpy_helper.to_array(t)
     for vi in model.graph.input:
@@ -162,7 +167,9 @@ def _fold(ctx: ImportContext, node: onnx.NodeProto, arrays: list[np.ndarray | No
     names = [f"i{k}" if a is not None else "" for k, a in enumerate(arrays)]
     outs = [f"o{k}" for k in range(len(node.output))]
     n = helper.make_node(node.op_type, names, outs, **{a.name: helper.get_attribute_value(a) for a in node.attribute})
-    inputs = [helper.make_tensor_value_info(nm, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for nm, a in zip(names, arrays) if a is not None]
+    inputs = [
+        helper.make_tensor_value_info(nm, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for nm, a in zip(names, arrays) if a is not None
+    ]
     g = helper.make_graph([n], "fold", inputs, [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outs])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", ctx.opset)])
     try:
@@ -181,14 +188,24 @@ def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int])
         t = ctx.onnx_types.get(out)
         tt = t.tensor_type if t is not None and t.HasField("tensor_type") else None
         if tt is None or tt.elem_type not in ONNX_TO_DTYPE or not tt.HasField("shape"):
-            raise ctx.error(f"{where} is not modelled by graphc and ONNX shape inference gives no type for its output {out!r}; declare it in value_info")
+            raise ctx.error(
+                f"{where} is not modelled by graphc and ONNX shape inference gives no type for its output {out!r}; declare it in value_info"
+            )
         shapes.append(tuple(ctx.declare_dim(_dim(d, f"{_clean_name(out)}_dim{a}")) for a, d in enumerate(tt.shape.dim)))
         dtypes.append(ONNX_TO_DTYPE[tt.elem_type])
     proto = onnx.NodeProto(op_type=node.op_type, domain=node.domain)
     proto.attribute.extend(node.attribute)
     slots = tuple(k for k, i in enumerate(node.input) if i)
     inputs = [ctx.tensor(ctx.get(node.input[k]), f"input {k}") for k in slots]
-    op = Opaque(node.op_type, node.domain, opsets.get(node.domain or "ai.onnx", 1), base64.b64encode(proto.SerializeToString()).decode(), tuple(shapes), tuple(dtypes), slots)
+    op = Opaque(
+        node.op_type,
+        node.domain,
+        opsets.get(node.domain or "ai.onnx", 1),
+        base64.b64encode(proto.SerializeToString()).decode(),
+        tuple(shapes),
+        tuple(dtypes),
+        slots,
+    )
     names = [ctx.graph.fresh_name(_clean_name(o)) for o in node.output]
     ctx.notes.append(f"{node.name or node.output[0]}: {where} kept as an opaque node")
     return [v.name for v in ctx.graph.add_multi_node(op, inputs, names)]
@@ -243,7 +260,9 @@ def from_onnx(
     return g
 
 
-def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int], schemas: SchemaChecker, mapped: Mapping[str, np.ndarray]) -> None:
+def _import_graph(
+    ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int], schemas: SchemaChecker, mapped: Mapping[str, np.ndarray]
+) -> None:
     g = ctx.graph
     init_names = set()
     for t in model.graph.initializer:
@@ -260,11 +279,16 @@ def _import_graph(ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[st
             continue
         tt = vi.type.tensor_type
         if not vi.type.HasField("tensor_type") or tt.elem_type not in ONNX_TO_DTYPE:
-            raise OnnxImportError(f"graph input {vi.name!r} has a type graphc does not support ({onnx.helper.printable_type(vi.type)}); supported: {', '.join(ONNX_TO_DTYPE.values())}")
+            raise OnnxImportError(
+                f"graph input {vi.name!r} has a type graphc does not support ({onnx.helper.printable_type(vi.type)}); supported: "
+                f"{', '.join(ONNX_TO_DTYPE.values())}"
+            )
         if not tt.HasField("shape"):
             raise OnnxImportError(f"graph input {vi.name!r} declares no shape; graphc needs the rank")
-        shape = tuple(ctx.declare_dim(_dim(d, f"{_clean_name(vi.name)}_dim{a}".replace("/", "_").replace(".", "_").replace(":", "_").replace("-", "_")))
-                      for a, d in enumerate(tt.shape.dim))
+        shape = tuple(
+            ctx.declare_dim(_dim(d, f"{_clean_name(vi.name)}_dim{a}".replace("/", "_").replace(".", "_").replace(":", "_").replace("-", "_")))
+            for a, d in enumerate(tt.shape.dim)
+        )
         ctx.env[vi.name] = g.add_input(_clean_name(vi.name), shape, ONNX_TO_DTYPE[tt.elem_type]).name
     bound = {v for v in ctx.env.values() if isinstance(v, str)}
     for node in model.graph.node:
@@ -298,7 +322,13 @@ def _convert_node(ctx: ImportContext, node: onnx.NodeProto, ins: list, opsets: M
     before = len(ctx.graph.types)
     if domain == "" and node.op_type == "Constant":
         outs: list[Imported] = [_constant(ctx, attrs)]
-    elif domain == "" and node.op_type not in _NEVER_FOLD and ins and all(simplify(x) is None or isinstance(simplify(x), np.ndarray) for x in ins) and any(x is not None for x in ins):
+    elif (
+        domain == ""
+        and node.op_type not in _NEVER_FOLD
+        and ins
+        and all(simplify(x) is None or isinstance(simplify(x), np.ndarray) for x in ins)
+        and any(x is not None for x in ins)
+    ):
         arrays = [simplify(x) if x is not None else None for x in ins]
         folded = _fold(ctx, node, arrays)  # type: ignore[arg-type]
         if folded is not None and all(a.size <= _FOLD_LIMIT for a in folded):

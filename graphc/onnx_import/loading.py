@@ -68,7 +68,9 @@ def _read(source: onnx.ModelProto | str | os.PathLike[str]) -> tuple[onnx.ModelP
             raise OnnxImportError(f"ONNX model {str(path)!r} is not a file")
         size = path.stat().st_size
         if size > MAX_PROTO_BYTES:
-            raise OnnxImportError(f"ONNX model {str(path)!r} is {size} bytes; a protobuf file holds at most 2 GiB (larger weights go in external data)")
+            raise OnnxImportError(
+                f"ONNX model {str(path)!r} is {size} bytes; a protobuf file holds at most 2 GiB (larger weights go in external data)"
+            )
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -81,7 +83,9 @@ def _read(source: onnx.ModelProto | str | os.PathLike[str]) -> tuple[onnx.ModelP
     _check_dims(model)
     if folder is None and any(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in model.graph.initializer):
         missing = next(t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data)
-        raise OnnxImportError(f"initializer {missing!r} keeps its data in an external file; pass the model's path, not a ModelProto, so graphc can find it")
+        raise OnnxImportError(
+            f"initializer {missing!r} keeps its data in an external file; pass the model's path, not a ModelProto, so graphc can find it"
+        )
     return model, folder
 
 
@@ -103,7 +107,9 @@ def _check_opsets(model: onnx.ModelProto) -> None:
     if std is None:
         raise OnnxImportError("the model imports no standard ONNX opset (opset_import has no entry for the default domain)")
     if not MIN_IMPORT_OPSET <= std <= known:
-        raise OnnxImportError(f"the model uses ONNX opset {std}; graphc imports opsets {MIN_IMPORT_OPSET}..{known} (the installed onnx {onnx.__version__})")
+        raise OnnxImportError(
+            f"the model uses ONNX opset {std}; graphc imports opsets {MIN_IMPORT_OPSET}..{known} (the installed onnx {onnx.__version__})"
+        )
 
 
 def _check_dims(model: onnx.ModelProto) -> None:
@@ -164,7 +170,9 @@ def _external_refs(model: onnx.ModelProto, folder: Path) -> list[tuple[onnx.Tens
         if length != need:
             raise OnnxImportError(f"initializer {t.name!r}: external data length {length} bytes, but its shape {list(t.dims)} needs {need}")
         if offset + length > size:
-            raise OnnxImportError(f"initializer {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}")
+            raise OnnxImportError(
+                f"initializer {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}"
+            )
         refs.append((t, target, offset, length))
     return refs
 

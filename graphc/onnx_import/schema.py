@@ -25,8 +25,13 @@ from ..errors import OnnxImportError
 __all__ = ["SchemaChecker", "onnx_type_string", "FLAG_ATTRIBUTES"]
 
 _GRAPHC_TO_ONNX = {
-    "float32": "tensor(float)", "float64": "tensor(double)", "float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)",
-    "int32": "tensor(int32)", "int64": "tensor(int64)", "bool": "tensor(bool)",
+    "float32": "tensor(float)",
+    "float64": "tensor(double)",
+    "float16": "tensor(float16)",
+    "bfloat16": "tensor(bfloat16)",
+    "int32": "tensor(int32)",
+    "int64": "tensor(int64)",
+    "bool": "tensor(bool)",
 }
 
 
@@ -42,10 +47,25 @@ def onnx_type_string(dtype: str | np.dtype) -> str:
     return f"tensor({onnx.TensorProto.DataType.Name(code).lower()})"
 
 
-FLAG_ATTRIBUTES = frozenset({
-    "keepdims", "noop_with_empty_axes", "transA", "transB", "upper", "allowzero", "reverse", "exclusive", "is_causal",
-    "select_last_index", "ceil_mode", "count_include_pad", "interleaved", "do_rotary", "unidirectional",
-})
+FLAG_ATTRIBUTES = frozenset(
+    {
+        "keepdims",
+        "noop_with_empty_axes",
+        "transA",
+        "transB",
+        "upper",
+        "allowzero",
+        "reverse",
+        "exclusive",
+        "is_causal",
+        "select_last_index",
+        "ceil_mode",
+        "count_include_pad",
+        "interleaved",
+        "do_rotary",
+        "unidirectional",
+    }
+)
 """Int attributes that are flags: the schemas type them as ints, and runtimes disagree on values other than 0 and 1
 (onnxruntime's reductions keep dims only for ``keepdims == 1``), so graphc refuses those values."""
 
@@ -115,11 +135,16 @@ def _check_types(schema: defs.OpSchema, input_types: Sequence[str | None], where
         param = formal.type_str
         if param in allowed:
             if allowed[param] and actual not in allowed[param]:
-                raise OnnxImportError(f"{where}: input {k} ({formal.name}) is {actual}; {schema.name} allows {param} in {', '.join(sorted(allowed[param]))}")
+                raise OnnxImportError(
+                    f"{where}: input {k} ({formal.name}) is {actual}; {schema.name} allows {param} in {', '.join(sorted(allowed[param]))}"
+                )
             variadic_mixed = formal.option == defs.OpSchema.FormalParameterOption.Variadic and not formal.is_homogeneous
             if param in bound and bound[param][1] != actual and not variadic_mixed:
                 first_k, first_type = bound[param]
-                raise OnnxImportError(f"{where}: input {k} ({formal.name}) is {actual} but input {first_k} is {first_type}; {schema.name} needs one type {param} for both")
+                raise OnnxImportError(
+                    f"{where}: input {k} ({formal.name}) is {actual} but input {first_k} is {first_type}; {schema.name} needs one type {param} "
+                    f"for both"
+                )
             bound.setdefault(param, (k, actual))
         elif param.startswith("tensor(") and actual != param and param != "tensor(undefined)":
             raise OnnxImportError(f"{where}: input {k} ({formal.name}) is {actual}; {schema.name} takes {param}")

@@ -293,8 +293,10 @@ def _pv_roles(graph: Graph, softmax: Node, sc: _Scores, r: _Roles) -> _Values | 
     split = _rows_split(p_shape, s_shape, len(r.batch), r.rows, r.sizes, r.group, r.sq)
     merged = _rows_merged(p_shape, s_shape, len(r.batch), r.rows, r.sizes)
     if len(pspec.inputs) != 2 or (p_shape != s_shape and split is None and not merged):
-        return Miss(f"{pv.name!r} does not read the probabilities in the scores' shape (or in it with the query rows split into group x queries, "
-                    "or merged from group x queries)")
+        return Miss(
+            f"{pv.name!r} does not read the probabilities in the scores' shape (or in it with the query rows split into group x queries, "
+            "or merged from group x queries)"
+        )
     ppos = pv.inputs.index(p_val)
     p_term, v_term_raw = pspec.inputs[ppos], pspec.inputs[1 - ppos]
     rename, pv_rows = _p_labels(r, p_term, set(pspec.labels), split, merged)
@@ -351,13 +353,41 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
                 past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)  # type: ignore[union-attr]
                 k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
     return AttentionMatch(
-        softmax, pv.pv, q, k, v, r.q_term, r.k_term, pv.v_term, r.batch, r.rows, r.t, r.d, pv.e, s, q_shape, r.group * rk,
-        sc.scale * f * fk, sc.offset, sc.mask, sc.mask_kind, past, presents, pv.out_term, sc.chain + [r.qk.name], window=sc.window,
-        softcap=sc.cap, pv_rows=pv.pv_rows, empty_rows=sc.empty_rows, more_masks=sc.more_masks,
+        softmax,
+        pv.pv,
+        q,
+        k,
+        v,
+        r.q_term,
+        r.k_term,
+        pv.v_term,
+        r.batch,
+        r.rows,
+        r.t,
+        r.d,
+        pv.e,
+        s,
+        q_shape,
+        r.group * rk,
+        sc.scale * f * fk,
+        sc.offset,
+        sc.mask,
+        sc.mask_kind,
+        past,
+        presents,
+        pv.out_term,
+        sc.chain + [r.qk.name],
+        window=sc.window,
+        softcap=sc.cap,
+        pv_rows=pv.pv_rows,
+        empty_rows=sc.empty_rows,
+        more_masks=sc.more_masks,
     )
 
 
-def _rows_split(p_shape: tuple[Dim, ...], s_shape: tuple[Dim, ...], at: int, rows: str, sizes: dict[str, Dim], group: int | None, sq: Dim) -> tuple[Dim, Dim] | None:
+def _rows_split(
+    p_shape: tuple[Dim, ...], s_shape: tuple[Dim, ...], at: int, rows: str, sizes: dict[str, Dim], group: int | None, sq: Dim
+) -> tuple[Dim, Dim] | None:
     """``(group, queries)`` when ``p_shape`` is the scores' shape with its one query-row axis split into group x queries."""
     if len(rows) != 1 or group is None or len(p_shape) != len(s_shape) + 1:
         return None

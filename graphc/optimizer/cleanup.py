@@ -214,7 +214,6 @@ LAYOUT_RULES = (
 )
 
 
-
 # --------------------------------------------------------------- whole-graph passes
 
 
@@ -297,4 +296,3 @@ def _rewrite_constant(graph: Graph, node: Node, ctx: PassContext) -> str:
 
 CONSTANT_FOLD_RULE = Rule("constant_fold", (Op,), _match_constant, _rewrite_constant)
 """Evaluate a node whose operands are all initializers with the op's reference semantics."""
-

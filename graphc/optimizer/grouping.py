@@ -110,8 +110,7 @@ def _match_fuse(graph: Graph, node: Node, ctx: PassContext) -> object:
         h = spec.inputs[pos][axis]
         if h not in spec.inputs[1 - pos]:
             return Miss(
-                f"in {r.name!r} ({spec}) the repeated axis {axis} (label {h!r}) is not shared with the other operand, "
-                "so there is no axis to group"
+                f"in {r.name!r} ({spec}) the repeated axis {axis} (label {h!r}) is not shared with the other operand, so there is no axis to group"
             )
         plans.append((r.name, pos, h))
     return node, axis, plans
@@ -256,7 +255,6 @@ def _match_above_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
 FUSE_REPEAT_RULE = Rule("fuse_repeat_kv", (Repeat,), _match_fuse, _rewrite_fuse)
 ABOVE_REPEAT_RULE = Rule("hoist_above_repeat", (Scale, Unary), _match_above_repeat, _rewrite_hoist)
 FOLD_RULE = Rule("fold_groups", (Einsum,), _match_fold, _rewrite_fold)
-
 
 
 HOIST_RULE = Rule("hoist_elementwise", (Scale, Unary, CausalMask, Softmax), _match_hoist, _rewrite_hoist)

@@ -227,7 +227,9 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
             ctx.fired(rule.name, node.name, detail)
             fired += 1
             if fired > limit:
-                raise OptimizerError(f"stage {stage!r} did not settle after {fired} rewrites (rules keep undoing each other):\n{ctx.trace.explain(last=20)}")
+                raise OptimizerError(
+                    f"stage {stage!r} did not settle after {fired} rewrites (rules keep undoing each other):\n{ctx.trace.explain(last=20)}"
+                )
             again = set(touched)
             again.add(name)
             for t in list(again):

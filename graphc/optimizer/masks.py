@@ -109,7 +109,10 @@ def _half_plane(graph: Graph, value: str) -> tuple[str, Dim] | None:
         return None
     d = dim_sub(b[1], a[1])  # j + a <op> i + b  <=>  j <op> i + d
     return {
-        "less_equal": ("upper", d), "less": ("upper", dim_sub(d, 1)), "greater_equal": ("lower", d), "greater": ("lower", dim_add(d, 1)),
+        "less_equal": ("upper", d),
+        "less": ("upper", dim_sub(d, 1)),
+        "greater_equal": ("lower", d),
+        "greater": ("lower", dim_add(d, 1)),
     }[fn]
 
 

@@ -118,4 +118,3 @@ SCALE_RULES = (
     Rule("scale_into_einsum_operand", (Scale,), _match_scale_into_einsum, _rewrite_scale_into_einsum),
     Rule("scale_over_bias", (Scale,), _match_scale_over_bias, _rewrite_scale_over_bias),
 )
-

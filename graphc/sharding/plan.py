@@ -95,7 +95,9 @@ class ShardPlan:
         for st in self.stages:
             g = st.graphs[0]
             kind = f"sharded x{len(st.graphs)}" if st.sharded else "replicated"
-            lines.append(f"  stage {st.index} ({kind}): {len(g.nodes)} node(s); in: {', '.join(st.inputs) or '-'}; out: {', '.join(st.outputs) or '-'}")
+            lines.append(
+                f"  stage {st.index} ({kind}): {len(g.nodes)} node(s); in: {', '.join(st.inputs) or '-'}; out: {', '.join(st.outputs) or '-'}"
+            )
         for name, axis in sorted(self.split_axis.items()):
             if name in self.inputs or name in self.outputs:
                 lines.append(f"  {name}: split on axis {axis} {format_shape(self.types[name].shape)}")
@@ -153,9 +155,13 @@ def _split_axes(g: Graph, classes: AxisClasses, seeds: list[tuple[str, int]], n:
         for value, axis in classes.members(root):
             size = g.types[value].shape[axis]
             if not isinstance(size, int) or size % n:
-                raise ShardingError(f"value {value!r} {format_shape(g.types[value].shape)}: its head axis {axis} has size {size}, not a multiple of {n} shards")
+                raise ShardingError(
+                    f"value {value!r} {format_shape(g.types[value].shape)}: its head axis {axis} has size {size}, not a multiple of {n} shards"
+                )
             if split.get(value, axis) != axis:
-                raise ShardingError(f"value {value!r} {format_shape(g.types[value].shape)} has head axes {split[value]} and {axis}; graphc splits one")
+                raise ShardingError(
+                    f"value {value!r} {format_shape(g.types[value].shape)} has head axes {split[value]} and {axis}; graphc splits one"
+                )
             split[value] = axis
     return split
 
@@ -166,12 +172,16 @@ def _partials(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[s
         reads_split = [v for v in node.inputs if v in split]
         if not reads_split or any(o in split for o in node.outputs):
             if node.name in classes.opaque and (reads_split or any(o in split for o in node.outputs)):
-                raise ShardingError(f"node {node.name!r} ({classes.opaque[node.name]}) touches a head-split value; graphc has no sharding rule for it")
+                raise ShardingError(
+                    f"node {node.name!r} ({classes.opaque[node.name]}) touches a head-split value; graphc has no sharding rule for it"
+                )
             continue
         if isinstance(node.op, Einsum):
             partial.add(node.outputs[0])  # the split axis is contracted away: one addend per shard
         elif not (isinstance(node.op, Attention) and len(node.outputs) > 1):
-            raise ShardingError(f"node {node.name!r} ({node.op.kind}) reduces over the head axis of {reads_split[0]!r}; only einsums may (their results are summed)")
+            raise ShardingError(
+                f"node {node.name!r} ({node.op.kind}) reduces over the head axis of {reads_split[0]!r}; only einsums may (their results are summed)"
+            )
     return partial
 
 
@@ -235,8 +245,9 @@ def _shard_op(g: Graph, node: Node, split: Mapping[str, int], n: int) -> object:
     return op
 
 
-def _stage_graph(g: Graph, name: str, nodes: list[Node], inputs: list[str], outputs: list[str], split: Mapping[str, int],
-                 n: int, shard: int | None) -> Graph:
+def _stage_graph(
+    g: Graph, name: str, nodes: list[Node], inputs: list[str], outputs: list[str], split: Mapping[str, int], n: int, shard: int | None
+) -> Graph:
     sg = Graph(name)
     parts = n if shard is not None else 1
     for v in inputs:
@@ -254,7 +265,9 @@ def _stage_graph(g: Graph, name: str, nodes: list[Node], inputs: list[str], outp
         for o, value in zip(node.outputs, got):
             want = _shard_type(g.types[o], split.get(o) if shard is not None else None, parts)
             if tuple(value.type.shape) != tuple(want.shape):
-                raise ShardingError(f"node {node.name!r}: shard {shard} infers {format_shape(value.type.shape)} for {o!r}, expected {format_shape(want.shape)}")
+                raise ShardingError(
+                    f"node {node.name!r}: shard {shard} infers {format_shape(value.type.shape)} for {o!r}, expected {format_shape(want.shape)}"
+                )
     sg.output(*outputs)
     sg.verify()
     return sg
@@ -272,8 +285,10 @@ def _check_bound(sg: Graph, stage: int) -> None:
                     if d is not None:
                         used |= dim_symbols(d)
         if used - bound:
-            raise ShardingError(f"stage {stage}: node {node.name!r} uses sizes {sorted(used - bound)} that none of the stage's inputs "
-                                f"{list(sg.inputs)} carries; graphc cannot cut the graph there")
+            raise ShardingError(
+                f"stage {stage}: node {node.name!r} uses sizes {sorted(used - bound)} that none of the stage's inputs "
+                f"{list(sg.inputs)} carries; graphc cannot cut the graph there"
+            )
 
 
 def shard(graph: Graph, n: int) -> ShardPlan:
@@ -305,8 +320,11 @@ def shard(graph: Graph, n: int) -> ShardPlan:
         later = {v for node in order if stage_of[node.name] > s for v in node.inputs} | set(g.outputs)
         outs = [o for node in nodes for o in node.outputs if o in later]
         sharded = s % 2 == 0
-        graphs = tuple(_stage_graph(g, f"{g.name}.stage{s}.shard{i}", nodes, ins, outs, split, n, i) for i in range(n)) if sharded else (
-            _stage_graph(g, f"{g.name}.stage{s}", nodes, ins, outs, split, n, None),)
+        graphs = (
+            tuple(_stage_graph(g, f"{g.name}.stage{s}.shard{i}", nodes, ins, outs, split, n, i) for i in range(n))
+            if sharded
+            else (_stage_graph(g, f"{g.name}.stage{s}", nodes, ins, outs, split, n, None),)
+        )
         _check_bound(graphs[0], s)
         stages.append(Stage(s, sharded, graphs, tuple(ins), tuple(outs)))
     types = {v: g.types[v] for v in g.types}
