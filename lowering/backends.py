@@ -114,7 +114,6 @@ def _cuda_missing() -> str | None:
 
 
 def _ort(provider: str) -> Callable[..., Runner]:
-    name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
 
     def prepare_ort(
         graph: Graph,
@@ -127,8 +126,7 @@ def _ort(provider: str) -> Callable[..., Runner]:
     ) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        description, fn = build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin)
-        return Runner(name, description, graph, fn)
+        return build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin)
 
     return prepare_ort
 

@@ -26,6 +26,7 @@ from graphc.ops import Einsum
 from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
+from .runner import Runner
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction"]
 
@@ -105,8 +106,8 @@ def prepare_ort(
     sizes: Mapping[str, int] | None = None,
     isolate: bool = False,
     spin: bool = False,
-) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
-    """Export ``graph`` and build its session; returns the provider description and the run function.
+) -> Runner:
+    """Export ``graph`` and build its session: a :class:`~lowering.runner.Runner`, as every backend returns.
 
     ``spin=False`` (default) turns off onnxruntime's spinning intra-op threads, which otherwise
     compete with NumPy's and torch's thread pools in the same process (``compare`` runs them all).
@@ -126,4 +127,4 @@ def prepare_ort(
         outs = dict(zip(sessions.outputs, sessions.session(basic)(feeds)))
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
-    return sessions.description, run
+    return Runner(name, sessions.description, graph, run)

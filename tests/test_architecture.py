@@ -105,3 +105,11 @@ def test_ruff_check_passes():
         [sys.executable, "-m", "ruff", "check", "graphc", "lowering", "tests", "benchmarks", "examples"], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_every_op_has_reference_semantics():
+    """The NumPy interpreter, constant folding and the torch backend's fallback run an op by its ``evaluate``."""
+    from graphc.ops import OP_TYPES, Op
+
+    missing = [n for n, t in OP_TYPES.items() if t.evaluate is Op.evaluate and t.evaluate_all is Op.evaluate_all]
+    assert missing == []
