@@ -15,9 +15,10 @@ from onnx import TensorProto, helper
 from graphc import Graph, optimize
 from graphc.errors import OptimizerError, UnknownNameError
 from graphc.onnx_import import from_onnx
-from graphc.ops import UNARY_FUNCTIONS, Unary, register_unary
-from graphc.optimizer import Miss, Rule, register_rule, unregister_rule
-from graphc.optimizer.cleanup import only_reader, remove_if_dead
+from graphc.ops import UNARY_FUNCTIONS, Binary, Unary, register_unary
+from graphc.optimizer import Rule, register_rule, unregister_rule
+from graphc.optimizer.cleanup import remove_if_dead
+from graphc.optimizer.patterns import Pat, pattern_rule
 from lowering import run
 
 BACKENDS = installed("numpy", "onnx-reference", "ort-cpu", "torch")
@@ -31,25 +32,25 @@ def softplus():
     del UNARY_FUNCTIONS["softplus"]
 
 
-def _double_negation(graph, node, ctx):  # noqa: ANN001, ANN202
-    inner = graph.producer(node.inputs[0])
-    if node.op.fn != "neg" or inner is None or not (isinstance(inner.op, Unary) and inner.op.fn == "neg"):
-        return None
-    if not only_reader(graph, inner.name, node.name):
-        return Miss(f"{inner.name!r} is read elsewhere")
-    return node, inner
+def _is_neg(op) -> bool:  # noqa: ANN001
+    return op.fn == "neg"
 
 
-def _drop_double_negation(graph, m, ctx) -> str:  # noqa: ANN001
-    node, inner = m
-    graph.replace_uses(node.name, inner.inputs[0])
-    remove_if_dead(graph, node.name)
-    return f"-(-x) is {inner.inputs[0]!r}"
+DOUBLE_NEGATION = Pat.op(
+    Unary, where=_is_neg, name="outer", inputs=(Pat.op(Unary, where=_is_neg, name="inner", single_use=True, inputs=(Pat.var("x"),)),)
+)
+"""``-(-x)``, the inner negation read only by the outer one."""
+
+
+def _drop_double_negation(graph, b, ctx) -> str:  # noqa: ANN001
+    graph.replace_uses(b["outer"].name, b["x"])
+    remove_if_dead(graph, b["outer"].name)
+    return f"-(-x) is {b['x']!r}"
 
 
 @pytest.fixture
 def double_negation():
-    register_rule("simplify", Rule("double_negation", (Unary,), _double_negation, _drop_double_negation))
+    register_rule("simplify", pattern_rule("double_negation", DOUBLE_NEGATION, _drop_double_negation))
     yield
     unregister_rule("simplify", "double_negation")
 
@@ -115,4 +116,23 @@ def test_a_rule_that_raises_is_reported_with_the_rule_and_the_node():
 
 def test_register_rule_names_the_stages():
     with pytest.raises(UnknownNameError, match="simplify"):
-        register_rule("no_such_stage", Rule("r", (Unary,), _double_negation, _drop_double_negation))
+        register_rule("no_such_stage", pattern_rule("r", DOUBLE_NEGATION, _drop_double_negation))
+
+
+def test_a_pattern_binds_names_and_reports_a_near_miss():
+    g = Graph("p")
+    x = g.input("x", [3])
+    inner = g.unary("neg", x, name="inner")
+    g.output(g.unary("neg", inner, name="outer"), g.add(inner, x, name="other"))  # inner has a second reader
+    assert DOUBLE_NEGATION.match(g, "outer").reason == "'inner' is read outside the pattern"
+    h = Graph("q")
+    y = h.input("y", [3])
+    h.output(h.unary("neg", h.unary("neg", y, name="a"), name="b"))
+    b = DOUBLE_NEGATION.match(h, "b")
+    assert (b["outer"].name, b["inner"].name, b["x"]) == ("b", "a", "y")
+    assert DOUBLE_NEGATION.match(h, "a") is None  # -y alone is not -(-x)
+    same = Pat.op(Binary, inputs=(Pat.var("v"), Pat.var("v")))  # one name twice: one value
+    k = Graph("k")
+    z, w = k.input("z", [2]), k.input("w", [2])
+    k.output(k.add(z, z, name="zz"), k.add(z, w, name="zw"))
+    assert same.match(k, "zz") == {"v": "z"} and same.match(k, "zw") is None

@@ -6,6 +6,7 @@ from .attention import fuse_attention
 from .infra import DEFAULT_DIM_HINT, Miss, Pass, PassContext, PassManager, PassResult, RewritePass, Rule, Trace, rewrite_to_fixed_point
 from .decompose import decompose_attention
 from .legalize import LOWERING_STAGES, REFERENCE_TARGET, Target, legalize, lower
+from .patterns import Bindings, Pat, pattern_rule
 from .pipeline import PIPELINES, STAGES, OptimizationReport, OptimizationResult, optimize, pipeline, register_rule, unregister_rule
 from .planning import OPTIMIZERS, plan_contractions
 
@@ -17,6 +18,9 @@ __all__ = [
     "STAGES",
     "pipeline",
     "register_rule",
+    "Pat",
+    "Bindings",
+    "pattern_rule",
     "unregister_rule",
     "lower",
     "legalize",

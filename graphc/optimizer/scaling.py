@@ -17,23 +17,21 @@ from graphc.rotary import Rotary
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, Rule
+from .patterns import Bindings, Pat, pattern_rule
 
 __all__ = ["SCALE_RULES"]
 
 
-def _match_scale_of_scale(graph: Graph, node: Node, ctx: PassContext) -> object:
-    inner = graph.producer(node.inputs[0])
-    if inner is None or not isinstance(inner.op, Scale):
-        return None
-    return node if only_reader(graph, inner.name, node.name) else Miss(f"inner scale {inner.name!r} has other readers")
-
-
-def _rewrite_scale_of_scale(graph: Graph, node: Node, ctx: PassContext) -> str:
-    inner = graph.nodes[node.inputs[0]]
-    factor = node.op.factor * inner.op.factor  # type: ignore[attr-defined]
-    graph.redefine(node.name, Scale(factor), [inner.inputs[0]])
+def _merge_scales(graph: Graph, b: Bindings, ctx: PassContext) -> str:
+    outer, inner = b["outer"], b["inner"]
+    factor = outer.op.factor * inner.op.factor
+    graph.redefine(outer.name, Scale(factor), [b["x"]])
     remove_if_dead(graph, inner.name)
     return f"merged with {inner.name!r}: factor {factor!r}"
+
+
+SCALE_OF_SCALE = Pat.op(Scale, name="outer", inputs=(Pat.op(Scale, name="inner", single_use=True, inputs=(Pat.var("x"),)),))
+"""``Scale(Scale(x))`` with the inner scale read only here."""
 
 
 def _match_scale_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:
@@ -114,7 +112,7 @@ def _rewrite_scale_through_rotary(graph: Graph, m: tuple[Node, Node], ctx: PassC
 
 SCALE_RULES = (
     Rule("scale_through_rotary", (Scale,), _match_scale_through_rotary, _rewrite_scale_through_rotary),
-    Rule("merge_scales", (Scale,), _match_scale_of_scale, _rewrite_scale_of_scale),
+    pattern_rule("merge_scales", SCALE_OF_SCALE, _merge_scales),
     Rule("scale_into_einsum_operand", (Scale,), _match_scale_into_einsum, _rewrite_scale_into_einsum),
     Rule("scale_over_bias", (Scale,), _match_scale_over_bias, _rewrite_scale_over_bias),
 )
