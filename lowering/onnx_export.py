@@ -38,7 +38,8 @@ from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduc
 
 from .contraction import plan_matmul
 from .onnx_builder import ONNX_DTYPES, OnnxBuilder, may_carry_neg_inf
-from .onnx_chunked import chunked_unsupported, emit_chunked_attention
+from .forms import ChunkedCausalAttention, OnnxAttention, OrtGroupQueryAttention
+from .onnx_chunked import emit_chunked_attention
 from .targets import ATTENTION_MODES, onnx_target
 
 __all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES", "ONNX_EMITTERS", "onnx_emitter"]
@@ -90,23 +91,29 @@ def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
         raise ExportError(f"node {node.name!r}: einsum {spec} has {len(spec.inputs)} operands; lower the graph first")
 
 
-def _emit_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
-    """The standard ``Attention`` op, ``com.microsoft.GroupQueryAttention`` for ``ort-gqa``, or query chunks for ``chunked``."""
+def _emit_unformed_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
+    raise ExportError(f"node {node.name!r}: an Attention op with no ONNX form; lower the graph for an ONNX target (lowering.targets.onnx_target)")
+
+
+def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """The standard ``Attention`` op (opset 23+)."""
     op: Attention = node.op  # type: ignore[assignment]
-    if mode == "chunked" or (mode == "auto" and chunked_unsupported(b.graph, node) is None):
-        emit_chunked_attention(b, node)
-        return
-    g = b.graph
     ins = list(node.inputs)
     mask = ins[3] if op.has_mask else None
     past = ins[3 + op.has_mask :] if op.kv_cache else []
-    if mode != "ort-gqa":
-        inputs = ins[:3] + ([mask or ""] if (mask or past) else []) + past
-        attrs: dict[str, object] = {"is_causal": int(op.causal_offset is not None), "scale": op.scale}
-        if op.softcap is not None:  # the op caps before masking, as graphc does (checked in the tests)
-            attrs["softcap"] = op.softcap
-        b.nodes.append(helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), **attrs))
-        return
+    inputs = ins[:3] + ([mask or ""] if (mask or past) else []) + past
+    attrs: dict[str, object] = {"is_causal": int(op.causal_offset is not None), "scale": op.scale}
+    if op.softcap is not None:  # the op caps before masking, as graphc does (checked in the tests)
+        attrs["softcap"] = op.softcap
+    b.nodes.append(helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), **attrs))
+
+
+def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """onnxruntime's ``com.microsoft.GroupQueryAttention`` on packed ``[B, S, H*D]`` Q/K/V."""
+    op: Attention = node.op  # type: ignore[assignment]
+    g = b.graph
+    ins = list(node.inputs)
+    past = ins[3 + op.has_mask :] if op.kv_cache else []
     q, k, v = ins[:3]
     batch, n_heads, sq, head_dim = g.types[q].shape
     n_kv, k_len = g.types[k].shape[1], g.types[k].shape[2]
@@ -188,7 +195,10 @@ ONNX_EMITTERS.update(
         BroadcastTo: lambda b, node, mode: b.op("Expand", [node.inputs[0], b.shape(node.op.shape)], node.name),  # type: ignore[attr-defined]
         Arange: lambda b, node, mode: _range(b, node.op.start, node.op.stop, node.name),  # type: ignore[attr-defined]
         Opaque: lambda b, node, mode: b.nodes.append(node.op.node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),  # type: ignore[attr-defined]
-        Attention: _emit_attention,
+        Attention: _emit_unformed_attention,
+        OnnxAttention: _emit_onnx_attention,
+        OrtGroupQueryAttention: _emit_gqa,
+        ChunkedCausalAttention: lambda b, node, mode: emit_chunked_attention(b, node),
     }
 )
 

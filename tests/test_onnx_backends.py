@@ -182,15 +182,20 @@ def test_auto_records_the_form_it_chose_in_the_trace():
     from lowering.targets import onnx_target
 
     cases = {
-        (True, 1024): "query chunks over the visible keys (4096 query rows per KV head)",
-        (False, 1024): "ONNX Attention op (opset 23) (4096 query rows per KV head)",
+        (
+            True,
+            1024,
+        ): "kept as ChunkedCausalAttention: query chunks over the visible keys: causal prefill skips the masked half (4096 query rows per KV head)",
+        (False, 1024): "kept as OnnxAttention: the standard ONNX Attention op (opset 23+) (4096 query rows per KV head)",
         (True, 1): "decomposed into grouped einsums: auto: 4 query row(s) per KV head, under 64",
     }
     for (causal, q_len), text in cases.items():
         ctx = PassContext()
         kv_len = q_len if q_len > 1 else 4096
-        lower(graphc.sdpa_graph(CFG.with_(causal=causal), q_len=q_len, kv_len=kv_len), onnx_target("auto", 23), ctx=ctx)
+        lowered = lower(graphc.sdpa_graph(CFG.with_(causal=causal), q_len=q_len, kv_len=kv_len), onnx_target("auto", 23), ctx=ctx)
         assert text in ctx.trace.explain(), (causal, q_len)
+        form = text.split(":")[0].removeprefix("kept as ") if text.startswith("kept") else None
+        assert [n.op.kind for n in lowered.topological_order() if n.op.kind.endswith("Attention")] == ([form] if form else [])
 
 
 @pytest.mark.parametrize("kind", ["core", "layer", "decode", "mqa-decode"])

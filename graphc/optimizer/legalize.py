@@ -15,7 +15,7 @@ on the graph they are given, optimized or not.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from graphc.attention_op import Attention
 from graphc.dims import check_sizes
@@ -32,8 +32,9 @@ from .precision import has_low_precision, promote_low_precision
 
 __all__ = ["Target", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
 
-AttentionPolicy = Callable[[Graph, Node, PassContext], "str | None"]
-"""Decides one ``Attention`` node: ``None`` keeps it for the backend's kernel, a string is the reason to decompose it."""
+AttentionPolicy = Callable[[Graph, Node, PassContext], "str | type[Attention] | None"]
+"""Decides one ``Attention`` node, once: ``None`` keeps it for the backend's kernel, an ``Attention`` subclass (a form,
+e.g. ``lowering.forms.ChunkedCausalAttention``) keeps it as that op, a string is the reason to decompose it."""
 
 
 def _always_decompose(graph: Graph, node: Node, ctx: PassContext) -> str:
@@ -61,18 +62,25 @@ REFERENCE_TARGET = Target("reference", description="every composite op decompose
 
 
 def _match_attention(graph: Graph, node: Node, ctx: PassContext) -> object:
-    reason = ctx.target.attention(graph, node, ctx) if ctx.target is not None else "no target"
-    if reason is None:
+    if type(node.op) is not Attention:  # already a form
+        return None
+    decision = ctx.target.attention(graph, node, ctx) if ctx.target is not None else "no target"
+    if decision is None:
         form = ctx.target.kernel(graph, node, ctx) if ctx.target.kernel is not None else "kernel"
         ctx.decide(node.name, f"Attention kept for {ctx.target.name}'s {form}")
         return None
-    return node, reason
+    return node, decision
 
 
-def _rewrite_attention(graph: Graph, m: tuple[Node, str], ctx: PassContext) -> str:
-    node, reason = m
-    decompose_attention(graph, node.name)
-    return f"decomposed into grouped einsums: {reason}"
+def _rewrite_attention(graph: Graph, m: tuple[Node, str | type[Attention]], ctx: PassContext) -> str:
+    node, decision = m
+    if isinstance(decision, str):
+        decompose_attention(graph, node.name)
+        return f"decomposed into grouped einsums: {decision}"
+    op = node.op
+    graph.redefine(node.name, decision(**{f.name: getattr(op, f.name) for f in fields(op)}), node.inputs)  # type: ignore[arg-type]
+    detail = ctx.target.kernel(graph, node, ctx) if ctx.target is not None and ctx.target.kernel is not None else ""
+    return f"kept as {decision.__name__}: {(decision.__doc__ or '').strip()}" + (f" ({detail})" if detail else "")
 
 
 def _match_long_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:

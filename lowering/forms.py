@@ -1,0 +1,102 @@
+"""Attention forms: the ``Attention`` op as an ONNX target writes it, one op type per form, its capability check beside it.
+
+An ONNX target's policy picks the form of each kept ``Attention`` once (:func:`lowering.targets.onnx_target`);
+legalisation then turns the node into that form's op, the trace records it (``--explain``), and the ONNX emitter is
+chosen by the op's type (``lowering.onnx_export.ONNX_EMITTERS``).  A form computes exactly what ``Attention`` computes
+(same fields, same reference semantics): only the ONNX it becomes differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphc import Attention
+from graphc.dims import normalize_dim
+from graphc.graph import Graph, Node
+from graphc.ops import register_op
+from graphc.optimizer import PassContext
+
+from .onnx_chunked import chunked_unsupported
+
+__all__ = [
+    "OnnxAttention",
+    "OrtGroupQueryAttention",
+    "ChunkedCausalAttention",
+    "FORMS",
+    "onnx_attention_unsupported",
+    "gqa_unsupported",
+    "past_length",
+    "unsupported",
+]
+
+
+@register_op
+@dataclass(frozen=True)
+class OnnxAttention(Attention):
+    """the standard ONNX Attention op (opset 23+)"""
+
+
+@register_op
+@dataclass(frozen=True)
+class OrtGroupQueryAttention(Attention):
+    """onnxruntime's com.microsoft.GroupQueryAttention"""
+
+
+@register_op
+@dataclass(frozen=True)
+class ChunkedCausalAttention(Attention):
+    """query chunks over the visible keys: causal prefill skips the masked half"""
+
+
+FORMS = (OnnxAttention, OrtGroupQueryAttention, ChunkedCausalAttention)
+"""Every attention form an ONNX target can choose."""
+
+
+def past_length(graph: Graph, node: Node) -> object:
+    """The KV-cache length of an ``Attention`` node (0 without a cache)."""
+    op: Attention = node.op  # type: ignore[assignment]
+    return normalize_dim(graph.types[node.inputs[3 + op.has_mask]].shape[2]) if op.kv_cache else 0
+
+
+def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | None:
+    """Why the standard ``Attention`` op cannot carry this node (``None`` when it can)."""
+    op: Attention = node.op  # type: ignore[assignment]
+    if opset < 23:
+        return f"the Attention op needs opset 23 or later, got opset {opset}"
+    if op.window is not None:
+        return f"the Attention op has no sliding window (window={op.window}); it is kept decomposed, never dropped"
+    if op.may_mask_whole_rows:
+        return "rows can be fully masked, and runtimes disagree on what the fused op returns for them"
+    if op.causal_offset is not None and normalize_dim(op.causal_offset) != past_length(graph, node):
+        return f"causal offset {op.causal_offset!r} is not the past length; the op aligns its causal mask to the cache"
+    return None
+
+
+def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) -> str | None:
+    """Why ``com.microsoft.GroupQueryAttention`` cannot carry this node (``None`` when it can)."""
+    op: Attention = node.op  # type: ignore[assignment]
+    if op.causal_offset is None:
+        return "GroupQueryAttention is causal only, and this attention has no causal mask"
+    if op.has_mask:
+        return "GroupQueryAttention takes no user mask"
+    if normalize_dim(op.causal_offset) != past_length(graph, node):
+        return f"causal offset {op.causal_offset!r} is not the past length"
+    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+    if not op.kv_cache and normalize_dim(q[2]) != normalize_dim(k[2]):
+        return "GroupQueryAttention without a past cache needs as many keys as queries"
+    if not all(isinstance(d, int) for d in (q[1], k[1], q[3])):
+        return "head counts and head dim must be static"
+    if op.kv_cache and ctx is not None:
+        batch, sq = ctx.known_size(q[0]), ctx.known_size(q[2])
+        if batch is not None and sq is not None and batch > 1 and sq > 1:
+            return "onnxruntime's GroupQueryAttention rejects batch > 1 when a past and several new tokens are given"
+    return None
+
+
+def unsupported(form: type[Attention], graph: Graph, node: Node, ctx: PassContext, opset: int) -> str | None:
+    """Why ``form`` cannot carry ``node`` (``None`` when it can)."""
+    if form is ChunkedCausalAttention:
+        return chunked_unsupported(graph, node)
+    if form is OrtGroupQueryAttention:
+        return gqa_unsupported(graph, node, ctx)
+    return onnx_attention_unsupported(graph, node, opset)
