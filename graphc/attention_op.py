@@ -167,6 +167,13 @@ class Attention(Op):
             out = np.where(hidden.all(axis=-1, keepdims=True), vr.mean(axis=2, keepdims=True, dtype=np.float64).astype(q.dtype), out)
         return (out, k, v) if self.kv_cache else (out,)
 
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """QK^T and PV (two per multiply-add) and the softmax (five per score), over every key (past included)."""
+        b, hq, sq, d = in_shapes[0]
+        sk = out_shapes[1][2] if self.kv_cache else in_shapes[1][2]
+        dv = in_shapes[2][3]
+        return 2 * b * hq * sq * sk * (d + dv) + 5 * b * hq * sq * sk
+
     @property
     def may_mask_whole_rows(self) -> bool:
         """True when some query row can see no key (a user mask, or a causal offset that may be negative)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .dims import Dim, Shape, format_shape, normalize_dim
 from .errors import EinsumSpecError
 
-__all__ = ["EinsumSpec", "parse_einsum", "infer_einsum_shape", "label_sizes", "fresh_labels"]
+__all__ = ["einsum_flops", "EinsumSpec", "parse_einsum", "infer_einsum_shape", "label_sizes", "fresh_labels"]
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -98,3 +98,12 @@ def fresh_labels(used: str, count: int) -> str:
     if len(free) < count:
         raise EinsumSpecError(f"no {count} free einsum labels left (used: {used!r})")
     return "".join(free[:count])
+
+
+def einsum_flops(spec: EinsumSpec, sizes: dict[str, int]) -> int:
+    """FLOPs of evaluating ``spec`` in one go: 2 per multiply-add when a label is summed."""
+    total = 1
+    for c in spec.labels:
+        total *= sizes[c]
+    summed = any(c not in spec.output for c in spec.labels)
+    return total * max(len(spec.inputs) - 1, 1) * (2 if summed else 1)

@@ -18,7 +18,7 @@ import ml_dtypes  # noqa: F401 - registers the bfloat16 dtype with NumPy
 import numpy as np
 
 from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
-from .einsum_spec import EinsumSpec, infer_einsum_shape, parse_einsum
+from .einsum_spec import EinsumSpec, einsum_flops, infer_einsum_shape, parse_einsum
 from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
 from .numerics import causal_mask, safe_softmax
 
@@ -171,6 +171,11 @@ class Op:
 
     arity: ClassVar[int | None] = None  # None: variadic (at least one)
     num_outputs: ClassVar[int] = 1
+    moves_data: ClassVar[bool] = True  # False for a view (Reshape): no FLOPs and no bytes in the cost model
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """Floating-point operations on operands and results of these sizes (the cost model asks the op; 0: data movement only)."""
+        return 0
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         """Return the output type for inputs of types ``ins`` (single-output ops)."""
@@ -253,6 +258,13 @@ class Einsum(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return np.einsum(self.spec, *args, optimize=len(args) > 1)
 
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """Two per multiply-add when a label is summed, in one go (:func:`~graphc.einsum_spec.einsum_flops`)."""
+        sizes: dict[str, int] = {}
+        for term, shape in zip(self.parsed.inputs, in_shapes):
+            sizes.update(zip(term, shape))
+        return einsum_flops(self.parsed, sizes)
+
 
 @dataclass(frozen=True)
 class Reshape(Op):
@@ -260,6 +272,7 @@ class Reshape(Op):
 
     shape: Shape
     arity: ClassVar[int | None] = 1
+    moves_data: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", normalize_shape(self.shape))
@@ -347,6 +360,10 @@ class Softmax(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return safe_softmax(args[0], self.axis)
 
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """Max, subtract, exp, sum and divide: five per element."""
+        return 5 * math.prod(out_shapes[0])
+
 
 @dataclass(frozen=True)
 class Concat(Op):
@@ -422,6 +439,10 @@ class Unary(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return self.function.numpy(args[0])
 
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """One per element of the result."""
+        return math.prod(out_shapes[0])
+
 
 @dataclass(frozen=True)
 class UnaryFunction:
@@ -469,6 +490,10 @@ class Binary(Op):
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return _BINARY[self.fn](args[0], args[1])
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """One per element of the result."""
+        return math.prod(out_shapes[0])
 
 
 COMPARE_FUNCTIONS = ("less", "less_equal", "greater", "greater_equal", "equal")
@@ -520,6 +545,10 @@ class Where(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return np.where(args[0], args[1], args[2])
 
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """One per element of the result."""
+        return math.prod(out_shapes[0])
+
 
 @dataclass(frozen=True)
 class Scale(Op):
@@ -541,6 +570,10 @@ class Scale(Op):
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return args[0] * np.array(self.factor, args[0].dtype)
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """One per element of the result."""
+        return math.prod(out_shapes[0])
 
 
 @dataclass(frozen=True)
@@ -576,6 +609,10 @@ class CausalMask(Op):
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         return causal_mask(args[0], eval_dim(self.offset, dims), self.window)
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """One per element of the result."""
+        return math.prod(out_shapes[0])
 
 
 def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -16,11 +16,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from graphc.graph import Graph, Node
-from graphc.attention_op import Attention
-from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Softmax
+from graphc.ops import Repeat
 
 from .infra import PassContext
-from .planning import einsum_flops
 
 __all__ = ["NodeCost", "GraphCost", "node_cost", "graph_cost", "format_comparison"]
 
@@ -59,31 +57,14 @@ def _bytes(graph: Graph, name: str, ctx: PassContext) -> int:
 
 
 def node_cost(graph: Graph, node: Node, ctx: PassContext) -> NodeCost:
-    """FLOPs, bytes read plus written, and result bytes of ``node`` (all its outputs)."""
-    out = sum(_bytes(graph, o, ctx) for o in node.outputs)
-    if isinstance(node.op, Reshape):
+    """FLOPs (the op's own count, :meth:`~graphc.ops.Op.flops`), bytes read plus written, and result bytes of ``node``."""
+    if not node.op.moves_data:
         return NodeCost(0, 0, 0)
-    numel = ctx.numel(graph.types[node.outputs[0]].shape)
-    if isinstance(node.op, Attention):
-        b, hq, sq, d = ctx.shape(graph.types[node.inputs[0]].shape)
-        sk = ctx.shape(graph.types[node.outputs[-1]].shape)[2] if node.op.kv_cache else ctx.shape(graph.types[node.inputs[1]].shape)[2]
-        dv = ctx.shape(graph.types[node.inputs[2]].shape)[3]
-        flops = 2 * b * hq * sq * sk * (d + dv) + 5 * b * hq * sq * sk
-    elif isinstance(node.op, Einsum):
-        sizes: dict[str, int] = {}
-        for term, v in zip(node.op.parsed.inputs, node.inputs):
-            sizes.update(zip(term, ctx.shape(graph.types[v].shape)))
-        flops = einsum_flops(node.op.parsed, sizes)
-    elif isinstance(node.op, Softmax):
-        flops = 5 * numel
-    elif isinstance(node.op, (CausalMask,)):
-        flops = numel
-    elif node.op.kind in ("Scale", "Unary", "Binary", "Where"):
-        flops = numel
-    else:
-        flops = 0
+    out = sum(_bytes(graph, o, ctx) for o in node.outputs)
+    in_shapes = [ctx.shape(graph.types[i].shape) for i in node.inputs]
+    out_shapes = [ctx.shape(graph.types[o].shape) for o in node.outputs]
     moved = sum(_bytes(graph, i, ctx) for i in node.inputs) + out
-    return NodeCost(flops, moved, out)
+    return NodeCost(node.op.flops(in_shapes, out_shapes), moved, out)
 
 
 def graph_cost(graph: Graph, hints: Mapping[str, int] | None = None) -> GraphCost:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import opt_einsum
 
-from graphc.einsum_spec import EinsumSpec, fresh_labels
+from graphc.einsum_spec import EinsumSpec, einsum_flops, fresh_labels
 from graphc.errors import UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.ops import Einsum
@@ -31,15 +31,6 @@ def check_optimizer(name: str) -> str:
     if name not in OPTIMIZERS:
         raise UnknownNameError("contraction optimizer", name, OPTIMIZERS)
     return name
-
-
-def einsum_flops(spec: EinsumSpec, sizes: dict[str, int]) -> int:
-    """FLOPs of evaluating ``spec`` in one go: 2 per multiply-add when a label is summed."""
-    total = 1
-    for c in spec.labels:
-        total *= sizes[c]
-    summed = any(c not in spec.output for c in spec.labels)
-    return total * max(len(spec.inputs) - 1, 1) * (2 if summed else 1)
 
 
 def plan_path(spec: EinsumSpec, shapes: list[tuple[int, ...]], optimizer: str) -> opt_einsum.contract.PathInfo:
