@@ -20,7 +20,7 @@ the node, operand, label and sizes.  Builder methods (``g.input``,
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
@@ -476,17 +476,44 @@ class Graph(GraphBuilder):
 
     def copy(self) -> Graph:
         """A copy sharing the immutable op payloads and read-only initializer arrays."""
-        g = Graph(self.name)
-        g.initializers = dict(self.initializers)
-        for name in self._inputs:
-            g._values[name] = Value(name, self._values[name].type)
-        g._inputs = list(self._inputs)
-        for name in self.initializers:
-            g._values[name] = Value(name, self._values[name].type)
-        for node in self._walk():
-            g.add_multi_node(node.op, node.inputs, node.outputs, [self._values[o].type for o in node.outputs])
-        g.outputs = self._outputs
+        g = self.rebuild()
         g._fresh = dict(self._fresh)
+        return g
+
+    def rebuild(
+        self,
+        on_input: Callable[[Graph, str, TensorType], str] | None = None,
+        on_node: Callable[[Graph, Node, list[str]], Sequence[str]] | None = None,
+        on_output: Callable[[Graph, str, str], None] | None = None,
+    ) -> Graph:
+        """A new graph from this one in one walk (the one loop behind copies and interface-changing rebuilds).
+
+        ``on_input(new, name, type)`` declares what stands for an input and returns that value (default: the same
+        input); initializers are shared; ``on_node(new, node, operands)`` adds what stands for a node, its operands
+        already mapped, and returns the values of its outputs (default: the same op under the same names);
+        ``on_output(new, name, value)`` makes the output ``name`` from the value that stands for it (default: the
+        value itself, which then has that name).  The outputs keep their names and order.
+        """
+        g = Graph(self.name)
+        value_of: dict[str, str] = {}
+        for name in self._inputs:
+            t = self._values[name].type
+            value_of[name] = on_input(g, name, t) if on_input is not None else g.add_input(name, t.shape, t.dtype).name
+        for name, arr in self.initializers.items():
+            value_of[name] = g.add_initializer(name, arr, copy=False).name
+        for node in self._walk():
+            operands = [value_of[i] for i in node.inputs]
+            if on_node is None:
+                made = [v.name for v in g.add_multi_node(node.op, operands, node.outputs, [self._values[o].type for o in node.outputs])]
+            else:
+                made = list(on_node(g, node, operands))
+            value_of.update(zip(node.outputs, made))
+        for name in self._outputs:
+            if on_output is not None:
+                on_output(g, name, value_of[name])
+            elif value_of[name] != name:  # pragma: no cover - the defaults keep every name
+                raise GraphError(f"rebuild of {self.name!r}: output {name!r} is now {value_of[name]!r}")
+        g.outputs = list(self._outputs)
         return g
 
     def __getstate__(self) -> dict[str, Any]:

@@ -14,8 +14,8 @@ by float32 rounding before the final rounding to the storage dtype.
 
 from __future__ import annotations
 
-from graphc.graph import Graph
-from graphc.ops import LOW_PRECISION_DTYPES, Cast
+from graphc.graph import Graph, Node
+from graphc.ops import LOW_PRECISION_DTYPES, Cast, TensorType
 
 __all__ = ["promote_low_precision", "has_low_precision", "widen_interface"]
 
@@ -27,40 +27,26 @@ def has_low_precision(graph: Graph) -> bool:
 
 def promote_low_precision(graph: Graph) -> Graph:
     """A copy of ``graph`` computing in float32 between its low-precision inputs, weights and outputs (same interface)."""
-    g = Graph(graph.name)
-    rename: dict[str, str] = {}
-    for name in graph.inputs:
-        t = graph.types[name]
-        g.add_input(name, t.shape, t.dtype)
-        rename[name] = name
-    for name, arr in graph.initializers.items():
-        g.add_initializer(name, arr, copy=False)
-        rename[name] = name
     widened: dict[str, str] = {}
+    narrow_outputs = {o for o in graph.outputs if graph.types[o].dtype in LOW_PRECISION_DTYPES}
 
-    def read(name: str) -> str:
-        src = rename[name]
-        if g.types[src].dtype not in LOW_PRECISION_DTYPES:
-            return src
-        if src not in widened:
-            widened[src] = g.add_node(Cast("float32"), [src], g.fresh_name(f"{src}_f32")).name
-        return widened[src]
+    def wide(g: Graph, value: str) -> str:  # a low-precision value read as float32 (one Cast per value)
+        if g.types[value].dtype not in LOW_PRECISION_DTYPES:
+            return value
+        if value not in widened:
+            widened[value] = g.add_node(Cast("float32"), [value], g.fresh_name(f"{value}_f32")).name
+        return widened[value]
 
-    outputs = set(graph.outputs)
-    for node in graph.topological_order():
+    def on_node(g: Graph, node: Node, operands: list[str]) -> list[str]:
         op = Cast("float32") if isinstance(node.op, Cast) and node.op.dtype in LOW_PRECISION_DTYPES else node.op
-        names = [g.fresh_name(f"{o}_f32") if o in outputs and graph.types[o].dtype in LOW_PRECISION_DTYPES else o for o in node.outputs]
-        made = g.add_multi_node(op, [read(i) for i in node.inputs], names)
-        for o, v in zip(node.outputs, made):
-            rename[o] = v.name
-    for o in graph.outputs:
-        dtype = graph.types[o].dtype
-        if dtype in LOW_PRECISION_DTYPES and rename[o] != o:
-            g.add_node(Cast(dtype), [rename[o]], o)
-        elif rename[o] != o:  # pragma: no cover - outputs keep their names above
-            raise AssertionError(o)
-    g.outputs = list(graph.outputs)
-    return g
+        names = [g.fresh_name(f"{o}_f32") if o in narrow_outputs else o for o in node.outputs]
+        return [v.name for v in g.add_multi_node(op, [wide(g, v) for v in operands], names)]
+
+    def on_output(g: Graph, name: str, value: str) -> None:
+        if value != name:  # computed in float32: narrowed back under the output's name
+            g.add_node(Cast(graph.types[name].dtype), [value], name)
+
+    return graph.rebuild(on_node=on_node, on_output=on_output)
 
 
 def widen_interface(graph: Graph, dtype: str = "bfloat16") -> Graph:
@@ -71,26 +57,20 @@ def widen_interface(graph: Graph, dtype: str = "bfloat16") -> Graph:
     ``graph`` exactly.  For runtimes whose API takes no arrays of ``dtype``
     (onnxruntime's Python API and bfloat16).
     """
-    g = Graph(graph.name)
-    rename: dict[str, str] = {}
-    for name in graph.inputs:
-        t = graph.types[name]
-        if t.dtype == dtype:
-            g.add_input(name, t.shape, "float32")
-            rename[name] = g.add_node(Cast(dtype), [name], g.fresh_name(f"{name}_{dtype}")).name
-        else:
-            g.add_input(name, t.shape, t.dtype)
-            rename[name] = name
-    for name, arr in graph.initializers.items():
-        g.add_initializer(name, arr, copy=False)
-        rename[name] = name
     narrow_outputs = {o for o in graph.outputs if graph.types[o].dtype == dtype}
-    for node in graph.topological_order():
+
+    def on_input(g: Graph, name: str, t: TensorType) -> str:
+        if t.dtype != dtype:
+            return g.add_input(name, t.shape, t.dtype).name
+        g.add_input(name, t.shape, "float32")
+        return g.add_node(Cast(dtype), [name], g.fresh_name(f"{name}_{dtype}")).name
+
+    def on_node(g: Graph, node: Node, operands: list[str]) -> list[str]:
         names = [g.fresh_name(f"{o}_{dtype}") if o in narrow_outputs else o for o in node.outputs]
-        for o, v in zip(node.outputs, g.add_multi_node(node.op, [rename[i] for i in node.inputs], names)):
-            rename[o] = v.name
-    for o in graph.outputs:
-        if o in narrow_outputs:
-            g.add_node(Cast("float32"), [rename[o]], o)
-    g.outputs = list(graph.outputs)
-    return g
+        return [v.name for v in g.add_multi_node(node.op, operands, names)]
+
+    def on_output(g: Graph, name: str, value: str) -> None:
+        if name in narrow_outputs:
+            g.add_node(Cast("float32"), [value], name)
+
+    return graph.rebuild(on_input, on_node, on_output)
