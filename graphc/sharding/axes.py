@@ -14,16 +14,17 @@ KV-head axis, or its query-head axis in the multi-query fallback.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
-from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.rotary import Rotary
 from graphc.tensor_ops import Reduce
 
-__all__ = ["AxisClasses", "link_axes", "ELEMENTWISE"]
+__all__ = ["AxisClasses", "link_axes", "ELEMENTWISE", "AXIS_RULES", "axis_rule"]
 
 Axis = tuple[str, int]
 ELEMENTWISE = (Unary, Binary, Compare, Where, Cast, Scale, Softmax, CausalMask)
@@ -61,6 +62,23 @@ def _is_one(d: Dim) -> bool:
     return normalize_dim(d) == 1
 
 
+AxisRule = Callable[[AxisClasses, Graph, Node], None]
+AXIS_RULES: dict[type[Op], AxisRule] = {}
+"""How each op type links the axes of its operands and results (an op without a rule is opaque: nothing links)."""
+
+
+def axis_rule(*op_types: type[Op]) -> Callable[[AxisRule], AxisRule]:
+    """Register the decorated function as the axis-linking rule of ``op_types``."""
+
+    def register(fn: AxisRule) -> AxisRule:
+        for t in op_types:
+            AXIS_RULES[t] = fn
+        return fn
+
+    return register
+
+
+@axis_rule(*ELEMENTWISE)
 def _link_aligned(c: AxisClasses, g: Graph, node: Node) -> None:
     out = g.types[node.outputs[0]].shape
     for name in node.inputs:
@@ -99,52 +117,71 @@ def _groups(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> list[tuple[int, int]]:
 
 
 def _link_node(c: AxisClasses, g: Graph, node: Node) -> None:
-    op = node.op
-    t = g.types
-    if isinstance(op, Einsum):
-        spec = op.parsed
-        for label in spec.labels:
-            places = [(v, term.index(label)) for v, term in zip(node.inputs, spec.inputs) if label in term]
-            if label in spec.output:
-                places.append((node.outputs[0], spec.output.index(label)))
-            places = [p for p in places if not _is_one(t[p[0]].shape[p[1]])]
-            for p in places[1:]:
-                c.union(places[0], p)
-    elif isinstance(op, ELEMENTWISE):
-        _link_aligned(c, g, node)
-    elif isinstance(op, Rotary):  # x's axes map one to one; the positions carry no head axis
-        x, out = node.inputs[0], node.outputs[0]
-        for i in range(len(t[x].shape)):
-            c.union((x, i), (out, i))
-    elif isinstance(op, Transpose):
-        for k, p in enumerate(op.perm):
-            c.union((node.inputs[0], p), (node.outputs[0], k))
-    elif isinstance(op, Reshape):
-        for i, j in _groups(tuple(t[node.inputs[0]].shape), tuple(t[node.outputs[0]].shape)):
-            c.union((node.inputs[0], i), (node.outputs[0], j))
-    elif isinstance(op, Repeat):
-        x, out = node.inputs[0], node.outputs[0]
-        for i, d in enumerate(t[x].shape):
-            if not _is_one(d):
-                c.union((x, i), (out, i))
-    elif isinstance(op, Concat):
-        rank = len(t[node.outputs[0]].shape)
-        for i in range(rank):
-            if i != op.axis % rank:
-                for name in node.inputs:
-                    c.union((name, i), (node.outputs[0], i))
-    elif isinstance(op, Reduce):
-        x, out = node.inputs[0], node.outputs[0]
-        reduced = op.normalized_axes(len(t[x].shape))
-        kept = [i for i in range(len(t[x].shape)) if i not in reduced]
-        for k, i in enumerate(kept):
-            c.union((x, i), (out, i if op.keepdims else k))
-    elif isinstance(op, Attention):
-        _link_attention(c, g, node)
+    rule = AXIS_RULES.get(type(node.op))
+    if rule is None:
+        c.opaque[node.name] = node.op.kind
     else:
-        c.opaque[node.name] = op.kind
+        rule(c, g, node)
 
 
+@axis_rule(Einsum)
+def _link_einsum(c: AxisClasses, g: Graph, node: Node) -> None:
+    spec = node.op.parsed  # type: ignore[attr-defined]
+    for label in spec.labels:
+        places = [(v, term.index(label)) for v, term in zip(node.inputs, spec.inputs) if label in term]
+        if label in spec.output:
+            places.append((node.outputs[0], spec.output.index(label)))
+        places = [p for p in places if not _is_one(g.types[p[0]].shape[p[1]])]
+        for p in places[1:]:
+            c.union(places[0], p)
+
+
+@axis_rule(Rotary)
+def _link_rotary(c: AxisClasses, g: Graph, node: Node) -> None:  # x's axes map one to one; the positions carry no head axis
+    x, out = node.inputs[0], node.outputs[0]
+    for i in range(len(g.types[x].shape)):
+        c.union((x, i), (out, i))
+
+
+@axis_rule(Transpose)
+def _link_transpose(c: AxisClasses, g: Graph, node: Node) -> None:
+    for k, p in enumerate(node.op.perm):  # type: ignore[attr-defined]
+        c.union((node.inputs[0], p), (node.outputs[0], k))
+
+
+@axis_rule(Reshape)
+def _link_reshape(c: AxisClasses, g: Graph, node: Node) -> None:
+    for i, j in _groups(tuple(g.types[node.inputs[0]].shape), tuple(g.types[node.outputs[0]].shape)):
+        c.union((node.inputs[0], i), (node.outputs[0], j))
+
+
+@axis_rule(Repeat)
+def _link_repeat(c: AxisClasses, g: Graph, node: Node) -> None:
+    x, out = node.inputs[0], node.outputs[0]
+    for i, d in enumerate(g.types[x].shape):
+        if not _is_one(d):
+            c.union((x, i), (out, i))
+
+
+@axis_rule(Concat)
+def _link_concat(c: AxisClasses, g: Graph, node: Node) -> None:
+    rank = len(g.types[node.outputs[0]].shape)
+    for i in range(rank):
+        if i != node.op.axis % rank:  # type: ignore[attr-defined]
+            for name in node.inputs:
+                c.union((name, i), (node.outputs[0], i))
+
+
+@axis_rule(Reduce)
+def _link_reduce(c: AxisClasses, g: Graph, node: Node) -> None:
+    op, x, out = node.op, node.inputs[0], node.outputs[0]
+    reduced = op.normalized_axes(len(g.types[x].shape))  # type: ignore[attr-defined]
+    kept = [i for i in range(len(g.types[x].shape)) if i not in reduced]
+    for k, i in enumerate(kept):
+        c.union((x, i), (out, i if op.keepdims else k))  # type: ignore[attr-defined]
+
+
+@axis_rule(Attention)
 def _link_attention(c: AxisClasses, g: Graph, node: Node) -> None:
     op: Attention = node.op  # type: ignore[assignment]
     q, k = node.inputs[0], node.inputs[1]
