@@ -133,3 +133,23 @@ def test_gather_elements_beyond_64_entries_on_every_backend(axis):
     # smaller than the data off the axis, so that backend is left out
     g = _check(model, {"x": rng.standard_normal((70, 80)).astype(np.float32), "i": idx}, [b for b in BACKENDS if b != "onnx-reference"])
     assert "GatherElements" in g.op_counts() and "Opaque" not in g.op_counts()
+
+
+def test_isnan_guards_import_and_run_everywhere():
+    """sdpa's Where(IsNaN(p), 0, p) guard on a softmax folds away (graphc's fully masked rows are zeros); IsNaN of
+    another tensor is x != x and runs on every backend."""
+    nodes = [
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("IsNaN", ["p"], ["p_nan"]),
+        helper.make_node("Where", ["p_nan", "zero", "p"], ["p_safe"]),
+        helper.make_node("IsNaN", ["x"], ["x_nan"]),
+        helper.make_node("Where", ["x_nan", "zero", "x"], ["x_safe"]),
+        helper.make_node("Add", ["p_safe", "x_safe"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.zeros((), np.float32), "zero")]
+    model = _model(nodes, [_vi("s", F, ["b", 4]), _vi("x", F, ["b", 4])], [_vi("y", F, None)], inits)
+    x = np.array([[1.0, np.nan, 2.0, 3.0], [np.nan, 0.5, np.nan, -1.0]], np.float32)
+    g = _check(model, {"s": np.arange(8, dtype=np.float32).reshape(2, 4), "x": x})
+    assert "Opaque" not in g.op_counts()
+    softmax_guard = [n for n in optimize(g).graph.nodes.values() if n.op.kind == "Where" and "p" in n.inputs]
+    assert softmax_guard == []  # folded: nothing guards the softmax
