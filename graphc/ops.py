@@ -44,6 +44,7 @@ __all__ = [
     "Scale",
     "CausalMask",
     "UNARY_FUNCTIONS",
+    "GroupOp",
     "UnaryFunction",
     "register_unary",
     "BINARY_FUNCTIONS",
@@ -664,6 +665,20 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "min": np.minimum,
     "pow": lambda a, b: np.power(a, b) if a.dtype.kind == "f" else np.power(a, np.maximum(b, np.zeros((), b.dtype))),
 }
+
+
+class GroupOp:
+    """Op groups declared once: rules and analyses name a group, not their own list of classes."""
+
+    POINTWISE = (Scale, Unary)
+    """One operand, one result element per operand element (hoistable above any layout change)."""
+    ELEMENTWISE = (Unary, Binary, Compare, Where, Cast, Scale)
+    """The result's axes align with the (broadcast) operands' axes, element by element."""
+    LAST_AXES = (Softmax, CausalMask)
+    """Axis-aligned, but computed along the last axis (softmax) or the last two (causal mask)."""
+    AXIS_ALIGNED = ELEMENTWISE + LAST_AXES
+    """Every op whose result axes are its operands' axes."""
+
 
 OP_TYPES: dict[str, type[Op]] = {
     cls.__name__: cls for cls in (Einsum, Reshape, Transpose, Repeat, Softmax, Concat, Cast, Unary, Binary, Compare, Where, Scale, CausalMask)

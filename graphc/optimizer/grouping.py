@@ -27,7 +27,7 @@ import re
 from graphc.dims import dim_mul
 from graphc.einsum_spec import fresh_labels
 from graphc.graph import Graph, Node
-from graphc.ops import CausalMask, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary
+from graphc.ops import CausalMask, Einsum, GroupOp, Repeat, Reshape, Softmax, Transpose
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, Rule
@@ -196,7 +196,7 @@ def _rewrite_fold(graph: Graph, m: tuple[Node, int, int], ctx: PassContext) -> s
 def _trailing_axes(node: Node, rank: int) -> int | None:
     """How many trailing axes ``node``'s op depends on (None: not an elementwise op)."""
     op = node.op
-    if isinstance(op, (Scale, Unary)):
+    if isinstance(op, GroupOp.POINTWISE):
         return 0
     if isinstance(op, CausalMask):
         return 2
@@ -253,8 +253,8 @@ def _match_above_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
 
 
 FUSE_REPEAT_RULE = Rule("fuse_repeat_kv", (Repeat,), _match_fuse, _rewrite_fuse)
-ABOVE_REPEAT_RULE = Rule("hoist_above_repeat", (Scale, Unary), _match_above_repeat, _rewrite_hoist)
+ABOVE_REPEAT_RULE = Rule("hoist_above_repeat", GroupOp.POINTWISE, _match_above_repeat, _rewrite_hoist)
 FOLD_RULE = Rule("fold_groups", (Einsum,), _match_fold, _rewrite_fold)
 
 
-HOIST_RULE = Rule("hoist_elementwise", (Scale, Unary, CausalMask, Softmax), _match_hoist, _rewrite_hoist)
+HOIST_RULE = Rule("hoist_elementwise", GroupOp.POINTWISE + GroupOp.LAST_AXES, _match_hoist, _rewrite_hoist)

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
-from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import Concat, Einsum, GroupOp, Op, Repeat, Reshape, Transpose
 from graphc.rotary import Rotary
 from graphc.tensor_ops import Reduce
 
 __all__ = ["AxisClasses", "link_axes", "ELEMENTWISE", "AXIS_RULES", "axis_rule"]
 
 Axis = tuple[str, int]
-ELEMENTWISE = (Unary, Binary, Compare, Where, Cast, Scale, Softmax, CausalMask)
+ELEMENTWISE = GroupOp.AXIS_ALIGNED
 """Ops whose output element depends on the inputs' elements at the same (broadcast) index along the head axis."""
 
 
