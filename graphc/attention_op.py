@@ -174,6 +174,10 @@ class Attention(Op):
         dv = in_shapes[2][3]
         return 2 * b * hq * sq * sk * (d + dv) + 5 * b * hq * sq * sk
 
+    def neg_inf_rows(self, n_inputs: int) -> str:
+        """The op's result never holds a row of ``-inf`` (zeros or the mean of V)."""
+        return "clear"
+
     @property
     def may_mask_whole_rows(self) -> bool:
         """True when some query row can see no key (a user mask, or a causal offset that may be negative)."""

@@ -178,6 +178,13 @@ class Op:
         """Floating-point operations on operands and results of these sizes (the cost model asks the op; 0: data movement only)."""
         return 0
 
+    def neg_inf_rows(self, n_inputs: int) -> str:
+        """How a row of ``-inf`` flows through the op (for the NaN guards of exported softmaxes): ``"propagate"`` (from
+        any operand), ``"clear"`` (never in the result), ``"introduce"`` (the op may make one), ``"select"`` (from
+        the operands after the first, as ``Where``'s values) or ``"contract"`` (only from constants: user tensors
+        reaching a contraction are taken to be finite)."""
+        return "propagate"
+
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         """Return the output type for inputs of types ``ins`` (single-output ops)."""
         raise NotImplementedError
@@ -265,6 +272,10 @@ class Einsum(Op):
         for term, shape in zip(self.parsed.inputs, in_shapes):
             sizes.update(zip(term, shape))
         return einsum_flops(self.parsed, sizes)
+
+    def neg_inf_rows(self, n_inputs: int) -> str:
+        """A contraction carries ``-inf`` from constants only (a transpose, a single operand, passes everything)."""
+        return "contract" if n_inputs > 1 else "propagate"
 
 
 @dataclass(frozen=True)
@@ -364,6 +375,10 @@ class Softmax(Op):
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """Max, subtract, exp, sum and divide: five per element."""
         return 5 * math.prod(out_shapes[0])
+
+    def neg_inf_rows(self, n_inputs: int) -> str:
+        """A softmax row is never all ``-inf`` (zeros for a fully masked row)."""
+        return "clear"
 
 
 @dataclass(frozen=True)
@@ -550,6 +565,10 @@ class Where(Op):
         """One per element of the result."""
         return math.prod(out_shapes[0])
 
+    def neg_inf_rows(self, n_inputs: int) -> str:
+        """The values come from ``x`` or ``y``."""
+        return "select"
+
 
 @dataclass(frozen=True)
 class Scale(Op):
@@ -614,6 +633,10 @@ class CausalMask(Op):
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """One per element of the result."""
         return math.prod(out_shapes[0])
+
+    def neg_inf_rows(self, n_inputs: int) -> str:
+        """A negative offset can hide every key of a row."""
+        return "propagate" if self.offset_is_nonnegative else "introduce"
 
 
 def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -11,11 +11,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphc import Attention
 from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Graph
-from graphc.ops import CausalMask, Einsum, Softmax, Where
 
 __all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES"]
 
@@ -147,18 +145,17 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
             finite_arrays[id(arr)] = arr.dtype.kind != "f" or bool(np.isfinite(arr).all())
         from_any[name] = from_const[name] = not finite_arrays[id(arr)]
     for node in g.topological_order():
-        op = node.op
-        if isinstance(op, (Softmax, Attention)):
+        flow = node.op.neg_inf_rows(len(node.inputs))  # the op says (graphc.ops.Op.neg_inf_rows)
+        sources = node.inputs[1:] if flow == "select" else node.inputs
+        if flow == "clear":
             flags = (False, False)
-        elif isinstance(op, CausalMask) and not op.offset_is_nonnegative:
+        elif flow == "introduce":
             flags = (True, True)
-        elif isinstance(op, Where):  # its values come from x or y
-            flags = (any(from_any.get(i, False) for i in node.inputs[1:]), any(from_const.get(i, False) for i in node.inputs[1:]))
-        elif isinstance(op, Einsum) and len(node.inputs) > 1:
+        elif flow == "contract":
             c = any(from_const.get(i, False) for i in node.inputs)
             flags = (c, c)
         else:
-            flags = (any(from_any.get(i, False) for i in node.inputs), any(from_const.get(i, False) for i in node.inputs))
+            flags = (any(from_any.get(i, False) for i in sources), any(from_const.get(i, False) for i in sources))
         for out in node.outputs:
             from_any[out], from_const[out] = flags
     return from_any
