@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphc import Attention
-from graphc.dims import normalize_dim
+from graphc.dims import dim_is_nonnegative, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.ops import register_op
 from graphc.optimizer import PassContext
 
-from .onnx_chunked import chunked_unsupported
 
 __all__ = [
     "OnnxAttention",
@@ -25,6 +24,7 @@ __all__ = [
     "FORMS",
     "onnx_attention_unsupported",
     "gqa_unsupported",
+    "chunked_unsupported",
     "past_length",
     "unsupported",
 ]
@@ -90,6 +90,23 @@ def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) ->
         batch, sq = ctx.known_size(q[0]), ctx.known_size(q[2])
         if batch is not None and sq is not None and batch > 1 and sq > 1:
             return "onnxruntime's GroupQueryAttention rejects batch > 1 when a past and several new tokens are given"
+    return None
+
+
+def chunked_unsupported(graph: Graph, node: Node) -> str | None:
+    """Why query chunks (:mod:`lowering.onnx_chunked`) cannot carry ``node`` (``None`` when it can)."""
+    op: Attention = node.op  # type: ignore[assignment]
+    if op.causal_offset is None:
+        return "not causal: every query sees every key, so there is no masked half to skip"
+    if op.mask == "additive" or op.window is not None or op.softcap is not None:
+        return "chunking is implemented for causal attention with at most a bool mask (no additive mask, window or softcap)"
+    if not dim_is_nonnegative(op.causal_offset):
+        return "the causal offset may be negative"
+    if normalize_dim(op.causal_offset) != past_length(graph, node):
+        return f"causal offset {op.causal_offset!r} is not the past length"
+    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+    if not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int) and isinstance(graph.types[node.inputs[2]].shape[3], int)):
+        return "head counts and head dims must be static"
     return None
 
 

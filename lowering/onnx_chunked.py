@@ -8,7 +8,7 @@ computed from the run-time shapes, so dynamic sequence lengths work): chunk
 where ``P = T - S`` is the past length.  The work is ``(n + 1) / 2n`` of the
 square (62.5% for 4 chunks, 56% for 8).  Within a chunk the heads stay grouped
 (``[B, Hkv, group x rows, D]`` against ``[B, Hkv, keys, D]``), so K/V are never
-repeated.
+repeated.  What the form can carry is :func:`lowering.forms.chunked_unsupported`.
 """
 
 from __future__ import annotations
@@ -16,35 +16,15 @@ from __future__ import annotations
 import numpy as np
 
 from graphc import Attention
-from graphc.dims import dim_is_nonnegative, normalize_dim
-from graphc.graph import Graph, Node
+from graphc.graph import Node
 
 from .onnx_builder import OnnxBuilder
 
-
-__all__ = ["emit_chunked_attention", "CAUSAL_CHUNKS", "chunked_unsupported"]
+__all__ = ["emit_chunked_attention", "CAUSAL_CHUNKS"]
 
 CAUSAL_CHUNKS = 8
 """Query chunks of a chunked causal prefill: 56% of the full square's work.  On 2 cores (mistral-7b core,
 causal prefill 1024, onnxruntime 1.32): 2 chunks 139 ms, 4 chunks 114 ms, 8 chunks 105 ms, the Attention op 159 ms."""
-
-
-def chunked_unsupported(graph: Graph, node: Node) -> str | None:
-    """Why the chunked lowering cannot carry ``node`` (``None`` when it can)."""
-    op: Attention = node.op  # type: ignore[assignment]
-    if op.causal_offset is None:
-        return "not causal: every query sees every key, so there is no masked half to skip"
-    if op.mask == "additive" or op.window is not None or op.softcap is not None:
-        return "chunking is implemented for causal attention with at most a bool mask (no additive mask, window or softcap)"
-    if not dim_is_nonnegative(op.causal_offset):
-        return "the causal offset may be negative"
-    past = graph.types[node.inputs[3 + op.has_mask]].shape[2] if op.kv_cache else 0
-    if normalize_dim(op.causal_offset) != normalize_dim(past):
-        return f"causal offset {op.causal_offset!r} is not the past length"
-    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
-    if not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int) and isinstance(graph.types[node.inputs[2]].shape[3], int)):
-        return "head counts and head dims must be static"
-    return None
 
 
 def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None) -> None:

@@ -25,7 +25,6 @@ from .forms import (
     past_length,
     unsupported,
 )
-from .onnx_chunked import chunked_unsupported
 
 __all__ = [
     "ATTENTION_MODES",
@@ -118,12 +117,12 @@ def onnx_target(mode: str, opset: int) -> Target:
                 return "auto: the query length is not known (give sizes), so the grouped MatMul form is kept"
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
-            if chunked_unsupported(graph, node) is None:
+            if unsupported(ChunkedCausalAttention, graph, node, ctx, opset) is None:
                 scores = _score_elements(graph, node, ctx)
                 if scores < AUTO_MIN_CHUNKED_SCORES:
                     return f"auto: {scores} score elements, under {AUTO_MIN_CHUNKED_SCORES}: one grouped MatMul pass beats query chunks"
                 return ChunkedCausalAttention  # faster than the fused op on causal prefill
-            return onnx_attention_unsupported(graph, node, opset) or OnnxAttention
+            return unsupported(OnnxAttention, graph, node, ctx, opset) or OnnxAttention
 
     def kernel(graph: Graph, node: Node, ctx: PassContext) -> str:
         rows = _rows_per_kv_head(graph, node, ctx)

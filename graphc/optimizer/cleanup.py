@@ -6,6 +6,7 @@ by another value declines with a :class:`~graphc.optimizer.infra.Miss`.
 
 from __future__ import annotations
 
+import numpy as np
 
 from graphc.dims import dim_prod, is_static, normalize_dim
 from graphc.graph import Graph, Node
@@ -19,6 +20,7 @@ __all__ = [
     "remove_if_dead",
     "mask_hides_nothing",
     "only_reader",
+    "shared_constant",
     "dead_code_elimination",
     "common_subexpression_elimination",
     "LAYOUT_RULES",
@@ -39,6 +41,14 @@ def remove_if_dead(graph: Graph, name: str) -> None:
             inputs = node.inputs
             graph.remove_node(node.name)
             stack.extend(inputs)
+
+
+def shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
+    """The initializer ``name`` holding ``value``, made once per graph (rewrites of several layers share it, so their nodes merge)."""
+    have = graph.initializers.get(name)
+    if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
+        return name
+    return graph.add_initializer(graph.fresh_name(name) if have is not None or name in graph.types else name, value).name
 
 
 def only_reader(graph: Graph, value: str, reader: str) -> bool:

@@ -18,6 +18,8 @@ from graphc.graph import Graph
 from graphc.ops import Binary, CausalMask, Compare, Concat, Einsum, Op, Reshape, Scale, Softmax, Unary, Where
 from graphc.tensor_ops import BroadcastTo, Reduce
 
+from .cleanup import shared_constant
+
 __all__ = ["decompose_attention"]
 
 
@@ -67,7 +69,7 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
     dtype = graph.types[s].dtype
     p = add(Softmax(-1), [s], "probs")
     if empty is not None:  # the rows' value: zeros, or the mean of V over every key
-        row_value = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        row_value = shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
         if op.empty_rows == "mean":
             row_value = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
             row_value = add(Reshape((b, hkv, 1, 1, dv)), [row_value], "v_mean_5d") if g > 1 else row_value
@@ -99,8 +101,8 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
     empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
     if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
         # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
-        fill = _shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
-        zero = _shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        fill = shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
+        zero = shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
         mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
         bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
         bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
@@ -114,17 +116,9 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
         if mask is not None:
             s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
         if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
-            neg_inf = _shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
+            neg_inf = shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
             empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
     return s, empty
-
-
-def _shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
-    """The initializer ``name`` holding ``value`` (made once per graph, so decompositions of several layers share it and merge)."""
-    have = graph.initializers.get(name)
-    if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
-        return name
-    return graph.add_initializer(graph.fresh_name(name) if have is not None or name in graph.types else name, value).name
 
 
 def _grouped_mask(graph: Graph, mask: str, g: int, hkv: Dim, add) -> str:  # noqa: ANN001
