@@ -45,6 +45,7 @@ __all__ = [
     "CausalMask",
     "UNARY_FUNCTIONS",
     "GroupOp",
+    "op_registrar",
     "UnaryFunction",
     "register_unary",
     "BINARY_FUNCTIONS",
@@ -709,6 +710,24 @@ OP_TYPES: dict[str, type[Op]] = {
 """Every op kind by name (the loader's registry); :func:`register_op` adds one."""
 
 _O = TypeVar("_O", bound=type)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def op_registrar(table: dict[type[Op], _F]) -> Callable[..., Callable[[_F], _F]]:
+    """A decorator factory filling ``table`` by op type: ``@rule(OpA, OpB)`` registers the function for both (a
+    backend's emitters, an analysis's per-op rules: each declared once, beside its function)."""
+
+    def rule(*op_types: type[Op]) -> Callable[[_F], _F]:
+        def register(fn: _F) -> _F:
+            for t in op_types:
+                table[t] = fn
+            return fn
+
+        return register
+
+    return rule
 
 
 def register_op(cls: _O) -> _O:

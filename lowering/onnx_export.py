@@ -30,7 +30,7 @@ from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous, hidden_keys
-from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, op_registrar
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
 from graphc.rotary import Positions
@@ -156,15 +156,8 @@ ONNX_EMITTERS: dict[type[Op], Emitter] = {}
 """Each op type's ONNX emitter: ``emit(builder, node, attention_mode)`` writes the node's ONNX nodes."""
 
 
-def onnx_emitter(*op_types: type[Op]) -> Callable[[Emitter], Emitter]:
-    """Register the decorated function as the ONNX emitter of ``op_types``."""
-
-    def register(fn: Emitter) -> Emitter:
-        for t in op_types:
-            ONNX_EMITTERS[t] = fn
-        return fn
-
-    return register
+onnx_emitter = op_registrar(ONNX_EMITTERS)
+"""``@onnx_emitter(OpType, ...)`` registers the decorated function as those op types' ONNX emitter."""
 
 
 def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:

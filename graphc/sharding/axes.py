@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
-from graphc.ops import Concat, Einsum, GroupOp, Op, Repeat, Reshape, Transpose
+from graphc.ops import Concat, Einsum, GroupOp, Op, Repeat, Reshape, Transpose, op_registrar
 from graphc.rotary import Rotary
 from graphc.tensor_ops import Reduce
 
@@ -67,15 +67,8 @@ AXIS_RULES: dict[type[Op], AxisRule] = {}
 """How each op type links the axes of its operands and results (an op without a rule is opaque: nothing links)."""
 
 
-def axis_rule(*op_types: type[Op]) -> Callable[[AxisRule], AxisRule]:
-    """Register the decorated function as the axis-linking rule of ``op_types``."""
-
-    def register(fn: AxisRule) -> AxisRule:
-        for t in op_types:
-            AXIS_RULES[t] = fn
-        return fn
-
-    return register
+axis_rule = op_registrar(AXIS_RULES)
+"""``@axis_rule(OpType, ...)`` registers the decorated function as those op types' axis-linking rule."""
 
 
 @axis_rule(*ELEMENTWISE)
