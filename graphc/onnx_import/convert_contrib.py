@@ -57,35 +57,29 @@ GQA_ATTRIBUTES = frozenset(
 """GroupQueryAttention's attributes the import reads (or refuses by value); any other is refused by name, never ignored."""
 
 
-def _write_after_rows_past(ctx: ImportContext, past: str, new: str, lengths: str, what: str) -> str:
-    """``present[b, :, j]``: ``past[b, :, j]`` for ``j < L_b - S``, then ``new[b]``, then zeros (``L_b = lengths[b]``, length ``P + S``).
-
-    Where every row's past fills the cache (``L_b = P + S``) this is ``concat(past, new)``."""
-    b, heads, p, d = ctx.graph.types[past].shape
-    s = ctx.graph.types[new].shape[2]
+def _write_after_rows_past(ctx: ImportContext, pasts: tuple[str, str], news: tuple[str, str], lengths: str) -> list[str]:
+    """Present K and V: ``present[b, :, j]`` is ``past[b, :, j]`` for ``j < L_b - S``, then ``new[b]``, then zeros
+    (``L_b = lengths[b]``; length ``P + S``).  Where every row's past fills the cache (``L_b = P + S``) this is
+    ``concat(past, new)``."""
+    b, _, p, _ = ctx.graph.types[pasts[0]].shape
+    s = ctx.graph.types[news[0]].shape[2]
     total = dim_add(p, s)
-    both = ctx.add(Concat(2), [past, new], f"{what}_concat")  # [B, H, P+S, D]
-    slot = ctx.add(Reshape((1, 1, total, 1)), [ctx.add(Arange(0, total), [], f"{what}_slots")], f"{what}_slots4")
-    start = ctx.add(
-        Reshape((b, 1, 1, 1)),
-        [ctx.add(Binary("sub"), [lengths, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], f"{what}_row_past")],
-        f"{what}_row_past4",
-    )
-    offset = ctx.add(Binary("sub"), [slot, start], f"{what}_new_slot")  # j - past_b: 0.. on the new keys
+    slot = ctx.add(Reshape((1, 1, total, 1)), [ctx.add(Arange(0, total), [], "present_slots")], "present_slots4")
+    new_len = ctx.add(ShapeValues((s,), scalar=True), [], "new_len")
+    start = ctx.add(Reshape((b, 1, 1, 1)), [ctx.add(Binary("sub"), [lengths, new_len], "row_past")], "row_past4")  # past_b
+    is_past = ctx.add(Compare("less"), [slot, start], "slot_is_past")
+    is_new = ctx.add(Compare("less"), [slot, ctx.add(Binary("add"), [start, new_len], "new_end")], "slot_before_end")
+    offset = ctx.add(Binary("sub"), [slot, start], "new_slot")  # j - past_b: 0.. on the new keys
     zero, last = ctx.constant(np.array(0, np.int64), "zero"), ctx.add(ShapeValues((dim_add(s, -1),), scalar=True), [], "last_new")
-    index = ctx.add(
-        BroadcastTo((b, heads, total, d)), [ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")], f"{what}_index"
-    )
-    moved = ctx.add(GatherElements(2), [new, index], f"{what}_moved")
-    is_past, is_new = (
-        ctx.add(Compare("less"), [slot, x], f"{what}_{n}")
-        for x, n in (
-            (start, "is_past"),
-            (ctx.add(Binary("add"), [start, ctx.add(ShapeValues((s,), scalar=True), [], "new_len")], "new_end"), "before_end"),
-        )
-    )
-    zeros = ctx.constant(np.zeros((), np.dtype(ctx.graph.types[new].dtype)), "zero")
-    return ctx.add(Where(), [is_past, both, ctx.add(Where(), [is_new, moved, zeros], f"{what}_tail")], what)
+    clipped = ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")
+    presents = []
+    for past, new, what in zip(pasts, news, ("present_key", "present_value")):
+        both = ctx.add(Concat(2), [past, new], f"{what}_concat")  # [B, H, P+S, D]
+        index = ctx.add(BroadcastTo(ctx.graph.types[both].shape), [clipped], f"{what}_index")
+        moved = ctx.add(GatherElements(2), [new, index], f"{what}_moved")
+        zeros = ctx.constant(np.zeros((), np.dtype(ctx.graph.types[new].dtype)), "zero")
+        presents.append(ctx.add(Where(), [is_past, both, ctx.add(Where(), [is_new, moved, zeros], f"{what}_tail")], what))
+    return presents
 
 
 def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
@@ -138,7 +132,7 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     past = [ins[3], ins[4]] if ins[3] is not None else [None, None]
     if past[0] is not None:  # row b's new keys go right after its own past, seqlens_k[b] + 1 - S (a ragged batch)
         pk, pv = ctx.tensor(past[0], "past_key"), ctx.tensor(past[1], "past_value")
-        k4, v4 = (_write_after_rows_past(ctx, p, x, lengths, w) for p, x, w in ((pk, k4, "present_key"), (pv, v4, "present_value")))
+        k4, v4 = _write_after_rows_past(ctx, (pk, pv), (k4, v4), lengths)
     y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, None, None, None, lengths], fused)
     return [_merge_heads(ctx, y), k4, v4]
 
