@@ -57,8 +57,8 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else (n_kv, group)), *mshape[2:]])
         rows_masked, keys_masked = mshape[2] != 1, mshape[3] != 1
         finite_fill = b.const(np.array(np.finfo(dtype).min, dtype), "fill")
-        fill = b.const(np.zeros((), dtype), "zero_rows")
-        if op.empty_rows == "mean":  # a row with no visible key is the mean of V over every key
+        fill = zero  # the value of a row with no visible key: zeros, or the mean of V
+        if op.empty_rows == "mean":  # over every key
             fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, i64([2])], base=f"{node.name}_v_mean"), i64([2])], base=f"{node.name}_v_mean5")
     parts = []
     for i in range(chunks):
