@@ -213,7 +213,12 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
         for rule in rules:
             if not isinstance(node.op, rule.ops):
                 continue
-            m = _guarded(rule, "match", node, lambda: rule.match(graph, node, ctx))
+            try:
+                m = rule.match(graph, node, ctx)
+            except GraphcError:  # a typed error the rule means to raise (a target refusing a form, a bad graph)
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug in a rule: reported with where it happened
+                raise _rule_failed(rule, "match", node, e) from e
             if isinstance(m, Miss):
                 ctx.missed(rule.name, node.name, m.reason)
                 continue
@@ -221,7 +226,11 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
                 continue
             touched = graph.track_changes()
             try:
-                detail = _guarded(rule, "rewrite", node, lambda: rule.rewrite(graph, m, ctx))
+                detail = rule.rewrite(graph, m, ctx)
+            except GraphcError:
+                raise
+            except Exception as e:  # noqa: BLE001 - as in match
+                raise _rule_failed(rule, "rewrite", node, e) from e
             finally:
                 graph.stop_tracking()
             ctx.fired(rule.name, node.name, detail)
@@ -250,14 +259,9 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
     return fired
 
 
-def _guarded(rule: Rule, step: str, node: Node, call: Callable[[], Any]) -> Any:
-    """Run a rule's ``match`` or ``rewrite``; an exception inside it is an :class:`OptimizerError` naming the rule and node."""
-    try:
-        return call()
-    except GraphcError:  # a typed error the rule means to raise (a target refusing a form, a bad graph)
-        raise
-    except Exception as e:  # noqa: BLE001 - a bug in a rule: reported with where it happened
-        raise OptimizerError(f"rule {rule.name!r} failed in {step} on node {node.name!r} ({node.op}): {type(e).__name__}: {e}") from e
+def _rule_failed(rule: Rule, step: str, node: Node, e: Exception) -> OptimizerError:
+    """The error for an exception inside a rule's ``match`` or ``rewrite``: it names the rule, the step and the node."""
+    return OptimizerError(f"rule {rule.name!r} failed in {step} on node {node.name!r} ({node.op}): {type(e).__name__}: {e}")
 
 
 def RewritePass(name: str, description: str, rules: Sequence[Rule]) -> Pass:
