@@ -28,7 +28,7 @@ from .errors import GraphcError
 from .graph import Graph
 from .ops import DTYPES
 from .attention_op import Attention
-from .optimizer import OPTIMIZERS, PIPELINES, Target, lower, optimize
+from .optimizer import OPTIMIZERS, PIPELINES, PassContext, Target, lower, optimize
 from .serialize import load_graph, save_graph
 from .visualize import to_dot, to_svg
 
@@ -377,12 +377,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         opset = args.opset or max(_source_opset(args.model) if args.model else DEFAULT_OPSET, MIN_OPSET)
         if args.attention != "decomposed":
             opset = max(opset, 23)
-        model = export(out, args.output, opset=opset, attention=args.attention, hints=hints, external_data=args.external_data)
-        if args.explain:  # the export's own lowering, traced: each attention recognised, and the form chosen for it
-            from lowering.targets import onnx_target
-
-            lowered = optimize(out, level=0, hints=hints, target=onnx_target(args.attention, opset)).report.trace
-            print(f"\nthe ONNX export (attention={args.attention!r}, opset {opset}):\n{lowered.explain()}")
+        lowering = PassContext()  # the export's own lowering, traced: each attention recognised, and the form chosen for it
+        model = export(out, args.output, opset=opset, attention=args.attention, hints=hints, external_data=args.external_data, ctx=lowering)
+        if args.explain:
+            print(f"\nthe ONNX export (attention={args.attention!r}, opset {opset}):\n{lowering.trace.explain()}")
         print(f"wrote {args.output}: {len(model.graph.node)} nodes, opset {opset}, inputs {', '.join(out.inputs)}, outputs {', '.join(out.outputs)}")
     elif args.output:
         save_graph(out, args.output)

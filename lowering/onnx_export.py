@@ -338,8 +338,12 @@ def export(
     hints: dict[str, int] | None = None,
     sizes: dict[str, int] | None = None,
     external_data: bool = False,
+    ctx: PassContext | None = None,
 ) -> onnx.ModelProto:
     """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
+
+    ``ctx``: a :class:`~graphc.optimizer.PassContext` whose trace records the export's lowering (each attention
+    recognised and the form chosen for it, what ``graphc optimize --explain -o X.onnx`` prints).
 
     ``attention``: ``"decomposed"`` (MatMul/Softmax nodes), ``"onnx-attention"``
     (the standard ``Attention`` op, opset 23+), ``"ort-gqa"`` (onnxruntime's
@@ -367,7 +371,7 @@ def export(
     for out in graph.outputs:
         if out in graph.inputs or out in graph.initializers:
             raise ExportError(f"graph output {out!r} is a graph input or initializer; ONNX needs outputs computed by nodes")
-    ctx = PassContext()
+    ctx = PassContext() if ctx is None else ctx
     lowered = lower(graph, onnx_target(attention, opset), {**(hints or {}), **(sizes or {})}, ctx)
     if attention in ("onnx-attention", "ort-gqa", "chunked"):
         _require_attention(lowered, attention, ctx)
