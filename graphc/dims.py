@@ -20,6 +20,7 @@ import numpy as np
 from .errors import DimError
 
 __all__ = [
+    "DEFAULT_DIM_HINT",
     "MAX_SIZE",
     "check_sizes",
     "Dim",
@@ -45,6 +46,9 @@ __all__ = [
 
 Dim = int | str
 Shape = tuple[Dim, ...]
+DEFAULT_DIM_HINT = 512
+"""Size assumed for a symbolic dim without a hint when costs or memory are estimated."""
+
 MAX_SIZE = 2**48
 """The largest static size of one axis graphc accepts in a declared shape (far past any real tensor)."""
 

@@ -13,13 +13,25 @@ or half of this machine's physical memory.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .errors import GraphcError, ResourceLimitError
 
-__all__ = ["memory_cap", "set_memory_cap", "machine_memory", "parse_bytes", "format_bytes", "check_allocation", "graph_run_bytes", "DEFAULT_FRACTION"]
+__all__ = [
+    "memory_cap",
+    "set_memory_cap",
+    "machine_memory",
+    "parse_bytes",
+    "format_bytes",
+    "check_allocation",
+    "graph_run_bytes",
+    "live_bytes",
+    "DEFAULT_FRACTION",
+]
 
 DEFAULT_FRACTION = 0.5
 """Share of the machine's physical memory allowed by default."""
@@ -112,13 +124,44 @@ def check_allocation(nbytes: int, what: str) -> None:
         )
 
 
-def graph_run_bytes(graph: object, sizes: Mapping[str, int], upcast: bool = False) -> int:
+def live_bytes(graph: Any, nbytes: Callable[[str], int]) -> tuple[int, int]:
+    """``(peak, largest)``: the most bytes of values alive at once, walking ``graph`` in order, and the largest result
+    of one node.  ``nbytes(value)`` sizes a value; a view (an op that moves no data, a Reshape) costs nothing."""
+    order = graph.topological_order()
+    last: dict[str, int] = {}
+    for i, node in enumerate(order):
+        for v in node.inputs:
+            last[v] = i
+    live = {n: nbytes(n) for n in graph.inputs}
+    current = peak = sum(live.values())
+    largest = 0
+    for i, node in enumerate(order):
+        out = sum(nbytes(o) for o in node.outputs) if node.op.moves_data else 0
+        largest = max(largest, out)
+        for o in node.outputs:
+            live[o] = nbytes(o) if out else 0
+        current += out
+        peak = max(peak, current)
+        for v in set(node.inputs):
+            if last.get(v) == i and v in live and not graph.is_output(v):
+                current -= live.pop(v)
+    return peak, largest
+
+
+def graph_run_bytes(graph: Any, sizes: Mapping[str, int], upcast: bool = False) -> int:
     """Estimated bytes to run ``graph`` with symbols bound by ``sizes``: weights, inputs and peak live intermediates.
 
     ``upcast`` counts float32/float16 values at float64 (the reference run).
     """
-    from .optimizer.cost import graph_cost
+    import numpy as np
 
-    cost = graph_cost(graph, dict(sizes))  # type: ignore[arg-type]
-    total = cost.weight_bytes + cost.peak_live_bytes
+    from .dims import DEFAULT_DIM_HINT, dim_symbols, eval_shape
+
+    def nbytes(value: str) -> int:  # an unbound symbol is sized as the cost model sizes it
+        t = graph.types[value]
+        env = {s: int(sizes.get(s, DEFAULT_DIM_HINT)) for d in t.shape for s in dim_symbols(d)}
+        return math.prod(eval_shape(t.shape, env)) * np.dtype(t.dtype).itemsize
+
+    weights = sum(int(a.nbytes) for a in graph.initializers.values())
+    total = weights + live_bytes(graph, nbytes)[0]
     return total * 2 if upcast else total

@@ -18,6 +18,8 @@ import numpy as np
 from graphc.graph import Graph, Node
 from graphc.ops import Repeat
 
+from graphc.memory import live_bytes
+
 from .infra import PassContext
 
 __all__ = ["NodeCost", "GraphCost", "node_cost", "graph_cost", "format_comparison"]
@@ -70,29 +72,14 @@ def node_cost(graph: Graph, node: Node, ctx: PassContext) -> NodeCost:
 def graph_cost(graph: Graph, hints: Mapping[str, int] | None = None) -> GraphCost:
     """Totals for ``graph`` with symbolic dims sized by ``hints``."""
     ctx = PassContext(hints=dict(hints or {}))
-    order = graph.topological_order()
-    last: dict[str, int] = {}
-    for i, node in enumerate(order):
-        for v in node.inputs:
-            last[v] = i
-    live = {n: _bytes(graph, n, ctx) for n in graph.inputs}
-    current = sum(live.values())
-    peak = current
-    flops = moved = largest = repeat_bytes = 0
-    for i, node in enumerate(order):
+    flops = moved = repeat_bytes = 0
+    for node in graph.topological_order():
         c = node_cost(graph, node, ctx)
         flops += c.flops
         moved += c.bytes_moved
-        largest = max(largest, c.out_bytes)
         if isinstance(node.op, Repeat):
             repeat_bytes += c.out_bytes
-        for o in node.outputs:
-            live[o] = _bytes(graph, o, ctx) if c.out_bytes else 0
-        current += c.out_bytes
-        peak = max(peak, current)
-        for v in set(node.inputs):
-            if last.get(v) == i and v in live and not graph.is_output(v):
-                current -= live.pop(v)
+    peak, largest = live_bytes(graph, lambda v: _bytes(graph, v, ctx))
     counts = graph.op_counts()
     return GraphCost(
         flops=flops,

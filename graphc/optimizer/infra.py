@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from graphc.dims import Dim, dim_symbols, eval_dim, eval_shape
+from graphc.dims import DEFAULT_DIM_HINT, Dim, dim_symbols, eval_dim, eval_shape
 from graphc.errors import GraphcError, OptimizerError
 from graphc.graph import Graph, Node
 from graphc.ops import Op
@@ -40,9 +40,6 @@ __all__ = [
     "NearMiss",
     "DEFAULT_DIM_HINT",
 ]
-
-DEFAULT_DIM_HINT = 512
-"""Size assumed for a symbolic dim without a hint when costs are compared."""
 
 
 @dataclass(frozen=True)
