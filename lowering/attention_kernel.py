@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.dims import eval_dim
 from graphc.numerics import hidden_keys
 

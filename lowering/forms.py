@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.dims import dim_is_nonnegative, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.ops import register_op

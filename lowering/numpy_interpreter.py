@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 from graphc.ops import FLOAT_DTYPES, Cast, Einsum, Op, Softmax

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.graph import Node
 
 from .onnx_builder import OnnxBuilder

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_add, dim_prod, normalize_dim
 from graphc.einsum_spec import label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.dims import dim_add
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node

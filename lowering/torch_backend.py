@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from graphc import Attention
+from graphc.attention_op import Attention
 from graphc.dims import eval_dim, eval_shape
 from graphc.errors import ExecutionError
 from graphc.graph import Graph
