@@ -1,7 +1,7 @@
 """A static cost model: FLOPs, bytes moved, largest intermediate and peak live memory.
 
 Symbolic dims are sized by hints (default
-:data:`~graphc.optimizer.infra.DEFAULT_DIM_HINT`).  A Reshape is counted as a
+:data:`~graphc.dims.DEFAULT_DIM_HINT`).  A Reshape is counted as a
 view (no bytes), every other node allocates its result.  Peak memory walks the
 deterministic topological order, allocating each result and freeing a value
 after its last reader; graph inputs are live from the start, initializers are
