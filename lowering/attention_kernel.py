@@ -24,6 +24,7 @@ from graphc.attention_op import Attention
 from graphc.dims import eval_dim
 from graphc.numerics import hidden_keys
 
+from . import compiled
 from .kernels import default_threads, exp_rows_, run_blocks
 
 __all__ = ["attention_kernel", "blocked_attention", "GEMM_ROWS"]
@@ -98,6 +99,11 @@ def blocked_attention(
         raise ValueError(f"query rows {rows_total} are not a multiple of the query length {sq}")
     groups = rows_total // sq
     lead = int(np.prod(batch, dtype=np.int64))
+    fast = compiled.use_compiled() and q.dtype == k.dtype == v.dtype == np.float32
+    if fast and rows_total <= compiled.MAX_ROWS and scale is None and softcap is None:  # decode: stream K and V once per KV head
+        flat = [np.ascontiguousarray(np.broadcast_to(a, (*batch, *a.shape[-2:])).reshape(lead, *a.shape[-2:])) for a in (q, k, v)]
+        return compiled.decode_attention(*flat, sq, offset, window, threads).reshape(*batch, rows_total, e_dim)
+    exp_rows = compiled.exp_rows_compiled if fast else exp_rows_
     k = np.broadcast_to(k, (*batch, t_len, dim))
     v = np.broadcast_to(v, (*batch, t_len, e_dim))
     q5 = q.reshape(lead, groups, sq, dim)
@@ -130,7 +136,7 @@ def blocked_attention(
             hidden = hidden_keys(i0, i1, c - lo, offset - lo, window)  # keys lo..c-1 only, counted from lo
             if hidden.any():
                 np.copyto(s.reshape(b1 - b0, groups, r, c - c0)[..., lo - c0 :], neg_inf, where=hidden)
-        total = exp_rows_(s)
+        total = exp_rows(s)
         pv = np.matmul(s, v3[b0:b1, c0:c, :])
         pv /= total
         ob[...] = pv.reshape(b1 - b0, groups, r, e_dim)

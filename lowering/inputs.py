@@ -18,7 +18,7 @@ from graphc.errors import DimError, InputError
 from graphc.graph import Graph
 from graphc.memory import check_allocation
 
-__all__ = ["check_inputs", "check_arrays", "random_inputs", "symbol_bindings", "input_shapes", "input_bytes", "format_sizes"]
+__all__ = ["check_inputs", "InputChecker", "check_arrays", "random_inputs", "symbol_bindings", "input_shapes", "input_bytes", "format_sizes"]
 
 
 def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
@@ -32,6 +32,37 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
     if extra:
         raise InputError(f"unexpected input(s) {extra}; graph {graph.name!r} takes {graph.inputs}")
     return check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, require_all=True)
+
+
+class InputChecker:
+    """:func:`check_inputs` for one graph, remembering the bindings of the input signatures (names, dtypes, shapes) it has seen.
+
+    A decode loop feeds the same shapes call after call: after the first, a
+    call costs one pass over the inputs' dtypes and shapes instead of solving
+    the symbolic dims again.  The graph's input types are read once, here.
+    """
+
+    MAX_SIGNATURES = 64
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._names = tuple(graph.inputs)
+        self._known: dict[tuple, dict[str, int]] = {}
+
+    def __call__(self, feeds: Mapping[str, object]) -> dict[str, int]:
+        """The symbol bindings of ``feeds``, checked as :func:`check_inputs` checks them."""
+        try:
+            key = tuple((feeds[n].dtype, feeds[n].shape) for n in self._names) if len(feeds) == len(self._names) else None  # type: ignore[attr-defined,index]
+        except (KeyError, AttributeError, TypeError):
+            key = None
+        if key is not None and key in self._known and all(type(feeds[n]) is np.ndarray for n in self._names):  # type: ignore[index]
+            return dict(self._known[key])
+        dims = check_inputs(self.graph, feeds)
+        if key is not None:
+            if len(self._known) >= self.MAX_SIGNATURES:
+                self._known.clear()
+            self._known[key] = dict(dims)
+        return dims
 
 
 def check_arrays(arrays: Mapping[str, object], types: Mapping[str, Any], require_all: bool = False) -> dict[str, int]:

@@ -31,7 +31,7 @@ from graphc.ops import FLOAT_DTYPES, Cast, Einsum, Op, Softmax
 
 from .attention_kernel import attention_kernel
 from .contraction import contract
-from .inputs import check_inputs
+from .inputs import InputChecker
 from .kernels import masked_softmax
 
 __all__ = ["NumpyInterpreter", "FAST_KERNELS", "REFERENCE_KERNELS", "run_numpy", "Kernel"]
@@ -73,6 +73,7 @@ class NumpyInterpreter:
         self.threads = threads
         self.kernels = REFERENCE_KERNELS if reference else FAST_KERNELS
         self._weights = {k: self._cast(v) for k, v in graph.initializers.items()}
+        self._check = InputChecker(graph)
         self.order = self._precompute_constants(graph.topological_order())
         last: dict[str, int] = {}
         for idx, node in enumerate(self.order):
@@ -113,7 +114,7 @@ class NumpyInterpreter:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on ``feeds`` (checked first) and return its outputs by name."""
-        dims = check_inputs(self.graph, feeds)
+        dims = self._check(feeds)
         env: dict[str, np.ndarray] = dict(self._weights)
         env.update({k: self._cast(np.asarray(v)) for k, v in feeds.items()})
         for idx, node in enumerate(self.order):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 
-from .inputs import check_inputs
+from .inputs import InputChecker
 
 __all__ = ["Runner"]
 
@@ -23,10 +23,14 @@ class Runner:
     provider: str
     graph: Graph
     _fn: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+    _check: InputChecker = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check = InputChecker(self.graph)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Check ``inputs`` against the graph, run, and return the outputs by name."""
-        check_inputs(self.graph, inputs)
+        self._check(inputs)
         try:
             return self._fn(inputs)
         except GraphcError:

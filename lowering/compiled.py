@@ -1,0 +1,139 @@
+"""The compiled kernel tier of the NumPy backend (numba), with NumPy as the fallback.
+
+``pip install "graphc[fast]"`` adds numba; the NumPy backend then runs
+
+- attention over a few query rows per KV head (decode, short chunks: at most
+  :data:`MAX_ROWS` rows of ``group x query`` per KV head) with
+  :func:`decode_attention`: ``K`` and ``V`` streamed once each per KV head,
+  near the machine's read bandwidth, where NumPy's GEMV + exp + GEMV reach
+  about 60% of it;
+- the softmax rows of prefill with :func:`exp_rows_compiled` (one pass after
+  the row max instead of five).
+
+numba is an extra, not a core dependency, because each numba release supports
+a bounded range of NumPy versions: a core dependency would hold back the NumPy
+a user may install.  Without numba, or with ``GRAPHC_KERNELS=numpy`` in the
+environment, every kernel is the NumPy one; :func:`compiled_reason` says why
+the compiled tier is off.  Compiled code is cached on disk (numba's
+``cache=True``: beside the installed package, or numba's user cache directory
+where that is read-only), so only the first process compiles (a few seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from graphc.errors import GraphcError
+
+from .kernels import default_threads
+
+__all__ = ["MAX_ROWS", "compiled_reason", "kernels_description", "use_compiled", "decode_attention", "exp_rows_compiled", "warm_up"]
+
+MAX_ROWS = 64
+"""Query rows per KV head up to which attention runs in the compiled streaming kernel (above it, GEMMs win)."""
+
+_MODULE: list[ModuleType] = []
+_COMPILE_SECONDS: list[float] = []
+_LOCK = threading.Lock()
+numba: Any = None  # the module, imported with the kernels
+
+
+def compiled_reason() -> str | None:
+    """Why the compiled tier is off (``None`` when it is on); an unknown ``GRAPHC_KERNELS`` value raises :class:`~graphc.errors.GraphcError`."""
+    choice = os.environ.get("GRAPHC_KERNELS", "auto").strip().lower()
+    if choice not in ("auto", "numpy"):
+        raise GraphcError(f"GRAPHC_KERNELS must be 'auto' (compiled kernels where numba is installed) or 'numpy', got {choice!r}")
+    if choice == "numpy":
+        return "GRAPHC_KERNELS=numpy"
+    if importlib.util.find_spec("numba") is None:
+        return 'numba is not installed (pip install "graphc[fast]")'
+    return None
+
+
+def kernels_description() -> str:
+    """One line for a backend's provider column: which kernel tier the NumPy backend uses."""
+    reason = compiled_reason()
+    if reason is not None:
+        return f"NumPy kernels ({reason})"
+    from importlib.metadata import version
+
+    return f"numba {version('numba')} kernels"
+
+
+def use_compiled() -> bool:
+    """True when the compiled kernels are used (numba installed, not turned off by ``GRAPHC_KERNELS=numpy``)."""
+    return compiled_reason() is None
+
+
+def _kernels() -> ModuleType:
+    if not _MODULE:
+        t0 = time.perf_counter()
+        global numba
+        import numba
+
+        from . import _numba_attention
+
+        _MODULE.append(_numba_attention)
+        _COMPILE_SECONDS.append(time.perf_counter() - t0)
+    return _MODULE[0]
+
+
+def warm_up() -> float:
+    """Compile (or load from numba's cache) every kernel now; returns the seconds it took (0 without numba)."""
+    if not use_compiled():
+        return 0.0
+    t0 = time.perf_counter()
+    q = np.zeros((1, 2, 16), np.float32)
+    decode_attention(q, np.zeros((1, 5, 16), np.float32), np.zeros((1, 5, 8), np.float32), 1, 0, None, 1)
+    exp_rows_compiled(np.zeros((2, 3), np.float32))
+    return time.perf_counter() - t0
+
+
+def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
+    """:func:`lowering.kernels.exp_rows_` in one compiled pass: ``s <- exp(s - rowmax)`` in place; returns the row sums ``[..., 1]``.
+
+    ``s`` must be a C-contiguous float32 array (the caller checks).
+    """
+    flat = s.reshape(-1, s.shape[-1])
+    totals = np.empty(flat.shape[0], np.float32)
+    _kernels().exp_rows(flat, totals)
+    return totals.reshape(*s.shape[:-1], 1)
+
+
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offset: int | None, window: int | None, threads: int | None) -> np.ndarray:
+    """``softmax(masked(q k^T)) v`` for ``q [L, R, D]`` (already scaled), ``k [L, T, D]``, ``v [L, T, E]``, float32, C-contiguous.
+
+    Row ``r`` is query ``r % sq``; ``offset``/``window`` as in
+    :func:`lowering.attention_kernel.blocked_attention`; rows that see no key
+    are zeros.  Work is split over batch x KV heads, and over keys as well
+    when there are fewer heads than threads (flash-decoding: each key slice
+    returns its row maxima, sums and accumulators, merged here).
+    """
+    kern = _kernels()
+    lead, rows, _ = q.shape
+    t_len, e_len = k.shape[1], v.shape[2]
+    n = threads or default_threads()
+    splits = max(1, min(-(-n // max(lead, 1)), t_len // 256 or 1))
+    bounds = np.array([c * t_len // splits for c in range(splits + 1)], np.int64)
+    acc = np.empty((splits, lead, rows, e_len), np.float32)
+    row_max = np.empty((splits, lead, rows), np.float32)
+    row_sum = np.empty((splits, lead, rows), np.float32)
+    causal = offset is not None
+    off = int(offset) if causal else 0
+    win = int(window) if causal and window is not None else 0
+    with _LOCK:  # numba's default thread pool takes one parallel call at a time
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        kern.attend_rows(q, k, v, sq, causal, off, win, bounds, acc, row_max, row_sum)
+    if splits == 1:  # a row that sees a key sums to >= 1 (its max gives exp(0)); one that sees none has acc 0
+        return np.divide(acc[0], np.maximum(row_sum[0][..., None], 1), out=acc[0])
+    best = row_max.max(axis=0)
+    weight = np.exp(row_max - np.where(np.isfinite(best), best, 0), where=np.isfinite(row_max), out=np.zeros_like(row_max))
+    total = (weight * row_sum).sum(axis=0)[..., None]
+    return np.einsum("clr,clre->lre", weight, acc) / np.maximum(total, 1)
