@@ -26,7 +26,7 @@ from onnx import helper, numpy_helper
 
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_add, dim_prod, normalize_dim
-from graphc.einsum_spec import label_sizes, parse_einsum
+from graphc.einsum_spec import EinsumSpec, label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous, hidden_keys
@@ -51,10 +51,27 @@ _REDUCE = {"sum": "ReduceSum", "mean": "ReduceMean", "max": "ReduceMax", "min": 
 _BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min", "pow": "Pow"}
 
 
+def _lower_product(b: OnnxBuilder, spec: EinsumSpec, names: list[str], out: str) -> None:
+    """An einsum that sums no label (a scale by a vector, an outer product): one broadcasting ``Mul``, not a GEMM with K = 1."""
+    operands = []
+    for x, term in zip(names, spec.inputs):
+        order = sorted(term, key=spec.output.index)
+        if list(term) != order:
+            x = b.op("Transpose", [x], base=f"{x}_t", perm=[term.index(ch) for ch in order])
+        missing = [i for i, ch in enumerate(spec.output) if ch not in term]
+        if missing and len(missing) < len(spec.output):
+            x = b.op("Unsqueeze", [x, b.const(np.array(missing, np.int64), "axes")], base=f"{x}_u")
+        operands.append(x)
+    b.op("Mul", operands, out)
+
+
 def _lower_pair(b: OnnxBuilder, spec_text: str, names: list[str], shapes: list[tuple[Dim, ...]], out: str) -> None:
     spec = parse_einsum(spec_text)
     sizes = label_sizes(spec, shapes)
     p = plan_matmul(spec)
+    if not p.contract and all(ch in spec.output for term in spec.inputs for ch in term):
+        _lower_product(b, spec, names, out)
+        return
     (a, ta), (c, tc) = (names[0], spec.inputs[0]), (names[1], spec.inputs[1])
     if p.swap:
         (a, ta), (c, tc) = (c, tc), (a, ta)

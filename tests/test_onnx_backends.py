@@ -290,3 +290,19 @@ def test_torch_backend_matches_numpy_or_skips():
         build, sizes = BUILDERS[kind]
         _check(build(), sizes, ("torch",))
         _check(optimize(build()).graph, sizes, ("torch",))
+
+
+@pytest.mark.parametrize("spec", ["bsm,m->bsm", "bsm,bs->bsm", "ab,c->cab", "sm,bs->bms", "a,->a"])
+def test_einsum_that_sums_nothing_exports_as_one_mul(spec):
+    """A scale by a vector or an outer product is a broadcasting Mul in ONNX (a GEMM with K = 1 per element was 4096 tiny MatMuls)."""
+    sizes = dict(zip("absmc", (2, 3, 4, 5, 6)))
+    g = Graph("product")
+    terms = spec.split("->")[0].split(",")
+    ins = [g.input(f"x{i}", [sizes[ch] for ch in term]) for i, term in enumerate(terms)]
+    g.output(g.einsum(spec, *ins, name="y"))
+    model = export(g)
+    assert [n.op_type for n in model.graph.node if n.op_type in ("Mul", "MatMul")] == ["Mul"]
+    feeds = random_inputs(g, seed=0)
+    want = np.einsum(spec, *(feeds[f"x{i}"].astype(np.float64) for i in range(len(terms))))
+    for backend in ("ort-cpu", "onnx-reference"):
+        np.testing.assert_allclose(run(g, feeds, backend=backend)["y"], want, rtol=1e-6, atol=1e-6, err_msg=backend)
