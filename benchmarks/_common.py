@@ -1,4 +1,15 @@
-"""Helpers shared by the benchmark scripts: timing and the torch SDPA peer."""
+"""Helpers shared by the benchmark scripts: the timing method, the machine's limits and the torch SDPA peer.
+
+The method (:func:`time_blocks`): each variant is warmed up, then timed in
+blocks of back-to-back calls (as a decode loop calls: layer after layer, token
+after token), the blocks alternating between variants (A B C A B C ..., the
+order rotating each round) so that a noisy stretch of this shared machine hits
+every variant; a variant's figure is the median of its blocks' medians.  No
+pause precedes a timed call: on these machines a pause costs milliseconds of
+wake-up on the next call, which would be measured instead of the kernel.  The
+first call after 0.2 s idle is measured separately (:func:`time_after_idle`)
+and reported as its own column, never as the main figure.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +29,85 @@ def median_ms(fn: Callable[[dict], object], feeds_list: Sequence[dict], repeats:
         fn(feeds_list[i % len(feeds_list)])
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
+
+
+BLOCK_SECONDS = 0.25
+"""Back-to-back calls per block: as many as take about this long (at least :data:`MIN_CALLS`, at most :data:`MAX_CALLS`)."""
+MIN_CALLS, MAX_CALLS = 2, 40
+IDLE_SECONDS = 0.2
+
+
+def time_blocks(runs: dict[str, Callable[[dict], object]], feeds_list: Sequence[dict], blocks: int) -> dict[str, dict[str, float]]:
+    """Time every run function as described in this module's docstring; ``feeds_list`` rotates per call (cache-cold copies).
+
+    Returns, per variant: ``ms`` (median of block medians), ``p10``/``p90`` (over
+    every timed call, ms), ``calls`` per block and ``blocks``.
+    """
+    names = list(runs)
+    per_block: dict[str, int] = {}
+    for name in names:  # warm-up: sessions, thread pools, first-call allocations, compiled kernels
+        runs[name](feeds_list[0])
+        t0 = time.perf_counter()
+        runs[name](feeds_list[1 % len(feeds_list)])
+        per_block[name] = max(MIN_CALLS, min(MAX_CALLS, round(BLOCK_SECONDS / max(time.perf_counter() - t0, 1e-6))))
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    calls: dict[str, list[float]] = {n: [] for n in names}
+    turn = dict.fromkeys(names, 0)
+    for b in range(blocks):
+        for name in names[b % len(names) :] + names[: b % len(names)]:
+            fn, block = runs[name], []
+            for _ in range(per_block[name]):
+                feeds = feeds_list[turn[name] % len(feeds_list)]
+                turn[name] += 1
+                t0 = time.perf_counter()
+                fn(feeds)
+                block.append(time.perf_counter() - t0)
+            medians[name].append(statistics.median(block))
+            calls[name] += block
+    out = {}
+    for name in names:
+        t = sorted(calls[name])
+        out[name] = dict(
+            ms=1e3 * statistics.median(medians[name]),
+            p10=1e3 * t[len(t) // 10],
+            p90=1e3 * t[min(len(t) - 1, (9 * len(t)) // 10)],
+            calls=per_block[name],
+            blocks=blocks,
+        )
+    return out
+
+
+def time_after_idle(fn: Callable[[dict], object], feeds: dict, repeats: int = 3) -> float:
+    """Median ms of one call made after :data:`IDLE_SECONDS` of sleep (what a first request after idle sees)."""
+    times = []
+    for _ in range(repeats):
+        time.sleep(IDLE_SECONDS)
+        t0 = time.perf_counter()
+        fn(feeds)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def read_probe(threads: int, nbytes: int = 1 << 30) -> tuple[str, Callable[[dict], object]]:
+    """A call that reads ``nbytes`` once with ``threads`` threads: ``torch.sum`` (vectorised, multithreaded), else a NumPy sum per thread."""
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        x = torch.ones(nbytes // 4)
+        return "torch.sum", lambda feeds: x.sum()
+    except ImportError:
+        from concurrent.futures import ThreadPoolExecutor
+
+        parts = np.array_split(np.ones(nbytes // 4, np.float32), threads)
+        pool = ThreadPoolExecutor(threads)
+        return "numpy sum per thread", lambda feeds: list(pool.map(np.sum, parts))
+
+
+def gemm_probe(n: int = 2048) -> Callable[[dict], object]:
+    """A float32 ``n x n`` GEMM through NumPy's BLAS (the one graphc's NumPy backend calls), all its threads."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    return lambda feeds: np.matmul(a, a)
 
 
 def torch_sdpa(feeds_list: Sequence[dict], threads: int, causal: bool) -> Callable[[dict], np.ndarray] | None:
