@@ -409,10 +409,11 @@ def main() -> None:
     import onnxruntime as ort
 
     from lowering.compiled import kernels_description
+    from lowering.kernels import blas_description
 
     header = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.threads} threads per runtime; numpy {np.__version__} "
-        f"({kernels_description()}), onnxruntime {ort.__version__}, torch {_torch_version()}; {compile_seconds()}"
+        f"({kernels_description()}, {blas_description()}), onnxruntime {ort.__version__}, torch {_torch_version()}; {compile_seconds()}"
     )
     print(header, flush=True)
     rows: list[dict] = []

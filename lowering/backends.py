@@ -26,6 +26,7 @@ from graphc.memory import check_allocation, graph_run_bytes
 from graphc.optimizer import lower
 
 from .compiled import kernels_description
+from .kernels import blas_description
 
 from .inputs import check_inputs
 from .numpy_interpreter import NumpyInterpreter
@@ -62,7 +63,8 @@ Sizes = Mapping[str, int] | None
 def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None = None, reference: bool = False, sizes: Sizes = None) -> Runner:
     lowered = lower(graph, REFERENCE_TARGET if reference else NUMPY_TARGET, sizes)
     interp = NumpyInterpreter(lowered, compute_dtype=compute_dtype, threads=threads, reference=reference)
-    provider = f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else "") + ("" if reference else f", {kernels_description()}")
+    provider = f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else "")
+    provider += "" if reference else f", {kernels_description()}, {blas_description()}"
     if reference:
         provider += ", reference mode: attention decomposed, no fused kernels"
     return Runner("numpy", provider, graph, interp.run)

@@ -21,7 +21,7 @@ from threadpoolctl import ThreadpoolController
 
 from graphc.numerics import hidden_keys
 
-__all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads"]
+__all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads", "blas_description"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,20 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0)) or 1  # the cores this process may run on
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def blas_description() -> str:
+    """The BLAS behind NumPy's GEMMs and the kernels it picked (``openblas 0.3.31 SkylakeX kernels``), for provider columns and benchmark headers.
+
+    OpenBLAS picks its kernels when it loads, from the CPU or from
+    ``OPENBLAS_CORETYPE``: AVX2 ("Haswell") kernels run a float32 GEMM at about
+    half the speed of AVX-512 ("SkylakeX") ones on a CPU that has both.
+    """
+    for info in _blas_controller().info():
+        if info.get("user_api") == "blas":
+            arch = info.get("architecture")
+            return f"{info.get('internal_api', 'BLAS')} {info.get('version', '')}" + (f" {arch} kernels" if arch else "")
+    return "no BLAS found"
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
