@@ -326,7 +326,7 @@ def targets(rows: list[dict]) -> str:
     for key in keys:
         by = {r["variant"]: r for r in rows if (r["config"], r["case"], r["cache"]) == key and "ms" in r}
         for measure, value, target, met in _target_rows(key, by):
-            shown = f"{value:.0f}%" if measure.endswith("bandwidth") else f"{value:.2f}x"
+            shown = f"{value:.1f}%" if measure.endswith("bandwidth") else f"{value:.2f}x"
             out.append(f"| {key[0]} | {key[1]} | {key[2]} | {measure} | {shown} | {target} | {'met' if met else '**NOT met**'} |")
     return "\n".join(out)
 

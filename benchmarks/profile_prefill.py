@@ -25,7 +25,7 @@ import numpy as np
 from graphc.numerics import hidden_keys
 from lowering import compiled
 from lowering.attention_kernel import GEMM_ROWS, _tasks, blocked_attention
-from lowering.kernels import exp_rows_, run_blocks
+from lowering.kernels import blas_description, exp_rows_, run_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import gemm_probe, time_blocks, torch_sdpa  # noqa: E402
@@ -84,7 +84,7 @@ def main() -> None:
     v = rng.standard_normal((1, hkv, s, d), dtype=np.float32)
     qf = q.reshape(hkv, hq // hkv * s, d)
     peak_probe = gemm_probe()
-    print(f"{args.config}, prefill {s}, {args.threads} threads, {compiled.kernels_description()}")
+    print(f"{args.config}, prefill {s}, {args.threads} threads, {compiled.kernels_description()}, {blas_description()}")
     print("| case | step | thread ms | share |")
     print("|---|---|---|---|")
     summary = []

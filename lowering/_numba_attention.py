@@ -2,9 +2,10 @@
 
 Two kernels:
 
-- :func:`attend_rows` (``parallel``: numba's threads over KV heads and key
-  slices; graphc's Python pool cost 0.1 ms a call in thread wake-ups here):
-  attention of a few query rows per KV head (decode, short chunks), in two
+- :func:`attend_rows` (``nogil``, called on graphc's thread pool with a share
+  of the KV heads and key slices each: numba's own threading layers spun
+  against OpenBLAS's threads, and decode calls made after a GEMM took 4-15 ms
+  instead of 1): attention of a few query rows per KV head (decode, short chunks), in two
   streaming passes per head: ``K`` once for all the
   rows of a KV head (scores kept in a small buffer), then ``V`` once.  Keys are
   taken four at a time so each query value feeds four FMAs, and the next rows
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["attend_rows", "exp_rows"]
@@ -294,25 +295,26 @@ def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, ac
     _weighted_values(s, v, v.ravel(), acc, key_start, key_stop)
 
 
-@njit(fastmath=FAST, parallel=True, cache=True)
-def attend_rows(q, k, v, sq, causal, offset, window, bounds, acc, row_max, row_sum):  # type: ignore[no-untyped-def]
-    """Unnormalised attention of ``q [L, R, D]`` over ``k [L, T, D]``, ``v [L, T, E]``: one task per KV head and key slice.
+@njit(fastmath=FAST, nogil=True, cache=True)
+def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max, row_sum):  # type: ignore[no-untyped-def]
+    """Unnormalised attention of ``q [L, R, D]`` over ``k [L, T, D]``, ``v [L, T, E]`` for the given ``tasks`` (``head * C + slice``).
 
     ``bounds [C + 1]`` splits the keys into ``C`` slices (flash-decoding).  Row
     ``r`` is query ``i = r % sq``; with ``causal`` it sees keys
     ``j <= i + offset`` and, when ``window > 0``, ``j > i + offset - window``.
     Writes ``acc[c, l] = sum_j exp(s_rj - m_r) v_j`` over slice ``c``,
     ``row_max[c, l, r] = m_r`` (``-inf`` for a row that sees none of its keys)
-    and ``row_sum[c, l, r]``.
+    and ``row_sum[c, l, r]``.  ``nogil``: the caller runs disjoint task lists
+    on its own threads.
     """
-    lead, rows = q.shape[0], q.shape[1]
+    rows = q.shape[1]
     slices = bounds.size - 1
     widest = 1
     for c in range(slices):
         widest = max(widest, bounds[c + 1] - bounds[c])
-    for task in prange(lead * slices):
+    s = np.empty((rows, widest), np.float32)
+    for task in tasks:
         head = task // slices
         c = task % slices
-        s = np.empty((rows, widest), np.float32)
         lo, hi = bounds[c], bounds[c + 1]
         _attend_head(q[head], k[head], v[head], sq, causal, offset, window, lo, hi, s, acc[c, head], row_max[c, head], row_sum[c, head])

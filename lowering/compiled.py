@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 import time
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 
 from graphc.errors import GraphcError
 
-from .kernels import default_threads
+from .kernels import default_threads, run_blocks
 
 __all__ = ["MAX_ROWS", "compiled_reason", "kernels_description", "use_compiled", "decode_attention", "exp_rows_compiled", "warm_up"]
 
@@ -41,8 +39,6 @@ MAX_ROWS = 64
 
 _MODULE: list[ModuleType] = []
 _COMPILE_SECONDS: list[float] = []
-_LOCK = threading.Lock()
-numba: Any = None  # the module, imported with the kernels
 
 
 def compiled_reason() -> str | None:
@@ -75,9 +71,6 @@ def use_compiled() -> bool:
 def _kernels() -> ModuleType:
     if not _MODULE:
         t0 = time.perf_counter()
-        global numba
-        import numba
-
         from . import _numba_attention
 
         _MODULE.append(_numba_attention)
@@ -128,9 +121,9 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offse
     causal = offset is not None
     off = int(offset) if causal else 0
     win = int(window) if causal and window is not None else 0
-    with _LOCK:  # numba's default thread pool takes one parallel call at a time
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        kern.attend_rows(q, k, v, sq, causal, off, win, bounds, acc, row_max, row_sum)
+    tasks = np.arange(lead * splits, dtype=np.int64)
+    shares = [part for part in np.array_split(tasks, min(n, tasks.size)) if part.size]
+    run_blocks(lambda part: kern.attend_rows(q, k, v, sq, causal, off, win, bounds, part, acc, row_max, row_sum), shares, n)
     if splits == 1:  # a row that sees a key sums to >= 1 (its max gives exp(0)); one that sees none has acc 0
         return np.divide(acc[0], np.maximum(row_sum[0][..., None], 1), out=acc[0])
     best = row_max.max(axis=0)
