@@ -13,8 +13,9 @@
 numba is an extra, not a core dependency, because each numba release supports
 a bounded range of NumPy versions: a core dependency would hold back the NumPy
 a user may install.  Without numba, or with ``GRAPHC_KERNELS=numpy`` in the
-environment, every kernel is the NumPy one; :func:`compiled_reason` says why
-the compiled tier is off.  Compiled code is cached on disk (numba's
+environment, or when the kernel module cannot be loaded (a broken numba or
+llvmlite install, no writable cache directory), every kernel is the NumPy one;
+:func:`compiled_reason` says why the compiled tier is off.  Compiled code is cached on disk (numba's
 ``cache=True``: beside the installed package, or numba's user cache directory
 where that is read-only), so only the first process compiles (a few seconds).
 """
@@ -38,7 +39,7 @@ MAX_ROWS = 64
 """Query rows per KV head up to which attention runs in the compiled streaming kernel (above it, GEMMs win)."""
 
 _MODULE: list[ModuleType] = []
-_COMPILE_SECONDS: list[float] = []
+_LOAD_ERROR: list[str] = []
 
 
 def compiled_reason() -> str | None:
@@ -50,6 +51,8 @@ def compiled_reason() -> str | None:
         return "GRAPHC_KERNELS=numpy"
     if importlib.util.find_spec("numba") is None:
         return 'numba is not installed (pip install "graphc[fast]")'
+    if _LOAD_ERROR:
+        return f"the numba kernels could not be loaded ({_LOAD_ERROR[0]})"
     return None
 
 
@@ -64,18 +67,18 @@ def kernels_description() -> str:
 
 
 def use_compiled() -> bool:
-    """True when the compiled kernels are used (numba installed, not turned off by ``GRAPHC_KERNELS=numpy``)."""
-    return compiled_reason() is None
+    """True when the compiled kernels are used: numba installed and loading, not turned off by ``GRAPHC_KERNELS=numpy``."""
+    return compiled_reason() is None and _kernels() is not None
 
 
-def _kernels() -> ModuleType:
-    if not _MODULE:
-        t0 = time.perf_counter()
-        from . import _numba_attention
-
-        _MODULE.append(_numba_attention)
-        _COMPILE_SECONDS.append(time.perf_counter() - t0)
-    return _MODULE[0]
+def _kernels() -> ModuleType | None:
+    """The kernel module, imported once; None (with the reason kept for :func:`compiled_reason`) when it cannot be imported."""
+    if not _MODULE and not _LOAD_ERROR:
+        try:
+            _MODULE.append(importlib.import_module("lowering._numba_attention"))
+        except Exception as e:  # noqa: BLE001 - a broken numba/llvmlite install or no writable cache: NumPy kernels, and say why
+            _LOAD_ERROR.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    return _MODULE[0] if _MODULE else None
 
 
 def warm_up() -> float:
@@ -96,7 +99,9 @@ def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
     """
     flat = s.reshape(-1, s.shape[-1])
     totals = np.empty(flat.shape[0], np.float32)
-    _kernels().exp_rows(flat, totals)
+    kern = _kernels()
+    assert kern is not None, compiled_reason()  # callers ask use_compiled() first
+    kern.exp_rows(flat, totals)
     return totals.reshape(*s.shape[:-1], 1)
 
 
@@ -110,6 +115,7 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offse
     returns its row maxima, sums and accumulators, merged here).
     """
     kern = _kernels()
+    assert kern is not None, compiled_reason()  # callers ask use_compiled() first
     lead, rows, _ = q.shape
     t_len, e_len = k.shape[1], v.shape[2]
     n = threads or default_threads()

@@ -9,7 +9,7 @@ from reference import ref_sdpa
 import graphc
 from graphc.errors import GraphcError
 from graphc.optimizer import REFERENCE_TARGET, lower
-from lowering import NumpyInterpreter, compiled, random_inputs, run
+from lowering import NumpyInterpreter, compiled, prepare, random_inputs, run
 from lowering.attention_kernel import blocked_attention
 
 needs_numba = pytest.mark.skipif(not compiled.use_compiled(), reason=f"compiled kernels off: {compiled.compiled_reason()}")
@@ -126,3 +126,27 @@ def test_kernel_choice_is_reported(monkeypatch):
     monkeypatch.setenv("GRAPHC_KERNELS", "fastest")
     with pytest.raises(GraphcError, match="GRAPHC_KERNELS must be 'auto' .* or 'numpy', got 'fastest'"):
         compiled.use_compiled()
+
+
+def test_a_kernel_module_that_cannot_load_falls_back_to_numpy_and_says_why(monkeypatch):
+    """A broken numba install (or no writable cache) must not break the NumPy backend: NumPy kernels, and the reason in the provider."""
+    if compiled.compiled_reason() is not None:
+        pytest.skip(f"compiled kernels off: {compiled.compiled_reason()}")
+    monkeypatch.setattr(compiled, "_MODULE", [])
+    monkeypatch.setattr(compiled, "_LOAD_ERROR", [])
+
+    def broken(name):
+        raise RuntimeError("cannot cache function 'attend_rows': no locator available")
+
+    monkeypatch.setattr(compiled.importlib, "import_module", broken)
+    assert not compiled.use_compiled()
+    assert "could not be loaded (RuntimeError: cannot cache function" in compiled.compiled_reason()
+    cfg = graphc.AttentionConfig(64, 8, 2)
+    g = graphc.optimize(graphc.kv_cache_graph(cfg, seed=0)).graph
+    feeds = random_inputs(g, seed=1, batch=1, seq=1, past_seq=40)
+    prepared = prepare(g, "numpy")
+    assert "could not be loaded" in prepared.provider
+    want = NumpyInterpreter(lower(graphc.kv_cache_graph(cfg, seed=0), REFERENCE_TARGET), compute_dtype="float64", reference=True).run(feeds)
+    got = prepared.run(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
