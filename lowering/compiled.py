@@ -22,6 +22,7 @@ where that is read-only), so only the first process compiles (a few seconds).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -49,11 +50,17 @@ def compiled_reason() -> str | None:
         raise GraphcError(f"GRAPHC_KERNELS must be 'auto' (compiled kernels where numba is installed) or 'numpy', got {choice!r}")
     if choice == "numpy":
         return "GRAPHC_KERNELS=numpy"
-    if importlib.util.find_spec("numba") is None:
+    if not _numba_installed():
         return 'numba is not installed (pip install "graphc[fast]")'
     if _LOAD_ERROR:
         return f"the numba kernels could not be loaded ({_LOAD_ERROR[0]})"
     return None
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    """Looked up once: ``find_spec`` of a missing module scans ``sys.path`` (~20 us), and every attention call asks."""
+    return importlib.util.find_spec("numba") is not None
 
 
 def kernels_description() -> str:
@@ -81,6 +88,14 @@ def _kernels() -> ModuleType | None:
     return _MODULE[0] if _MODULE else None
 
 
+def _loaded_kernels() -> ModuleType:
+    """The kernel module, for callers that asked :func:`use_compiled` first."""
+    kern = _kernels()
+    if kern is None:
+        raise GraphcError(f"the compiled kernels are off: {compiled_reason()}")
+    return kern
+
+
 def warm_up() -> float:
     """Compile (or load from numba's cache) every kernel now; returns the seconds it took (0 without numba)."""
     if not use_compiled():
@@ -95,12 +110,11 @@ def warm_up() -> float:
 def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
     """:func:`lowering.kernels.exp_rows_` in one compiled pass: ``s <- exp(s - rowmax)`` in place; returns the row sums ``[..., 1]``.
 
-    ``s`` must be a C-contiguous float32 array (the caller checks).
+    ``s`` must be a C-contiguous float32 array (as ``np.matmul`` returns the scores): a reshape of any other would be a copy.
     """
     flat = s.reshape(-1, s.shape[-1])
     totals = np.empty(flat.shape[0], np.float32)
-    kern = _kernels()
-    assert kern is not None, compiled_reason()  # callers ask use_compiled() first
+    kern = _loaded_kernels()
     kern.exp_rows(flat, totals)
     return totals.reshape(*s.shape[:-1], 1)
 
@@ -114,8 +128,7 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offse
     when there are fewer heads than threads (flash-decoding: each key slice
     returns its row maxima, sums and accumulators, merged here).
     """
-    kern = _kernels()
-    assert kern is not None, compiled_reason()  # callers ask use_compiled() first
+    kern = _loaded_kernels()
     lead, rows, _ = q.shape
     t_len, e_len = k.shape[1], v.shape[2]
     n = threads or default_threads()
