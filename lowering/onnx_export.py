@@ -68,10 +68,10 @@ def _lower_product(b: OnnxBuilder, spec: EinsumSpec, names: list[str], out: str)
 def _lower_pair(b: OnnxBuilder, spec_text: str, names: list[str], shapes: list[tuple[Dim, ...]], out: str) -> None:
     spec = parse_einsum(spec_text)
     sizes = label_sizes(spec, shapes)
-    p = plan_matmul(spec)
-    if not p.contract and all(ch in spec.output for term in spec.inputs for ch in term):
+    if set("".join(spec.inputs)) <= set(spec.output):  # no label summed: an elementwise or outer product
         _lower_product(b, spec, names, out)
         return
+    p = plan_matmul(spec)
     (a, ta), (c, tc) = (names[0], spec.inputs[0]), (names[1], spec.inputs[1])
     if p.swap:
         (a, ta), (c, tc) = (c, tc), (a, ta)
