@@ -10,8 +10,11 @@ from .attention_op import Attention
 from .attention import (
     PRESETS,
     AttentionConfig,
+    CausalLMConfig,
     attention_layer_graph,
     attention_stack_graph,
+    causal_lm_from_hf,
+    causal_lm_graph,
     cross_attention_graph,
     gqa,
     init_weights,
@@ -72,5 +75,8 @@ __all__ = [
     "attention_stack_graph",
     "cross_attention_graph",
     "kv_cache_graph",
+    "CausalLMConfig",
+    "causal_lm_graph",
+    "causal_lm_from_hf",
     "__version__",
 ]

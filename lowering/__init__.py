@@ -19,6 +19,7 @@ from .backends import (
 )
 from .compare import BackendResult, ComparisonReport, compare
 from .contraction import contract, contract_pair, plan_matmul
+from .generate import Generation, generate, left_pad
 from .inputs import check_inputs, random_inputs
 from .numpy_interpreter import NumpyInterpreter, run_numpy
 from .onnx_export import DEFAULT_OPSET, export
@@ -27,6 +28,9 @@ from .targets import ATTENTION_MODES, NUMPY_TARGET, TORCH_TARGET, onnx_target
 __all__ = [
     "run",
     "compare",
+    "generate",
+    "Generation",
+    "left_pad",
     "ComparisonReport",
     "BackendResult",
     "BackendSpec",

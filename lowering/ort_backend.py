@@ -58,6 +58,7 @@ class _Sessions:
         self.spin = spin
         self.providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
+        self.native: Any = None
         self.outputs: list[str] = []
         self.description = ""
         self.session(False)
@@ -89,6 +90,8 @@ class _Sessions:
             used, version, self.outputs = sess.get_providers(), ort.__version__, [o.name for o in sess.get_outputs()]
             out_names = list(self.outputs)
             run = lambda inputs: sess.run(out_names, dict(inputs))  # noqa: E731
+            if not basic:
+                self.native = sess
         _check_provider(self.name, self.provider, used)
         if not self.description:
             self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "")
@@ -127,4 +130,5 @@ def prepare_ort(
         outs = dict(zip(sessions.outputs, sessions.session(basic)(feeds)))
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
-    return Runner(name, sessions.description, graph, run)
+    native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
+    return Runner(name, sessions.description, graph, run, session=native)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,9 @@ class Runner:
     provider: str
     graph: Graph
     _fn: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+    session: Any = field(default=None, repr=False)
+    """The backend's own session where callers may keep tensors on the backend between runs
+    (onnxruntime's ``InferenceSession`` in this process, with the graph's own interface dtypes); else None."""
     _check: InputChecker = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,94 @@
+"""Whole causal LMs from transformers checkpoints: ``config.json`` and the tensors of ``model.safetensors``.
+
+``causal_lm_config_from_hf`` reads what sits around the decoder stack (vocabulary,
+tied LM head, Gemma's embedding scale and final logit softcap);
+``causal_lm_weights_from_hf`` gives the tensors graphc's names (Falcon's
+``transformer.*`` names are mapped; a tied checkpoint's ``lm_head.weight`` is
+dropped, as transformers ties it to the embedding on load); ``causal_lm_from_hf``
+builds the graph from both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphc.dims import Dim
+from graphc.errors import WeightError
+from graphc.graph import Graph
+
+from .causal_lm import CausalLMConfig, causal_lm_graph
+from .hf import _flag, _int, _number, decoder_configs_from_hf, decoder_weights_from_hf, read_hf_config
+
+__all__ = ["causal_lm_config_from_hf", "causal_lm_weights_from_hf", "causal_lm_from_hf", "TIED_BY_DEFAULT"]
+
+TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "gemma2": True, "falcon": True}
+"""Each family's ``tie_word_embeddings`` when ``config.json`` does not say (transformers' config defaults)."""
+
+
+def causal_lm_config_from_hf(config: Mapping[str, Any] | str | Path | Any, n_layers: int | None = None) -> CausalLMConfig:
+    """The :class:`CausalLMConfig` of a transformers model config (its first ``n_layers`` layers, default all)."""
+    cfg = read_hf_config(config)
+    layers = decoder_configs_from_hf(cfg, n_layers)  # checks model_type first
+    family = cfg["model_type"]
+    scale = softcap = None
+    if family == "gemma2":
+        scale = math.sqrt(layers[0].attention.d_model)
+        softcap = _number(cfg, "final_logit_softcapping", None)
+    return CausalLMConfig(
+        tuple(layers),
+        _int(cfg, "vocab_size", most=1 << 24),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", TIED_BY_DEFAULT[family]),
+        embedding_scale=scale,
+        final_logit_softcap=softcap,
+        family=family,
+    )
+
+
+def causal_lm_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
+    """A checkpoint's tensors under graphc's causal-LM names (see the module doc)."""
+    cfg = read_hf_config(config)
+    out = decoder_weights_from_hf(weights, cfg)
+    if cfg.get("model_type") == "falcon":
+        for name, new in (("transformer.word_embeddings.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight")):
+            if name in weights:
+                out[new] = weights[name]
+    lm = causal_lm_config_from_hf(cfg)
+    if lm.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _checkpoint_dtype(weights: Mapping[str, Any]) -> str:
+    table = weights.get("model.embed_tokens.weight")
+    if table is None:
+        raise WeightError("the checkpoint has no token embedding (model.embed_tokens.weight, or transformer.word_embeddings.weight for Falcon)")
+    return str(getattr(table, "dtype", np.asarray(table).dtype))
+
+
+def causal_lm_from_hf(
+    config: Mapping[str, Any] | str | Path | Any,
+    weights: Mapping[str, Any],
+    n_layers: int | None = None,
+    dtype: str | None = None,
+    logits: str = "all",
+    batch: Dim = "batch",
+    seq: Dim = "seq",
+    past: Dim = "past_seq",
+) -> Graph:
+    """The whole model of a transformers checkpoint as a :func:`~graphc.attention.causal_lm_graph`.
+
+    ``weights`` maps the checkpoint's tensor names to arrays (:func:`graphc.load_weights` of a
+    folder or ``.safetensors`` file, or a ``state_dict``); ``dtype`` defaults to the embedding's.
+    """
+    cfg = read_hf_config(config)
+    lm = causal_lm_config_from_hf(cfg, n_layers)
+    named = causal_lm_weights_from_hf(weights, cfg)
+    dtype = dtype or _checkpoint_dtype(named)
+    wanted = lm.n_layers
+    kept = {n: a for n, a in named.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < wanted}
+    return causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits)

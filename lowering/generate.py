@@ -1,0 +1,219 @@
+"""Greedy generation with a causal LM graph: prefill, then one step per token with the KV cache carried between steps.
+
+``generate(graph, prompts, max_new_tokens, backend=...)`` runs a graph with the
+interface of :func:`graphc.causal_lm_graph` (and of optimum's
+``text-generation-with-past`` exports): prompts of different lengths are
+left-padded into one batch, ``attention_mask`` marks the padding, positions
+count real tokens only (``cumsum(mask) - 1``, as transformers' ``generate``),
+and each step feeds the last token of every sequence with the previous step's
+``present.*`` as ``past_key_values.*``.  On onnxruntime the cache stays in
+onnxruntime's own tensors between steps (``OrtValue``s, never copied to NumPy);
+on the other backends the arrays a step returns are the next step's inputs.
+
+A sequence that emits ``eos_token_id`` is finished: it is fed ``pad_token_id``
+afterwards and generation stops when every sequence is finished, as
+transformers does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphc.errors import InputError
+from graphc.graph import Graph
+
+from .backends import prepare
+from .runner import Runner
+
+__all__ = ["Generation", "generate", "left_pad", "lm_interface", "LMInterface"]
+
+
+@dataclass(frozen=True)
+class LMInterface:
+    """What a decode loop needs to know of a causal LM graph: its layers' cache shapes, dtype and vocabulary."""
+
+    n_layers: int
+    kv_heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    cache_dtype: str
+    vocab_size: int
+
+
+def lm_interface(graph: Graph) -> LMInterface:
+    """Check that ``graph`` has a causal LM's inputs and outputs (see :func:`graphc.causal_lm_graph`) and describe them."""
+    if not isinstance(graph, Graph):
+        raise InputError(f"generate takes a graphc Graph, got {type(graph).__name__}")
+    n = sum(1 for name in graph.inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+    want_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    want_out = ["logits"] + [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    if n == 0 or sorted(graph.inputs) != sorted(want_in) or sorted(graph.outputs) != sorted(want_out):
+        raise InputError(
+            f"graph {graph.name!r} is not a causal LM step: generate needs inputs input_ids, attention_mask, position_ids, "
+            f"past_key_values.{{i}}.key/value and outputs logits, present.{{i}}.key/value (as graphc.causal_lm_graph builds); "
+            f"it has inputs {graph.inputs[:6]} and outputs {graph.outputs[:4]}"
+        )
+    caches = [graph.types[f"past_key_values.{i}.key"] for i in range(n)]
+    for i, t in enumerate(caches):
+        if t.rank != 4 or not all(isinstance(d, int) for d in (t.shape[1], t.shape[3])):
+            raise InputError(f"past_key_values.{i}.key must be [batch, kv_heads, past, head_dim] with static heads and head_dim, got {list(t.shape)}")
+    vocab = graph.types["logits"].shape[-1]
+    if not isinstance(vocab, int):
+        raise InputError(f"logits must have a static vocabulary axis, got {list(graph.types['logits'].shape)}")
+    return LMInterface(n, tuple(t.shape[1] for t in caches), tuple(t.shape[3] for t in caches), caches[0].dtype, vocab)  # type: ignore[arg-type]
+
+
+def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``input_ids`` and ``attention_mask`` ``[batch, longest]`` (int64) for prompts of any lengths, padded on the left."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim != 2 or prompts.dtype.kind not in "iu":
+            raise InputError(f"prompts as an array must be 2-d integers [batch, seq], got {prompts.dtype}{list(prompts.shape)}")
+        return prompts.astype(np.int64), np.ones(prompts.shape, np.int64)
+    rows = [list(p) for p in prompts]
+    if not rows or not all(rows):
+        raise InputError("prompts must be a non-empty list of non-empty token id lists")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for r in rows for t in r):
+        raise InputError("prompt token ids must be ints")
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_token_id, np.int64)
+    mask = np.zeros((len(rows), width), np.int64)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :] = r
+        mask[b, width - len(r) :] = 1
+    return ids, mask
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of :func:`generate`: tokens, per-step logits (when kept) and timings."""
+
+    sequences: np.ndarray
+    """``[batch, prompt + new]``: the (left-padded) prompts, then the generated tokens."""
+    new_tokens: np.ndarray
+    """``[batch, new]``: the generated tokens (``pad_token_id`` after a sequence's ``eos_token_id``)."""
+    attention_mask: np.ndarray
+    logits: tuple[np.ndarray, ...]
+    """Per step, the last position's logits ``[batch, vocab]`` (float32); empty unless ``keep_logits``."""
+    prefill_seconds: float
+    step_seconds: tuple[float, ...]
+    backend: str
+    provider: str
+
+    @property
+    def ms_per_token(self) -> float:
+        """Median wall time of one decode step (all sequences of the batch), in ms; 0 without decode steps."""
+        return float(np.median(self.step_seconds)) * 1e3 if self.step_seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the decode steps (batch x steps / their time)."""
+        total = sum(self.step_seconds)
+        return self.new_tokens.shape[0] * len(self.step_seconds) / total if total > 0 else 0.0
+
+    def tokens(self) -> list[list[int]]:
+        """Per sequence, its prompt (padding removed) and generated tokens."""
+        return [[int(t) for t, m in zip(row, mask) if m] for row, mask in zip(self.sequences, self.attention_mask)]
+
+
+class _Steps:
+    """Runs one step after another, keeping the cache where the backend keeps it."""
+
+    def __init__(self, runner: Runner, layers: int) -> None:
+        self.runner = runner
+        self.cache_names = [(f"past_key_values.{i}.{k}", f"present.{i}.{k}") for i in range(layers) for k in ("key", "value")]
+        self.session = runner.session if runner.backend.startswith("ort-") else None
+        self.cache: dict[str, Any] = {}
+
+    def start(self, empty: Mapping[str, np.ndarray]) -> None:
+        if self.session is not None:
+            import onnxruntime as ort
+
+            self.cache = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in empty.items()}
+        else:
+            self.cache = dict(empty)
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        if self.session is None:
+            outs = self.runner.run({**feeds, **self.cache})
+            self.cache = {past: outs[present] for past, present in self.cache_names}
+            return outs["logits"]
+        import onnxruntime as ort
+
+        names = ["logits"] + [present for _, present in self.cache_names]
+        inputs = {**{n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}, **self.cache}
+        outs = self.session.run_with_ort_values(names, inputs)
+        self.cache = {past: value for (past, _), value in zip(self.cache_names, outs[1:])}
+        return outs[0].numpy()
+
+
+def _last_logits(logits: np.ndarray) -> np.ndarray:
+    return np.asarray(logits[:, -1, :], dtype=np.float32)
+
+
+def generate(
+    graph: Graph,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    max_new_tokens: int,
+    backend: str = "numpy",
+    attention_mask: np.ndarray | None = None,
+    pad_token_id: int = 0,
+    eos_token_id: int | None = None,
+    keep_logits: bool = False,
+    runner: Runner | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **prepare_options: Any,
+) -> Generation:
+    """Greedy decoding (the argmax token at every step) of ``max_new_tokens`` tokens per prompt.
+
+    ``prompts``: lists of token ids (any lengths; left-padded with ``pad_token_id``) or an int array
+    ``[batch, seq]`` with its ``attention_mask`` (1 token, 0 padding). ``runner``: a runner already
+    prepared for ``graph`` (else :func:`~lowering.prepare` with ``backend`` and ``prepare_options``).
+    ``progress(step, total)`` is called after each step.
+    """
+    lm = lm_interface(graph)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    ids, mask = left_pad(prompts, pad_token_id)
+    if attention_mask is not None:
+        mask = np.asarray(attention_mask)
+        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+            raise InputError(f"attention_mask must be 0/1 of the prompts' shape {list(ids.shape)}, got {mask.dtype}{list(mask.shape)}")
+        mask = mask.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= lm.vocab_size):
+        raise InputError(f"token ids must be in 0..{lm.vocab_size - 1} (the vocabulary), got {int(ids.min())}..{int(ids.max())}")
+    runner = runner or prepare(graph, backend, **prepare_options)
+    batch = ids.shape[0]
+    steps = _Steps(runner, lm.n_layers)
+    steps.start(
+        {name: np.zeros((batch, lm.kv_heads[i // 2], 0, lm.head_dims[i // 2]), lm.cache_dtype) for i, (name, _) in enumerate(steps.cache_names)}
+    )
+    done = np.zeros(batch, bool)
+    new: list[np.ndarray] = []
+    kept: list[np.ndarray] = []
+    times: list[float] = []
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.maximum(mask.cumsum(1) - 1, 0)}
+    for step in range(max_new_tokens):
+        start = time.perf_counter()
+        logits = _last_logits(steps(feeds))
+        times.append(time.perf_counter() - start)
+        token = np.where(done, pad_token_id, logits.argmax(-1)).astype(np.int64)
+        new.append(token)
+        if keep_logits:
+            kept.append(logits)
+        if progress is not None:
+            progress(step + 1, max_new_tokens)
+        if eos_token_id is not None:
+            done |= token == eos_token_id
+        if done.all() or step + 1 == max_new_tokens:
+            break
+        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        feeds = {"input_ids": token[:, None], "attention_mask": mask, "position_ids": feeds["position_ids"][:, -1:] + 1}
+    tokens = np.stack(new, axis=1)
+    full_mask = np.concatenate([mask[:, : ids.shape[1]], np.ones_like(tokens)], axis=1)
+    return Generation(
+        np.concatenate([ids, tokens], axis=1), tokens, full_mask, tuple(kept), times[0], tuple(times[1:]), runner.backend, runner.provider
+    )
