@@ -60,3 +60,46 @@ def test_compare_tolerances_follow_the_output_dtype():
         assert default_tolerance(g) == tol
         report = compare(g, sizes={"batch": 1, "seq": 5}, backends=["numpy", "ort-cpu"], repeats=1)
         assert report.ok and (report.atol, report.rtol) == tol, str(report)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_a_fully_masked_row_gives_zeros_with_a_low_precision_minus_inf(dtype):
+    """A ``-inf`` fill stored in bfloat16 (NumPy kind "V", not "f") must still get the exported softmax's NaN guard."""
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy
+
+    g = Graph("masked_softmax")
+    x = g.input("x", [2, 3], dtype)
+    keep = g.input("keep", [2, 3], "bool")
+    g.output(g.softmax(g.where(keep, x, g.constant("fill", np.array(-np.inf, dtype))), name="probs"))
+    feeds = {"x": np.arange(6, dtype=np.float32).reshape(2, 3).astype(dtype), "keep": np.array([[True, False, True], [False, False, False]])}
+    e = np.exp(np.array([0.0, 2.0]) - 2.0)
+    want = np.array([[e[0] / e.sum(), 0.0, e[1] / e.sum()], [0.0, 0.0, 0.0]])
+    for backend in BACKENDS:
+        got = prepare(g, backend).run(feeds)["probs"].astype(np.float64)
+        np.testing.assert_allclose(got, want, atol=1e-2, err_msg=backend)
+
+
+def test_a_bfloat16_minus_inf_constant_is_seen_by_the_nan_guard_analysis():
+    """bfloat16's NumPy kind is "V": the analysis once took every bfloat16 constant as finite, and a left-padded causal LM
+    then exported a softmax without its guard (NaN for the padding rows, spreading through the cache into real tokens)."""
+    import ml_dtypes
+
+    from lowering.onnx_builder import may_carry_neg_inf
+
+    g = Graph("masked")
+    x = g.input("x", [2, 3], "bfloat16")
+    keep = g.input("keep", [2, 3], "bool")
+    g.output(g.where(keep, x, g.constant("fill", np.array(-np.inf, ml_dtypes.bfloat16)), name="masked"))
+    g.output(g.mul(x, g.constant("two", np.array(2.0, ml_dtypes.bfloat16)), name="scaled"))
+    flags = may_carry_neg_inf(g)
+    assert flags["masked"] and flags["scaled"]  # (a user input may carry -inf)
+    h = Graph("constant_only")
+    h.output(
+        h.where(
+            h.constant("k", np.array([True, False])),
+            h.constant("v", np.ones(2, ml_dtypes.bfloat16)),
+            h.constant("f", np.array(-np.inf, ml_dtypes.bfloat16)),
+            name="out",
+        )
+    )
+    assert may_carry_neg_inf(h)["out"] and may_carry_neg_inf(h)["f"] and not may_carry_neg_inf(h)["v"]

@@ -25,7 +25,7 @@ import numpy as np
 
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph
-from graphc.ops import Binary, Cast, Compare, Reshape, Where
+from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Reshape, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, ShapeValues
 
@@ -142,7 +142,7 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
         return None
     keep, zero, fill = node.inputs
     z, f = _scalar(graph, zero), _scalar(graph, fill)
-    if z is None or f is None or z.dtype.kind != "f" or float(z) != 0.0 or not float(f) <= FILL_LIMIT:
+    if z is None or f is None or str(z.dtype) not in FLOAT_DTYPES or float(z) != 0.0 or not float(f) <= FILL_LIMIT:
         return None
     parts: list[str] = []
     _conjuncts(graph, keep, parts)
