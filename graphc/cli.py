@@ -1,4 +1,4 @@
-"""The ``graphc`` command line: compare, export, show, optimize, info.
+"""The ``graphc`` command line: compare, export, show, optimize, info, generate (:mod:`graphc.cli_generate`).
 
 Every subcommand takes a graph from a preset (``--preset mistral-7b``), from
 custom head counts (``--heads 32 --kv-heads 8 --head-dim 128``) or from a JSON
@@ -14,11 +14,10 @@ import json
 import numpy as np
 import os
 import sys
-import time
 import traceback
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from . import __version__, memory
 from .attention import PRESETS, AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
@@ -28,20 +27,13 @@ from .errors import GraphcError
 from .graph import Graph
 from .ops import DTYPES
 from .attention_op import Attention
+from .cli_common import Parser, Progress, UsageError, at_least
+from .cli_generate import add_generate
 from .optimizer import OPTIMIZERS, PIPELINES, PassContext, Target, lower, optimize
 from .serialize import load_graph, save_graph
 from .visualize import to_dot, to_svg
 
 __all__ = ["main", "main_entry", "build_parser"]
-
-
-class UsageError(GraphcError):
-    """A command-line mistake (bad flag combination, unreadable number)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit itself
-        raise UsageError(message)
 
 
 def _add_common_args(p: argparse.ArgumentParser, default: object) -> None:
@@ -93,15 +85,6 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
         src.add_argument("--seq", type=int, default=None, help="new tokens (default 512; 1 with --decode)")
 
 
-def _at_least(flag: str, value: int | float | None, least: int | float, most: int | float | None = None) -> None:
-    """A usage error unless ``value`` (when given) lies in ``least..most``."""
-    if value is None:
-        return
-    if value != value or value < least or (most is not None and value > most):  # value != value: NaN
-        bound = f">= {least}" if most is None else f"in {least}..{most}"
-        raise UsageError(f"{flag} must be {bound}, got {value}")
-
-
 def _config(args: argparse.Namespace) -> AttentionConfig:
     if args.hf_config:
         from .attention.hf import attention_config_from_hf
@@ -115,7 +98,7 @@ def _config(args: argparse.Namespace) -> AttentionConfig:
     if args.preset and custom:
         raise UsageError(f"give either --preset or a custom config ({', '.join(custom)}), not both")
     for flag, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim), ("--d-model", args.d_model)):
-        _at_least(flag, v, 1)
+        at_least(flag, v, 1)
     if args.preset:
         cfg = preset(args.preset)
     elif args.heads is not None:
@@ -143,7 +126,7 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     if seq is None:
         seq = 1 if args.decode else 512
     for flag, v, least in (("--batch", batch, 1), ("--seq", seq, 1), ("--past", args.past, 0), ("--seed", args.seed, 0)):
-        _at_least(flag, v, least)
+        at_least(flag, v, least)
     if args.weights and not args.hf_config:
         raise UsageError("--weights needs --hf-config (the model config the weights belong to)")
     if args.hf_config:
@@ -198,7 +181,7 @@ def _hf_stack(args: argparse.Namespace, dtype: str = "float32") -> Graph:
     from .attention.hf import decoder_configs_from_hf, decoder_weights_from_hf
     from .weights import load_weights
 
-    _at_least("--layers", args.layers, 1)
+    at_least("--layers", args.layers, 1)
     if args.core:
         raise UsageError("--core builds one attention core; with --hf-config the graph is the decoder stack")
     cfgs = decoder_configs_from_hf(args.hf_config, args.layers)
@@ -224,30 +207,6 @@ def _write(path: str | None, data: str | bytes) -> None:
 # ---------------------------------------------------------------- commands
 
 
-class _Progress:
-    """Progress of a long run on stderr: one rewritten line on a terminal, plain lines otherwise."""
-
-    def __init__(self, stream: TextIO, enabled: bool = True) -> None:
-        self.stream = stream
-        self.enabled = enabled
-        self.tty = stream.isatty()
-        self.started = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        if not self.enabled:
-            return
-        stamp = f"[{time.perf_counter() - self.started:6.1f}s]"
-        if self.tty:
-            print(f"\r\033[K{stamp} {message}", end="", file=self.stream, flush=True)
-        else:
-            print(f"graphc: {stamp} {message}", file=self.stream, flush=True)
-
-    def done(self) -> None:
-        """Clear the terminal line (plain lines stay)."""
-        if self.enabled and self.tty:
-            print("\r\033[K", end="", file=self.stream, flush=True)
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     """Run every backend and compare against the float64 NumPy reference."""
     from lowering.compare import MAX_REPEATS, compare
@@ -255,12 +214,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends:
         raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
-    _at_least("--repeats", args.repeats, 1, MAX_REPEATS)
-    _at_least("--threads", args.threads, 1, 4096)
+    at_least("--repeats", args.repeats, 1, MAX_REPEATS)
+    at_least("--threads", args.threads, 1, 4096)
     if args.shards is not None:
-        _at_least("--shards", args.shards, 1, 1024)
-    _at_least("--atol", args.atol, 0)
-    _at_least("--rtol", args.rtol, 0)
+        at_least("--shards", args.shards, 1, 1024)
+    at_least("--atol", args.atol, 0)
+    at_least("--rtol", args.rtol, 0)
     g, sizes = _graph(args)
     options: dict[str, dict[str, Any]] = {}
     for b in backends:
@@ -269,7 +228,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if b in ("ort-cpu", "ort-cuda", "numpy", "torch") and args.threads:
             options.setdefault(b, {})["threads"] = args.threads
     inputs = _load_inputs(args.inputs) if args.inputs else None
-    progress = _Progress(sys.stderr, enabled=not args.quiet)
+    progress = Progress(sys.stderr, enabled=not args.quiet)
     try:
         report = compare(
             g,
@@ -399,7 +358,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     cfg = _config(args)
     seq = 4096 if args.seq is None else args.seq
     for flag, v in (("--seq", seq), ("--batch", args.batch), ("--layers", args.layers)):
-        _at_least(flag, v, 1)
+        at_least(flag, v, 1)
     layers = args.layers or (PRESETS[args.preset].n_layers if args.preset else 1)
     if args.preset:
         print(f"{args.preset}: {PRESETS[args.preset].description}, {layers} layers")
@@ -465,16 +424,17 @@ def _attention_kind(op: Attention) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``graphc`` command."""
-    p = _Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
+    p = Parser(prog="graphc", description="An einsum graph compiler for attention: build, optimize, export, compare.")
     p.add_argument("--version", action="version", version=f"graphc {__version__}")
     _add_common_args(p, None)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    common = _Parser(add_help=False)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    common = Parser(add_help=False)
     _add_common_args(common, argparse.SUPPRESS)  # after the subcommand too; SUPPRESS keeps the top-level value
 
     _add_compare(sub, common)
     _add_export_and_show(sub, common)
     _add_optimize(sub, common)
+    add_generate(sub, common)
     i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")
     _add_graph_args(i)
     i.add_argument("--dtype", default="float16", choices=DTYPES, help="KV-cache dtype (default float16)")
@@ -593,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if not args.command:
-            raise UsageError("a command is needed: compare, export, show, optimize or info (see graphc --help)")
+            raise UsageError("a command is needed: compare, export, show, optimize, info or generate (see graphc --help)")
         if args.memory_cap is not None:
             memory.set_memory_cap(args.memory_cap, "set by --memory-cap")
         code = int(args.func(args))

@@ -203,3 +203,41 @@ def test_bfloat16_logits_at_every_step_are_as_close_to_float32_as_transformers_o
     scale = np.abs(exact).max()
     ours_err, theirs_err = np.abs(ours - exact).max() / scale, np.abs(rounded - exact).max() / scale
     assert 0 < ours_err <= theirs_err * 1.25 + 1e-3, (family, ours_err, theirs_err)
+
+
+def test_cli_generate_prints_transformers_tokens_per_backend(tmp_path, capsys):
+    from graphc.cli import main
+
+    config, model = _model("mistral")
+    model.save_pretrained(tmp_path)
+    want, _ = _hf_generate(model)
+    argv = ["generate", "--hf-config", str(tmp_path / "config.json"), "--weights", str(tmp_path), "--max-new-tokens", str(NEW_TOKENS)]
+    argv += [arg for p in PROMPTS for arg in ("--prompt-ids", ",".join(map(str, p)))]
+    assert main([*argv, "--backends", ",".join(installed("numpy", "ort-cpu", "torch"))]) == 0
+    out, err = capsys.readouterr()
+    assert "tokens (every backend the same):" in out and "tokens/s" in out
+    for i, (prompt, new) in enumerate(zip(PROMPTS, want.tolist())):
+        assert f"[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}" in out
+    assert "numpy: token 8/8" in err
+    assert main(["generate", "--hf-config", str(tmp_path / "config.json"), "--prompt-ids", "1,2", "--layers", "1", "--quiet"]) == 0  # random weights
+    assert "1 layers, vocab 96" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--prompt-ids", "1,x"], "--prompt-ids takes comma-separated token ids"),
+        (["--prompt-ids", "1,96"], "token ids must be in 0..95"),
+        (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be in 1..65536"),
+        (["--prompt-ids", "1", "--backends", "tpu"], "backend"),
+        (["--prompt-ids", "1", "--layers", "3"], "n_layers must be an int in 1..2"),
+    ],
+)
+def test_cli_generate_user_errors_are_one_line(tmp_path, capsys, extra, fragment):
+    from graphc.cli import main
+
+    config, _ = _model("llama")
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    assert main(["generate", "--hf-config", str(tmp_path / "config.json"), "--quiet", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err

@@ -41,3 +41,9 @@ def test_hf_decoder_example_runs_on_a_falcon_checkpoint_folder(tmp_path):
     assert "all backends agree" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.split()[:1] in (["numpy"], ["ort-cpu"])]
     assert len(rows) == 2 and all(" PASS " in line for line in rows), proc.stdout
+
+
+def test_generate_example_runs_and_its_onnx_export_decodes_in_a_plain_loop():
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "generate.py")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "in a plain onnxruntime loop: the same 16 tokens" in proc.stdout

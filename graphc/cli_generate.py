@@ -1,0 +1,155 @@
+"""``graphc generate``: greedy tokens from a transformers checkpoint on each backend, with prefill time and tokens/s.
+
+The model is built once (:func:`graphc.causal_lm_from_hf`; seeded random weights
+without ``--weights``), optimized for the decode step, and generated on every
+backend in turn.  Every backend must produce the same tokens: the command exits 1
+when they differ (after printing them all), 2 on a user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .cli_common import Progress, UsageError, at_least
+from .graph import Graph
+
+__all__ = ["add_generate", "cmd_generate"]
+
+MAX_NEW_TOKENS = 1 << 16
+
+
+def _prompts(items: list[str]) -> list[list[int]]:
+    prompts = []
+    for item in items:
+        try:
+            ids = [int(t) for t in item.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise UsageError(f"--prompt-ids takes comma-separated token ids such as 1,2,3, got {item!r}") from None
+        if not ids:
+            raise UsageError(f"--prompt-ids {item!r} holds no token id")
+        prompts.append(ids)
+    return prompts
+
+
+def _model(args: argparse.Namespace) -> Graph:
+    from .attention.causal_lm import causal_lm_graph
+    from .attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
+    from .weights import load_weights
+
+    if args.weights:
+        return causal_lm_from_hf(args.hf_config, load_weights(args.weights), n_layers=args.layers, dtype=args.dtype, logits="last")
+    cfg = causal_lm_config_from_hf(args.hf_config, args.layers)
+    return causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last")
+
+
+def _options(backend: str, args: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if backend in ("ort-cpu", "ort-cuda"):
+        options.update(attention="auto", sizes=sizes)
+    if args.threads and backend in ("ort-cpu", "ort-cuda", "numpy", "torch"):
+        options["threads"] = args.threads
+    return options
+
+
+def _table(rows: list[tuple[str, Any]], graph: Graph, prompts: list[list[int]], new: int) -> str:
+    layers = sum(1 for n in graph.inputs if n.endswith(".key"))
+    lines = [
+        f"model {graph.name}: {layers} layers, vocab {graph.types['logits'].shape[-1]}, {graph.types['present.0.key'].dtype}; "
+        f"{len(prompts)} prompt(s), up to {new} new tokens, greedy",
+        f"{'backend':<14}  {'prefill ms':>10}  {'ms/token':>8}  {'tokens/s':>8}  provider / reason",
+        f"{'-' * 14}  {'-' * 10}  {'-' * 8}  {'-' * 8}  {'-' * 17}",
+    ]
+    for backend, r in rows:
+        if isinstance(r, str):
+            lines.append(f"{backend:<14}  {'-':>10}  {'-':>8}  {'-':>8}  {r}")
+        else:
+            lines.append(f"{backend:<14}  {r.prefill_seconds * 1e3:10.2f}  {r.ms_per_token:8.2f}  {r.tokens_per_second:8.1f}  {r.provider}")
+    return "\n".join(lines)
+
+
+def _tokens(rows: list[tuple[str, Any]], prompts: list[list[int]]) -> tuple[str, bool]:
+    runs = [(b, r) for b, r in rows if not isinstance(r, str)]
+    distinct = {tuple(map(tuple, r.new_tokens.tolist())) for _, r in runs}
+    lines = []
+    if len(distinct) <= 1:
+        lines.append(f"tokens ({'every backend the same' if len(runs) > 1 else runs[0][0] if runs else 'no backend ran'}):")
+        runs = runs[:1]
+    else:
+        lines.append("tokens DIFFER between backends:")
+    for backend, r in runs:
+        for i, (prompt, new) in enumerate(zip(prompts, r.new_tokens.tolist())):
+            tag = f"{backend} " if len(distinct) > 1 else ""
+            lines.append(f"  {tag}[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}")
+    return "\n".join(lines), len(distinct) <= 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate greedily on every backend; print tokens/s per backend and the tokens."""
+    from lowering import generate, prepare
+    from lowering.backends import unavailable_reason
+
+    from .optimizer import optimize
+
+    at_least("--max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
+    at_least("--layers", args.layers, 1)
+    at_least("--threads", args.threads, 1, 4096)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends:
+        raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
+    prompts = _prompts(args.prompt_ids)
+    progress = Progress(sys.stderr, enabled=not args.quiet)
+    progress("building the model")
+    graph = _model(args)
+    sizes = {"batch": len(prompts), "seq": 1, "past_seq": max(map(len, prompts)) + args.max_new_tokens // 2}
+    if not args.no_optimize:
+        progress("optimizing for the decode step")
+        graph = optimize(graph, hints=sizes).graph
+    rows: list[tuple[str, Any]] = []
+    try:
+        for k, backend in enumerate(backends, 1):
+            reason = unavailable_reason(backend)
+            if reason is not None:
+                rows.append((backend, f"skipped: {reason}"))
+                continue
+            tag = f"[{k}/{len(backends)}] {backend}"
+            progress(f"{tag}: preparing and warming up")
+            runner = prepare(graph, backend, **_options(backend, args, sizes))
+            options = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id, "runner": runner}
+            generate(graph, prompts, min(2, args.max_new_tokens), **options)  # first calls (compiles, allocations) are not timed
+            every = max(1, args.max_new_tokens // 4)
+            run = generate(
+                graph,
+                prompts,
+                args.max_new_tokens,
+                progress=lambda step, total, tag=tag: progress(f"{tag}: token {step}/{total}") if step % every == 0 or step == 1 else None,
+                **options,
+            )
+            rows.append((backend, run))
+    finally:
+        progress.done()
+    print(_table(rows, graph, prompts, args.max_new_tokens))
+    text, same = _tokens(rows, prompts)
+    print(text)
+    return 0 if same else 1
+
+
+def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
+    """``graphc generate``."""
+    from .ops import DTYPES
+
+    g = sub.add_parser("generate", parents=[common], help="greedy tokens from a transformers checkpoint on each backend, with tokens/s")
+    g.add_argument("--hf-config", required=True, metavar="CONFIG.json", help="the model's transformers config.json")
+    g.add_argument("--weights", default=None, metavar="PATH", help="safetensors file or checkpoint folder (default: seeded random weights)")
+    g.add_argument("--layers", type=int, default=None, help="use the first N layers only (default: all)")
+    g.add_argument("--prompt-ids", action="append", required=True, metavar="IDS", help="comma-separated token ids; repeat for a batch")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    g.add_argument("--backends", default="numpy,ort-cpu", help="comma-separated (default numpy,ort-cpu)")
+    g.add_argument("--dtype", default=None, choices=DTYPES, help="compute the model in this storage dtype (default: the checkpoint's)")
+    g.add_argument("--pad-token-id", type=int, default=0, help="fills the left of shorter prompts (default 0)")
+    g.add_argument("--eos-token-id", type=int, default=None, help="a sequence that emits it stops (default: none)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights without --weights")
+    g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
+    g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
+    g.set_defaults(func=cmd_generate)
