@@ -38,6 +38,7 @@ class OnnxBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self._names: set[str] = set(graph.types)
         self._dim_cache: dict[Dim, str] = {}
+        self.known_shapes: dict[str, tuple[Dim, ...]] = {}
         self.may_carry_neg_inf = may_carry_neg_inf(graph)
         self.symbol_source: dict[str, tuple[str, int]] = {}
         for name in graph.inputs:
@@ -120,9 +121,62 @@ class OnnxBuilder:
             return self.const(np.array([normalize_dim(d) for d in shape], np.int64), "shape")
         return self.op("Concat", [self.dim(d) for d in shape], base="shape", axis=0)
 
-    def reshape(self, x: str, shape: tuple[Dim, ...] | list[Dim], output: str | None = None) -> str:
-        """Reshape ``x`` (allowzero: a 0 in the target means an empty axis, never 'copy')."""
-        return self.op("Reshape", [x, self.shape(shape)], output, base=f"{x}_r", allowzero=1)
+    def reshape(
+        self, x: str, shape: tuple[Dim, ...] | list[Dim], output: str | None = None, source: tuple[Dim, ...] | list[Dim] | None = None
+    ) -> str:
+        """Reshape ``x`` to ``shape``.
+
+        With ``x``'s shape known (``source``, a graph value's type or an earlier reshape's target), a symbolic target
+        needs no shape computation per call: inserting or dropping size-1 axes is an ``Unsqueeze``/``Squeeze``, and a
+        target whose symbolic dims each sit at the same index in ``x`` is a constant with 0 = 'copy that dim' (never
+        -1, which cannot be inferred on an empty tensor).  Otherwise the shape is computed and ``allowzero=1`` makes a
+        0 mean an empty axis, never 'copy'.
+        """
+        target = tuple(normalize_dim(d) for d in shape)
+        source = source if source is not None else self.graph.types[x].shape if x in self.graph.types else self.known_shapes.get(x)
+        out = None
+        if source is not None and not is_static(target):
+            src = tuple(normalize_dim(d) for d in source)
+            squeeze, unsqueeze = _unit_axes(src, target), _unit_axes(target, src)
+            if squeeze is not None or unsqueeze is not None:
+                kind, axes = ("Squeeze", squeeze) if squeeze is not None else ("Unsqueeze", unsqueeze)
+                out = self.op(kind, [x, self.const(np.array(axes, np.int64), "axes")], output, base=f"{x}_r")
+            elif (copying := _copying_shape(target, src)) is not None:
+                out = self.op("Reshape", [x, self.const(copying, "shape")], output, base=f"{x}_r")
+        if out is None:
+            out = self.op("Reshape", [x, self.shape(target)], output, base=f"{x}_r", allowzero=1)
+        self.known_shapes[out] = target
+        return out
+
+
+def _unit_axes(longer: tuple[Dim, ...], shorter: tuple[Dim, ...]) -> list[int] | None:
+    """The axes of ``longer`` that are literal 1s and, dropped, leave ``shorter``; None if ``longer`` is not so."""
+    if len(longer) <= len(shorter):
+        return None
+    axes, j = [], 0
+    for i, d in enumerate(longer):
+        if j < len(shorter) and d == shorter[j]:
+            j += 1
+        elif d == 1:
+            axes.append(i)
+        else:
+            return None
+    return axes if j == len(shorter) else None
+
+
+def _copying_shape(shape: tuple[Dim, ...], source: tuple[Dim, ...]) -> np.ndarray | None:
+    """``shape`` as Reshape's constant with 0 = 'the input's dim at this index'; None when a symbolic dim sits elsewhere."""
+    out: list[int] = []
+    for i, d in enumerate(shape):
+        if isinstance(d, int):
+            if d == 0:
+                return None  # a literal 0 would copy: an empty axis needs allowzero=1
+            out.append(d)
+        elif i < len(source) and source[i] == d:
+            out.append(0)
+        else:
+            return None
+    return np.array(out, np.int64)
 
 
 def may_carry_neg_inf(g: Graph) -> dict[str, bool]:

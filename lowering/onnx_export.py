@@ -36,7 +36,7 @@ from graphc.opaque import Opaque
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, ShapeValues, Slice
 
-from .contraction import plan_matmul
+from .contraction import MatmulPlan, plan_matmul
 from .onnx_builder import ONNX_DTYPES, OnnxBuilder, may_carry_neg_inf
 from .forms import ChunkedCausalAttention, OnnxAttention, OrtGroupQueryAttention
 from .onnx_chunked import emit_chunked_attention
@@ -71,10 +71,16 @@ def _lower_pair(b: OnnxBuilder, spec_text: str, names: list[str], shapes: list[t
     if set("".join(spec.inputs)) <= set(spec.output):  # no label summed: an elementwise or outer product
         _lower_product(b, spec, names, out)
         return
+    if names[0] == names[1] and spec.inputs[0] == spec.inputs[1] and len(set(spec.inputs[0])) == len(spec.inputs[0]):
+        _lower_sum_of_squares(b, spec, names[0], out)
+        return
     p = plan_matmul(spec)
     (a, ta), (c, tc) = (names[0], spec.inputs[0]), (names[1], spec.inputs[1])
     if p.swap:
         (a, ta), (c, tc) = (c, tc), (a, ta)
+    if not p.batch and not p.a_sum and not p.b_sum and len(p.contract) == 1 and len(p.b_free) == 1:
+        _lower_broadcast_matmul(b, p, a, ta, c, tc, out)  # [..., K] @ [K, N]: onnx MatMul broadcasts, no reshapes
+        return
 
     def prepare(x: str, term: str, summed: str, perm: tuple[int, ...], groups: tuple[str, str]) -> str:
         if summed:
@@ -83,7 +89,8 @@ def _lower_pair(b: OnnxBuilder, spec_text: str, names: list[str], shapes: list[t
         if perm != tuple(range(len(perm))):
             x = b.op("Transpose", [x], base=f"{x}_t", perm=list(perm))
         if any(len(g) != 1 for g in groups):
-            x = b.reshape(x, [sizes[ch] for ch in p.batch] + [dim_prod(sizes[ch] for ch in g) for g in groups])
+            source = [sizes[ch] for ch in p.batch + groups[0] + groups[1]]
+            x = b.reshape(x, [sizes[ch] for ch in p.batch] + [dim_prod(sizes[ch] for ch in g) for g in groups], source=source)
         return x
 
     a2 = prepare(a, ta, p.a_sum, p.a_perm, (p.a_free, p.contract))
@@ -92,7 +99,34 @@ def _lower_pair(b: OnnxBuilder, spec_text: str, names: list[str], shapes: list[t
     last = not needs_reshape and not p.needs_out_transpose
     y = b.op("MatMul", [a2, c2], out if last else None, base=f"{out}_mm")
     if needs_reshape:
-        y = b.reshape(y, [sizes[ch] for ch in p.batch + p.a_free + p.b_free], None if p.needs_out_transpose else out)
+        flat = [sizes[ch] for ch in p.batch] + [dim_prod(sizes[ch] for ch in p.a_free), dim_prod(sizes[ch] for ch in p.b_free)]
+        y = b.reshape(y, [sizes[ch] for ch in p.batch + p.a_free + p.b_free], None if p.needs_out_transpose else out, source=flat)
+    if p.needs_out_transpose:
+        b.op("Transpose", [y], out, perm=list(p.out_perm))
+
+
+def _lower_sum_of_squares(b: OnnxBuilder, spec: EinsumSpec, x: str, out: str) -> None:
+    """``x . x`` over the labels missing from the output (an RMSNorm's sum of squares): one ``ReduceSumSquare``."""
+    term = spec.inputs[0]
+    summed = [i for i, ch in enumerate(term) if ch not in spec.output]
+    kept = "".join(ch for ch in term if ch in spec.output)
+    perm = [kept.index(ch) for ch in spec.output]
+    last = perm == list(range(len(perm)))
+    y = b.op("ReduceSumSquare", [x, b.const(np.array(summed, np.int64), "axes")], out if last else None, base=f"{out}_sq", keepdims=0)
+    if not last:
+        b.op("Transpose", [y], out, perm=perm)
+
+
+def _lower_broadcast_matmul(b: OnnxBuilder, p: MatmulPlan, a: str, ta: str, c: str, tc: str, out: str) -> None:
+    """A contraction of one label with a 2-D operand (a projection ``bsm,nm->bsn``): ``MatMul(A[..., K], B[K, N])``, ``A``'s free
+    axes left as they are (onnx MatMul broadcasts them), so no Reshape or shape computation runs per call."""
+    a_order = p.a_free + p.contract
+    if ta != a_order:
+        a = b.op("Transpose", [a], base=f"{a}_t", perm=[ta.index(ch) for ch in a_order])
+    c_order = p.contract + p.b_free
+    if tc != c_order:
+        c = b.op("Transpose", [c], base=f"{c}_t", perm=[tc.index(ch) for ch in c_order])
+    y = b.op("MatMul", [a, c], None if p.needs_out_transpose else out, base=f"{out}_mm")
     if p.needs_out_transpose:
         b.op("Transpose", [y], out, perm=list(p.out_perm))
 
