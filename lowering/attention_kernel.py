@@ -27,7 +27,7 @@ from graphc.numerics import hidden_keys
 from . import compiled
 from .kernels import default_threads, exp_rows_, run_blocks
 
-__all__ = ["attention_kernel", "blocked_attention", "GEMM_ROWS"]
+__all__ = ["attention_kernel", "blocked_attention", "key_runs", "GEMM_ROWS"]
 
 GEMM_ROWS = 256
 """Target GEMM rows (group x query rows) per block: measured best on 2 cores for head_dim 128."""
@@ -36,26 +36,53 @@ GEMM_ROWS = 256
 def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
     """The interpreter's kernel for :class:`~graphc.Attention`: the KV cache appended, then :func:`blocked_attention`.
 
-    A user mask is left to the op's reference semantics (the lowering for
-    NumPy decomposes masked attention before it gets here).
+    A bool key mask (``[B, 1, 1, T]``, a padding mask; the NumPy target keeps no other user mask) whose visible
+    keys form one run per batch row (left or right padding) runs as that row's keys only, the causal offset
+    shifted to match; any other mask takes the op's reference semantics.
     """
-    if op.has_mask:
-        return op.evaluate_all(args, dims)
     q, k, v = args[:3]
+    rest = list(args[3:])
+    mask = rest.pop(0) if op.has_mask else None
     if op.kv_cache:
-        k = np.concatenate([args[3], k], axis=2)
-        v = np.concatenate([args[4], v], axis=2)
-    b, hq, sq, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv if hkv else 1
+        k = np.concatenate([rest[0], k], axis=2)
+        v = np.concatenate([rest[1], v], axis=2)
     offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
     q_scale = op.scale / op.softcap if op.softcap is not None else op.scale
     if q_scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
         q = q * np.array(q_scale, q.dtype)
-    qf = q.reshape(b, hkv, group * sq, d)
-    out = blocked_attention(qf, k, v, sq, offset, None, threads, window=op.window, softcap=op.softcap)
-    out = out.reshape(b, hq, sq, v.shape[-1])
+    runs = None if mask is None else key_runs(mask, q.shape[0], k.shape[2])
+    if mask is not None and runs is None:
+        return op.evaluate_all(args, dims)
+    if runs is None or all(run == (0, k.shape[2]) for run in runs):
+        out = _attend(op, q, k, v, offset, threads)
+    else:
+        shifted = [None if offset is None else offset - lo for lo, _ in runs]  # key j of row b is key j - lo of its run
+        parts = [_attend(op, q[b : b + 1], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], shifted[b], threads) for b, (lo, hi) in enumerate(runs)]
+        out = np.concatenate(parts)
     return (out, k, v) if op.kv_cache else (out,)
+
+
+def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None, threads: int | None) -> np.ndarray:
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv if hkv else 1
+    out = blocked_attention(q.reshape(b, hkv, group * sq, d), k, v, sq, offset, None, threads, window=op.window, softcap=op.softcap)
+    return out.reshape(b, hq, sq, v.shape[-1])
+
+
+def key_runs(mask: np.ndarray, batch: int, total: int) -> list[tuple[int, int]] | None:
+    """Per batch row, the one run ``[lo, hi)`` of keys a per-key bool mask keeps (``(0, 0)`` for none); None when a row's kept keys
+    are not one run or the mask varies over heads or queries."""
+    if mask.dtype != np.bool_ or mask.ndim > 4 or any(n != 1 for n in mask.shape[-3:-1]):
+        return None
+    rows = np.broadcast_to(mask.reshape(*mask.shape[:-3], mask.shape[-1]) if mask.ndim >= 3 else mask, (batch, total))
+    runs = []
+    for row in rows:
+        kept = np.flatnonzero(row)
+        if kept.size and kept[-1] - kept[0] + 1 != kept.size:
+            return None
+        runs.append((int(kept[0]), int(kept[-1]) + 1) if kept.size else (0, 0))
+    return runs
 
 
 def _tasks(lead: int, row_starts: range, threads: int | None) -> list[tuple[int, int, int]]:

@@ -74,3 +74,44 @@ def test_blocked_kernel_equals_reference(batch, kv_heads, groups, sq, extra, cau
     got = blocked_attention(q.reshape(batch, kv_heads, groups * sq, 4), k, v, sq, offset, 0.5, threads)
     want = ref_sdpa(q.reshape(batch, kv_heads * groups, sq, 4), k, v, causal=causal, offset=offset, scale=0.5)
     np.testing.assert_allclose(got.reshape(batch, kv_heads * groups, sq, 3), want, rtol=1e-12, atol=1e-13)
+
+
+KEY_MASKS = {
+    "all kept": lambda t: np.ones((3, t), bool),
+    "left padding": lambda t: np.arange(t)[None, :] >= np.array([[0], [2], [5]]),
+    "right padding": lambda t: np.arange(t)[None, :] < np.array([[t], [t - 1], [3]]),
+    "a row with no key": lambda t: np.arange(t)[None, :] >= np.array([[0], [t], [1]]),
+    "holes": lambda t: (np.arange(t)[None, :] % 3 != 1) | (np.arange(3)[:, None] == 0),
+}
+
+
+@pytest.mark.parametrize("kind", KEY_MASKS)
+@pytest.mark.parametrize("sq, past, window, softcap", [(1, 9, None, None), (6, 0, None, None), (4, 5, 3, None), (2, 7, None, 2.0)])
+def test_padding_masks_run_in_the_kernel_and_match_the_reference(kind, sq, past, window, softcap):
+    """A bool key mask [B, 1, 1, T] stays one Attention for NumPy: each row's run of kept keys, the causal offset shifted; holes
+    take the reference semantics.  Left-padded prompts put whole query rows out of sight (zeros)."""
+    from graphc.attention_op import Attention
+    from lowering.attention_kernel import attention_kernel, key_runs
+
+    rng = np.random.default_rng(7)
+    b, hq, hkv, d, t = 3, 4, 2, 8, past + sq
+    q = rng.standard_normal((b, hq, sq, d)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((b, hkv, sq, d)).astype(np.float32) for _ in range(2))
+    past_k, past_v = (rng.standard_normal((b, hkv, past, d)).astype(np.float32) for _ in range(2))
+    mask = KEY_MASKS[kind](t)[:, None, None, :]
+    op = Attention(d**-0.5, "past", mask="bool", kv_cache=True, window=window, softcap=softcap)
+    out, k, v = attention_kernel(op, [q, k_new, v_new, mask, past_k, past_v], {"past": past}, threads=2)
+    np.testing.assert_array_equal(k, np.concatenate([past_k, k_new], axis=2))
+    want = ref_sdpa(q, k, v, causal=True, offset=past, mask=mask, window=window, softcap=softcap)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    assert (key_runs(mask, b, t) is None) == (kind == "holes")
+
+
+def test_the_numpy_target_keeps_padding_masks_and_decomposes_the_others():
+    cfg = AttentionConfig(32, 4, 2)
+    keyed = graphc.kv_cache_graph(cfg, seed=0, mask="bool", mask_per_query=False)
+    per_query = graphc.kv_cache_graph(cfg, seed=0, mask="bool")
+    additive = graphc.kv_cache_graph(cfg, seed=0, mask="additive", mask_per_query=False)
+    assert lower(optimize(keyed).graph, NUMPY_TARGET).op_counts().get("Attention") == 1
+    assert "Attention" not in lower(optimize(per_query).graph, NUMPY_TARGET).op_counts()
+    assert "Attention" not in lower(optimize(additive).graph, NUMPY_TARGET).op_counts()
