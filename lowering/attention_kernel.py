@@ -26,6 +26,7 @@ from graphc.numerics import hidden_keys
 
 from . import compiled
 from .kernels import default_threads, exp_rows_, run_blocks
+from .kv_buffers import append, prefix_buffer
 
 __all__ = ["attention_kernel", "blocked_attention", "key_runs", "GEMM_ROWS"]
 
@@ -43,9 +44,8 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     q, k, v = args[:3]
     rest = list(args[3:])
     mask = rest.pop(0) if op.has_mask else None
-    if op.kv_cache:
-        k = np.concatenate([rest[0], k], axis=2)
-        v = np.concatenate([rest[1], v], axis=2)
+    if op.kv_cache:  # in place when the past is a growing buffer (lowering.kv_buffers), else a new array
+        k, v = append(rest[0], k), append(rest[1], v)
     offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
     q_scale = op.scale / op.softcap if op.softcap is not None else op.scale
     if q_scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
@@ -83,6 +83,15 @@ def key_runs(mask: np.ndarray, batch: int, total: int) -> list[tuple[int, int]] 
             return None
         runs.append((int(kept[0]), int(kept[-1]) + 1) if kept.size else (0, 0))
     return runs
+
+
+def _rows(a: np.ndarray, batch: list[int], lead: int) -> np.ndarray:
+    """``a [*batch, N, D]`` as a C-contiguous ``[lead, N', D]``: the growing KV-cache buffer it is a prefix of (``N' >= N``, no copy), else a
+    contiguous copy."""
+    buffer = prefix_buffer(a) if list(a.shape[:-2]) == batch else None
+    if buffer is not None:
+        return buffer.reshape(lead, *buffer.shape[-2:])
+    return np.ascontiguousarray(np.broadcast_to(a, (*batch, *a.shape[-2:])).reshape(lead, *a.shape[-2:]))
 
 
 def _tasks(lead: int, row_starts: range, threads: int | None) -> list[tuple[int, int, int]]:
@@ -128,8 +137,8 @@ def blocked_attention(
     lead = int(np.prod(batch, dtype=np.int64))
     fast = compiled.use_compiled() and q.dtype == k.dtype == v.dtype == np.float32
     if fast and rows_total <= compiled.MAX_ROWS and scale is None and softcap is None:  # decode: stream K and V once per KV head
-        flat = [np.ascontiguousarray(np.broadcast_to(a, (*batch, *a.shape[-2:])).reshape(lead, *a.shape[-2:])) for a in (q, k, v)]
-        return compiled.decode_attention(*flat, sq, offset, window, threads).reshape(*batch, rows_total, e_dim)
+        flat = [_rows(a, batch, lead) for a in (q, k, v)]
+        return compiled.decode_attention(*flat, sq, offset, window, threads, keys=t_len).reshape(*batch, rows_total, e_dim)
     exp_rows = compiled.exp_rows_compiled if fast else exp_rows_
     k = np.broadcast_to(k, (*batch, t_len, dim))
     v = np.broadcast_to(v, (*batch, t_len, e_dim))

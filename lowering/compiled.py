@@ -119,18 +119,21 @@ def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
     return totals.reshape(*s.shape[:-1], 1)
 
 
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offset: int | None, window: int | None, threads: int | None) -> np.ndarray:
+def decode_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offset: int | None, window: int | None, threads: int | None, keys: int | None = None
+) -> np.ndarray:
     """``softmax(masked(q k^T)) v`` for ``q [L, R, D]`` (already scaled), ``k [L, T, D]``, ``v [L, T, E]``, float32, C-contiguous.
 
     Row ``r`` is query ``r % sq``; ``offset``/``window`` as in
     :func:`lowering.attention_kernel.blocked_attention`; rows that see no key
-    are zeros.  Work is split over batch x KV heads, and over keys as well
+    are zeros.  ``keys``: only the first ``keys`` of ``k``/``v`` are the cache (a buffer with room to grow; default all).
+    Work is split over batch x KV heads, and over keys as well
     when there are fewer heads than threads (flash-decoding: each key slice
     returns its row maxima, sums and accumulators, merged here).
     """
     kern = _loaded_kernels()
     lead, rows, _ = q.shape
-    t_len, e_len = k.shape[1], v.shape[2]
+    t_len, e_len = k.shape[1] if keys is None else keys, v.shape[2]
     n = threads or default_threads()
     splits = max(1, min(-(-n // max(lead, 1)), t_len // 256 or 1))
     bounds = np.array([c * t_len // splits for c in range(splits + 1)], np.int64)

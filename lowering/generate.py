@@ -8,7 +8,9 @@ count real tokens only (``cumsum(mask) - 1``, as transformers' ``generate``),
 and each step feeds the last token of every sequence with the previous step's
 ``present.*`` as ``past_key_values.*``.  On onnxruntime the cache stays in
 onnxruntime's own tensors between steps (``OrtValue``s, never copied to NumPy);
-on the other backends the arrays a step returns are the next step's inputs.
+on NumPy it is a buffer per layer with room for the whole generation, which the
+attention kernel appends to in place (:mod:`lowering.kv_buffers`); on the other
+backends the arrays a step returns are the next step's inputs.
 
 A sequence that emits ``eos_token_id`` is finished: it is fed ``pad_token_id``
 afterwards and generation stops when every sequence is finished, as
@@ -27,6 +29,7 @@ import numpy as np
 from graphc.errors import InputError
 from graphc.graph import Graph
 
+from . import kv_buffers
 from .backends import prepare
 from .runner import Runner
 
@@ -128,13 +131,17 @@ class _Steps:
         self.session = runner.session if runner.backend.startswith("ort-") else None
         self.cache: dict[str, Any] = {}
 
-    def start(self, empty: Mapping[str, np.ndarray]) -> None:
+    def start(self, lm: LMInterface, batch: int, capacity: int) -> None:
+        """Empty caches: onnxruntime tensors, buffers with room for ``capacity`` positions on NumPy, else empty arrays."""
+        shapes = {name: (batch, lm.kv_heads[i // 2], lm.head_dims[i // 2]) for i, (name, _) in enumerate(self.cache_names)}
         if self.session is not None:
             import onnxruntime as ort
 
-            self.cache = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in empty.items()}
+            self.cache = {n: ort.OrtValue.ortvalue_from_numpy(np.zeros((b, h, 0, d), lm.cache_dtype)) for n, (b, h, d) in shapes.items()}
+        elif self.runner.backend == "numpy":  # the attention kernel appends each step's keys in place
+            self.cache = {n: kv_buffers.allocate(b, h, capacity, d, lm.cache_dtype) for n, (b, h, d) in shapes.items()}
         else:
-            self.cache = dict(empty)
+            self.cache = {n: np.zeros((b, h, 0, d), lm.cache_dtype) for n, (b, h, d) in shapes.items()}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         if self.session is None:
@@ -188,9 +195,7 @@ def generate(
     runner = runner or prepare(graph, backend, **prepare_options)
     batch = ids.shape[0]
     steps = _Steps(runner, lm.n_layers)
-    steps.start(
-        {name: np.zeros((batch, lm.kv_heads[i // 2], 0, lm.head_dims[i // 2]), lm.cache_dtype) for i, (name, _) in enumerate(steps.cache_names)}
-    )
+    steps.start(lm, batch, ids.shape[1] + max_new_tokens)
     done = np.zeros(batch, bool)
     new: list[np.ndarray] = []
     kept: list[np.ndarray] = []
