@@ -41,6 +41,11 @@ FAMILIES = {
                "query_pre_attn_scalar": 12}),
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", {**BASE, "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False}),
     "falcon-40b": ("FalconConfig", "FalconForCausalLM", {**BASE, "num_kv_heads": 2, "new_decoder_architecture": True}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**LLAMA_LIKE, "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                 "partial_rotary_factor": 0.5}}),
+    "gpt_neox-sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**BASE, "use_parallel_residual": False}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 32, "n_head": 4, "n_layer": 2, "vocab_size": 96, "n_positions": 64}),
 }  # fmt: skip
 PROMPTS = [[5, 17, 33], [7, 1, 90, 44, 12, 60]]
 NEW_TOKENS = 8
@@ -153,8 +158,10 @@ def test_eos_finishes_a_sequence_and_pads_it():
     np.testing.assert_array_equal(stopped.new_tokens, hf[:, ids.shape[1] :].numpy()[:, : stopped.new_tokens.shape[1]])
 
 
-def test_checkpoint_folder_builds_the_same_model(tmp_path):
-    config, model = _model("mistral")
+@pytest.mark.parametrize("family", ["mistral", "phi3", "gpt_neox", "gpt2", "falcon-40b"])
+def test_checkpoint_folder_builds_the_same_model(tmp_path, family):
+    """save_pretrained's files (tied heads left out, fused tensors, GPT-2's Conv1D layout) give transformers' tokens."""
+    config, model = _model(family)
     model.save_pretrained(tmp_path)
     weights = graphc.weights.load_weights(tmp_path)
     from_files = graphc.causal_lm_from_hf(tmp_path / "config.json", weights)

@@ -45,8 +45,10 @@ class CausalLMConfig:
     """A decoder-only language model: its layers, vocabulary and the pieces around the stack.
 
     ``embedding_scale`` multiplies the token embeddings (Gemma: ``sqrt(hidden_size)``, rounded to the
-    model's dtype as transformers does); ``tie_word_embeddings`` uses ``model.embed_tokens.weight`` as
-    the LM head; ``final_logit_softcap`` ``c`` maps logits to ``c * tanh(logits / c)`` (Gemma 2).
+    model's dtype as transformers does); ``position_embeddings`` ``N`` adds learned absolute position
+    embeddings ``model.embed_positions.weight [N, hidden]`` read at ``position_ids`` (GPT-2);
+    ``tie_word_embeddings`` uses ``model.embed_tokens.weight`` as the LM head; ``final_logit_softcap``
+    ``c`` maps logits to ``c * tanh(logits / c)`` (Gemma 2).
     """
 
     layers: tuple[DecoderConfig, ...]
@@ -54,6 +56,7 @@ class CausalLMConfig:
     tie_word_embeddings: bool = False
     embedding_scale: float | None = None
     final_logit_softcap: float | None = None
+    position_embeddings: int | None = None
     family: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,9 @@ class CausalLMConfig:
             raise AttentionConfigError("every layer of a causal LM has the same hidden size")
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
             raise AttentionConfigError(f"vocab_size must be an int > 0, got {self.vocab_size!r}")
+        n = self.position_embeddings
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise AttentionConfigError(f"position_embeddings must be an int > 0 or None, got {n!r}")
         for name in ("embedding_scale", "final_logit_softcap"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
@@ -89,6 +95,8 @@ def causal_lm_weight_shapes(cfg: CausalLMConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every weight of the model (transformers' names)."""
     d = cfg.d_model
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
+    if cfg.position_embeddings is not None:
+        shapes["model.embed_positions.weight"] = (cfg.position_embeddings, d)
     for i, layer in enumerate(cfg.layers):
         shapes.update({f"model.layers.{i}.{n}": s for n, s in decoder_weight_shapes(layer).items()})
     shapes["model.norm.weight"] = (d,)
@@ -109,6 +117,8 @@ def init_causal_lm_weights(cfg: CausalLMConfig, seed: int = 0, dtype: str = "flo
     rng = np.random.default_rng(seed + len(cfg.layers))
     d = cfg.d_model
     out["model.embed_tokens.weight"] = rng.standard_normal((cfg.vocab_size, d), dtype=np.float32).astype(dtype)
+    if cfg.position_embeddings is not None:
+        out["model.embed_positions.weight"] = (0.1 * rng.standard_normal((cfg.position_embeddings, d), dtype=np.float32)).astype(dtype)
     out["model.norm.weight"] = (1.0 - cfg.layers[-1].norm_offset + 0.1 * rng.standard_normal(d, dtype=np.float32)).astype(dtype)
     if cfg.layers[-1].norm == "layer":
         out["model.norm.bias"] = (0.02 * rng.standard_normal(d, dtype=np.float32)).astype(dtype)
@@ -120,7 +130,7 @@ def init_causal_lm_weights(cfg: CausalLMConfig, seed: int = 0, dtype: str = "flo
 def _check_weights(cfg: CausalLMConfig, weights: Mapping[str, np.ndarray], dtype: str) -> None:
     """The weights outside the layers (the stack checks its own)."""
     shapes = causal_lm_weight_shapes(cfg)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    for name in ("model.embed_tokens.weight", "model.embed_positions.weight", "lm_head.weight"):
         if name not in shapes:
             continue
         if name not in weights:
@@ -184,6 +194,9 @@ def causal_lm_graph(
     x = g.add_node(Gather(0), [table, ids], "inputs_embeds_BSM")
     if cfg.embedding_scale is not None:
         x = g.mul(x, _constant(g, "embedding_scale", cfg.embedding_scale, dtype), name="scaled_embeds_BSM")
+    if cfg.position_embeddings is not None:
+        table = g.add_initializer("model.embed_positions.weight", weights["model.embed_positions.weight"], copy=False)
+        x = g.add(x, g.add_node(Gather(0), [table, positions], "position_embeds_BSM"), name="embeds_BSM")
     keep = g.compare("greater", mask, _constant(g, "zero", 0, "int64"), name="key_kept_BT")
     bindings: dict[str, Value | str] = {
         "x_BSM": x,

@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError, WeightError
+from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError
 
 from .config import AttentionConfig, RopeConfig
 from .decoder import DecoderConfig
+from .hf_weights import rename_falcon, rename_gpt2, rename_gpt_neox, rename_phi3
 
 __all__ = [
     "attention_config_from_hf",
@@ -31,7 +32,7 @@ __all__ = [
     "MAX_LAYERS",
 ]
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "falcon")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "falcon", "phi3", "gpt_neox", "gpt2")
 """``model_type`` values whose attention graphc builds from a transformers config."""
 
 
@@ -46,12 +47,26 @@ def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, An
             raise SerializationError(f"{config}: not a JSON config: {e}") from None
         if not isinstance(doc, dict):
             raise SerializationError(f"{config}: a config.json holds a JSON object, got {type(doc).__name__}")
-        return doc
+        return _canonical(doc)
     if hasattr(config, "to_dict"):
-        return dict(config.to_dict())
+        return _canonical(dict(config.to_dict()))
     if isinstance(config, Mapping):
-        return dict(config)
+        return _canonical(dict(config))
     raise AttentionConfigError(f"expected a config dict, a config.json path or a transformers config, got {type(config).__name__}")
+
+
+_ALIASES = {
+    "gpt2": {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_inner": "intermediate_size"},
+    "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+}
+"""Per family, older or family-specific ``config.json`` field names and the names graphc reads them under."""
+
+
+def _canonical(cfg: dict[str, Any]) -> dict[str, Any]:
+    for old, new in _ALIASES.get(str(cfg.get("model_type")), {}).items():
+        if cfg.get(new) is None and cfg.get(old) is not None:
+            cfg[new] = cfg[old]
+    return cfg
 
 
 MAX_LAYERS = 1024
@@ -181,12 +196,16 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
         )
     head_dim = _int(cfg, "head_dim", max(d_model // heads, 1))
     biases: tuple[str, ...] | None = None  # None: all four projections follow `bias`
-    bias = False
+    bias = family == "gpt2"
     if family == "qwen2":
         biases = ("q_proj", "k_proj", "v_proj")
-    elif _flag(cfg, "attention_bias", False) or (family == "falcon" and _flag(cfg, "bias", False)):
+    elif _flag(cfg, "attention_bias", family == "gpt_neox") or (family == "falcon" and _flag(cfg, "bias", False)):
         bias = True
     scale = None
+    if family == "gpt2":
+        if _flag(cfg, "scale_attn_by_inverse_layer_idx", False):
+            raise AttentionConfigError("GPT-2 with scale_attn_by_inverse_layer_idx=True is not supported (a per-layer attention scale)")
+        scale = None if _flag(cfg, "scale_attn_weights", True) else 1.0
     softcap = None
     qk_norm = None
     if family == "gemma2":
@@ -204,7 +223,7 @@ def attention_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer
         scale=scale,
         sliding_window=_window(cfg, family, layer),
         softcap=softcap,
-        rope=_rope(cfg, head_dim),
+        rope=None if family == "gpt2" else _rope(cfg, head_dim),  # GPT-2 adds learned positions to the embeddings instead
         biases=biases,
         qk_norm_eps=qk_norm,
     )
@@ -232,6 +251,19 @@ def decoder_config_from_hf(config: Mapping[str, Any] | str | Path | Any, layer: 
             mlp_bias=_flag(cfg, "bias", False),
             parallel=new_arch or _flag(cfg, "parallel_attn", True),
             parallel_norms=norms if new_arch else 1,
+        )
+    if family in ("gpt2", "gpt_neox"):
+        parallel = family == "gpt_neox" and _flag(cfg, "use_parallel_residual", True)
+        return DecoderConfig(
+            attention,
+            _int(cfg, "intermediate_size", 4 * attention.d_model),
+            mlp="plain",
+            activation=_activation(cfg, "activation_function" if family == "gpt2" else "hidden_act", "gelu_new" if family == "gpt2" else "gelu"),
+            norm="layer",
+            norm_eps=_number(cfg, "layer_norm_epsilon" if family == "gpt2" else "layer_norm_eps", 1e-5),
+            mlp_bias=True,
+            parallel=parallel,
+            parallel_norms=2 if parallel else 1,
         )
     key = "hidden_activation" if cfg.get("hidden_activation") is not None else "hidden_act"
     return DecoderConfig(
@@ -265,56 +297,18 @@ def decoder_configs_from_hf(config: Mapping[str, Any] | str | Path | Any, n_laye
 
 
 def decoder_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
-    """A checkpoint's tensors under graphc's decoder names (``model.layers.{i}.self_attn.q_proj.weight`` ...).
-
-    Llama-like families already use those names and pass through.  Falcon's
-    ``transformer.h.{i}.self_attention.query_key_value`` is split into q/k/v in
-    its layout (per-head ``[q, k, v]`` for MHA; all queries then one key and one
-    value for multi-query; per KV group ``[queries..., key, value]`` for the
-    new decoder architecture), ``dense``/``dense_h_to_4h``/``dense_4h_to_h``
-    become ``o_proj``/``mlp.up_proj``/``mlp.down_proj``, ``ln_attn``/``ln_mlp``
-    become ``input_layernorm``/``post_attention_layernorm`` and ``ln_f`` is ``model.norm``.
-    """
+    """A checkpoint's tensors under graphc's names (``model.layers.{i}.self_attn.q_proj.weight`` ..., ``model.embed_tokens.weight``,
+    ``model.norm.weight``, ``lm_head.weight``): Llama-like families pass through; Falcon, Phi-3, GPT-NeoX and GPT-2 are renamed and
+    their fused tensors split (:mod:`graphc.attention.hf_weights`)."""
     cfg = read_hf_config(config)
-    if cfg.get("model_type") != "falcon":
+    family = cfg.get("model_type")
+    if family not in ("falcon", "phi3", "gpt_neox", "gpt2"):
         return dict(weights)
-    attention = attention_config_from_hf(cfg)
-    heads, kv, hd = attention.n_heads, attention.n_kv_heads, attention.hd
-    group = heads // kv
-    new_arch = bool(cfg.get("new_decoder_architecture"))
-    rename = {
-        "self_attention.dense": "self_attn.o_proj",
-        "mlp.dense_h_to_4h": "mlp.up_proj",
-        "mlp.dense_4h_to_h": "mlp.down_proj",
-        "ln_attn": "input_layernorm",
-        "ln_mlp": "post_attention_layernorm",
-        "input_layernorm": "input_layernorm",
-        "post_attention_layernorm": "post_attention_layernorm",
-    }
-    out: dict[str, Any] = {}
-    for name, arr in weights.items():
-        if name.startswith("transformer.ln_f."):
-            out["model.norm." + name.split(".")[-1]] = arr
-            continue
-        if not name.startswith("transformer.h."):
-            continue
-        layer, rest = name[len("transformer.h.") :].split(".", 1)
-        module, kind = rest.rsplit(".", 1)
-        prefix = f"model.layers.{layer}."
-        if module == "self_attention.query_key_value":
-            rows = arr.reshape(-1, hd, *arr.shape[1:])  # one row block per head slot
-            if new_arch:
-                slots = rows.reshape(kv, group + 2, hd, *arr.shape[1:])
-                parts = (slots[:, :group], slots[:, group], slots[:, group + 1])
-            elif kv == 1:
-                parts = (rows[:heads], rows[heads], rows[heads + 1])
-            else:
-                slots = rows.reshape(heads, 3, hd, *arr.shape[1:])
-                parts = (slots[:, 0], slots[:, 1], slots[:, 2])
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
-                out[f"{prefix}self_attn.{proj}.{kind}"] = part.reshape(-1, *arr.shape[1:])
-        elif module in rename:
-            out[f"{prefix}{rename[module]}.{kind}"] = arr
-        else:
-            raise WeightError(f"tensor {name!r}: no graphc name for Falcon module {module!r}")
-    return out
+    a = attention_config_from_hf(cfg)
+    if family == "falcon":
+        return rename_falcon(weights, a.n_heads, a.n_kv_heads, a.hd, bool(cfg.get("new_decoder_architecture")))
+    if family == "phi3":
+        return rename_phi3(weights, a.n_heads, a.n_kv_heads, a.hd, _int(cfg, "intermediate_size"))
+    if family == "gpt_neox":
+        return rename_gpt_neox(weights, a.n_heads, a.hd)
+    return rename_gpt2(weights, a.d_model)

@@ -2,9 +2,10 @@
 
 ``causal_lm_config_from_hf`` reads what sits around the decoder stack (vocabulary,
 tied LM head, Gemma's embedding scale and final logit softcap);
-``causal_lm_weights_from_hf`` gives the tensors graphc's names (Falcon's
-``transformer.*`` names are mapped; a tied checkpoint's ``lm_head.weight`` is
-dropped, as transformers ties it to the embedding on load); ``causal_lm_from_hf``
+``causal_lm_weights_from_hf`` gives the tensors graphc's names (Falcon's, Phi-3's,
+GPT-NeoX's and GPT-2's are mapped by :mod:`graphc.attention.hf_weights`; a tied
+checkpoint's ``lm_head.weight`` is dropped, as transformers ties it to the
+embedding on load); ``causal_lm_from_hf``
 builds the graph from both.
 """
 
@@ -26,7 +27,17 @@ from .hf import _flag, _int, _number, decoder_configs_from_hf, decoder_weights_f
 
 __all__ = ["causal_lm_config_from_hf", "causal_lm_weights_from_hf", "causal_lm_from_hf", "TIED_BY_DEFAULT"]
 
-TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "gemma2": True, "falcon": True}
+TIED_BY_DEFAULT = {
+    "llama": False,
+    "mistral": False,
+    "qwen2": False,
+    "qwen3": False,
+    "gemma2": True,
+    "falcon": True,
+    "phi3": False,
+    "gpt_neox": False,
+    "gpt2": True,
+}
 """Each family's ``tie_word_embeddings`` when ``config.json`` does not say (transformers' config defaults)."""
 
 
@@ -45,6 +56,7 @@ def causal_lm_config_from_hf(config: Mapping[str, Any] | str | Path | Any, n_lay
         tie_word_embeddings=_flag(cfg, "tie_word_embeddings", TIED_BY_DEFAULT[family]),
         embedding_scale=scale,
         final_logit_softcap=softcap,
+        position_embeddings=_int(cfg, "n_positions", most=1 << 24) if family == "gpt2" else None,
         family=family,
     )
 
@@ -52,11 +64,7 @@ def causal_lm_config_from_hf(config: Mapping[str, Any] | str | Path | Any, n_lay
 def causal_lm_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
     """A checkpoint's tensors under graphc's causal-LM names (see the module doc)."""
     cfg = read_hf_config(config)
-    out = decoder_weights_from_hf(weights, cfg)
-    if cfg.get("model_type") == "falcon":
-        for name, new in (("transformer.word_embeddings.weight", "model.embed_tokens.weight"), ("lm_head.weight", "lm_head.weight")):
-            if name in weights:
-                out[new] = weights[name]
+    out = decoder_weights_from_hf(weights, cfg)  # the embeddings and head renamed with the layers
     lm = causal_lm_config_from_hf(cfg)
     if lm.tie_word_embeddings:
         out.pop("lm_head.weight", None)
