@@ -29,6 +29,15 @@ from graphc.errors import WeightError
 __all__ = ["rename_falcon", "rename_phi3", "rename_gpt_neox", "rename_gpt2", "split_rows"]
 
 
+_DENSE_LAYER = {
+    "mlp.dense_h_to_4h": "mlp.up_proj",
+    "mlp.dense_4h_to_h": "mlp.down_proj",
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm",
+}
+"""The MLP and norm modules Falcon and GPT-NeoX name alike."""
+
+
 def split_rows(arr: Any, sizes: list[int]) -> list[Any]:
     """``arr`` cut along its first axis into consecutive blocks of ``sizes`` rows (views)."""
     if sum(sizes) != arr.shape[0]:
@@ -67,15 +76,7 @@ def _layers(
 def rename_falcon(weights: Mapping[str, Any], heads: int, kv: int, hd: int, new_arch: bool) -> dict[str, Any]:
     """Falcon's tensors (``transformer.*``) under graphc's names."""
     group = heads // kv
-    modules = {
-        "self_attention.dense": "self_attn.o_proj",
-        "mlp.dense_h_to_4h": "mlp.up_proj",
-        "mlp.dense_4h_to_h": "mlp.down_proj",
-        "ln_attn": "input_layernorm",
-        "ln_mlp": "post_attention_layernorm",
-        "input_layernorm": "input_layernorm",
-        "post_attention_layernorm": "post_attention_layernorm",
-    }
+    modules = {**_DENSE_LAYER, "self_attention.dense": "self_attn.o_proj", "ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm"}
 
     def rename(module: str, kind: str, arr: Any) -> dict[str, Any]:
         if module == "self_attention.query_key_value":
@@ -120,13 +121,7 @@ def rename_phi3(weights: Mapping[str, Any], heads: int, kv: int, hd: int, interm
 
 def rename_gpt_neox(weights: Mapping[str, Any], heads: int, hd: int) -> dict[str, Any]:
     """GPT-NeoX's tensors (``gpt_neox.*``, ``embed_out``) under graphc's names."""
-    modules = {
-        "attention.dense": "self_attn.o_proj",
-        "mlp.dense_h_to_4h": "mlp.up_proj",
-        "mlp.dense_4h_to_h": "mlp.down_proj",
-        "input_layernorm": "input_layernorm",
-        "post_attention_layernorm": "post_attention_layernorm",
-    }
+    modules = {**_DENSE_LAYER, "attention.dense": "self_attn.o_proj"}
 
     def rename(module: str, kind: str, arr: Any) -> dict[str, Any]:
         if module == "attention.query_key_value":
