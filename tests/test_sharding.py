@@ -21,10 +21,10 @@ MQA = AttentionConfig(64, 8, 1)
 ROPE = graphc.preset("mistral-7b").with_(d_model=64, n_heads=8, n_kv_heads=4, head_dim=8, sliding_window=3)  # RoPE, sliding window
 
 
-def _decoder(cfg: AttentionConfig, layers: int, kv_cache: bool) -> graphc.Graph:
+def _decoder(cfg: AttentionConfig, layers: int, kv_cache: bool, past_lengths: bool = False) -> graphc.Graph:
     from graphc.attention.decoder import DecoderConfig, decoder_stack_graph
 
-    return decoder_stack_graph([DecoderConfig(cfg, intermediate_size=96)] * layers, seed=3, kv_cache=kv_cache)
+    return decoder_stack_graph([DecoderConfig(cfg, intermediate_size=96)] * layers, seed=3, kv_cache=kv_cache, past_lengths=past_lengths)
 
 
 GRAPHS = {
@@ -37,6 +37,10 @@ GRAPHS = {
     "gqa stack": (lambda: graphc.attention_stack_graph(GQA, 2, seed=0), dict(batch=1, seq=4)),
     "decoder stack decode": (lambda: _decoder(GQA, 2, True), dict(batch=1, seq=1, past_seq=5)),
     "rope window decoder stack": (lambda: _decoder(ROPE, 2, True), dict(batch=2, seq=3, past_seq=5)),
+    "alibi layer": (lambda: graphc.attention_layer_graph(GQA.with_(alibi=True), seed=0), dict(batch=2, seq=5)),
+    "alibi decode": (lambda: graphc.kv_cache_graph(GQA.with_(alibi=True), seed=0), dict(batch=2, seq=2, past_seq=6)),
+    "ragged decode": (lambda: graphc.kv_cache_graph(ROPE, seed=0, past_lengths=True), dict(batch=3, seq=1, past_seq=9)),
+    "ragged decoder stack": (lambda: _decoder(ROPE, 2, True, past_lengths=True), dict(batch=2, seq=2, past_seq=9)),
 }
 
 
@@ -58,6 +62,15 @@ def test_sharded_result_equals_the_single_process_result(kind, n):
     assert set(got) == set(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=f"{kind} x{n}: {name}")
+
+
+def test_alibi_shards_take_their_heads_slopes():
+    """Each shard's ALiBi bias uses the slopes of its own query heads (a replicated slope table would give every shard head 0's)."""
+    g = graphc.attention_layer_graph(GQA.with_(alibi=True), seed=0)
+    plan = shard(g, 2)
+    slopes = [next(a for n, a in sg.initializers.items() if "alibi_slopes" in n) for sg in plan.stages[0].graphs]
+    full = graphc.attention.alibi_slopes(8)
+    np.testing.assert_array_equal(np.concatenate(slopes), full)
 
 
 def test_core_shards_hold_consecutive_kv_groups():
@@ -189,7 +202,7 @@ def client():
     close_cluster(c)
 
 
-@pytest.mark.parametrize("kind", ["gqa layer", "mha layer", "mha core", "gqa stack", "mqa decode"])
+@pytest.mark.parametrize("kind", ["gqa layer", "mha layer", "mha core", "gqa stack", "mqa decode", "alibi decode", "ragged decoder stack"])
 def test_dask_result_equals_the_single_process_result(client, kind):
     from lowering.dask_shards import run_sharded
 

@@ -121,6 +121,7 @@ def attention_core(
     ``j > i + offset`` (and, with ``cfg.sliding_window``, ``j <= i + offset - window``); ``mask`` is a value broadcastable to
     ``[B, Hq, Sq, Sk]``: bool (True keeps a key) or float (added to the scores).
     """
+    keys = k  # key positions are read off the KV heads' keys, so the repeat below keeps one reader (the optimizer removes it)
     if cfg.group_size > 1:
         k = g.repeat(k, cfg.group_size, axis=1, name=g.fresh_name("k_rep_BHTD"))
         v = g.repeat(v, cfg.group_size, axis=1, name=g.fresh_name("v_rep_BHTD"))
@@ -131,7 +132,7 @@ def attention_core(
         s = g.tanh(g.scale(s, cfg.softmax_scale / cfg.softcap, name=g.fresh_name("scaled_BHST")), name=g.fresh_name("tanh_BHST"))
         s = g.scale(s, cfg.softcap, name=g.fresh_name("capped_BHST"))
     if cfg.alibi:  # slope_h * j on the scaled scores, [1, H, 1, Sk], keys counted over past and new
-        keys = g.cast(g.add_node(Positions(2, 0), [k], g.fresh_name("key_positions_T")), "float32", name=g.fresh_name("key_positions_f32"))
+        keys = g.cast(g.add_node(Positions(2, 0), [keys], g.fresh_name("key_positions_T")), "float32", name=g.fresh_name("key_positions_f32"))
         slopes = g.constant(g.fresh_name("alibi_slopes"), alibi_slopes(cfg.n_heads))
         bias = g.einsum("h,t->ht", slopes, keys, name=g.fresh_name("alibi_HT"))
         if s.type.dtype != "float32":

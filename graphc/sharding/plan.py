@@ -35,6 +35,7 @@ from graphc.dims import Dim, dim_symbols, format_shape, normalize_dim
 from graphc.errors import ShardingError
 from graphc.graph import Graph, Node
 from graphc.ops import Einsum, Repeat, Reshape, TensorType
+from graphc.rotary import Positions
 
 from .axes import AxisClasses, link_axes
 
@@ -178,11 +179,21 @@ def _partials(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[s
             continue
         if isinstance(node.op, Einsum):
             partial.add(node.outputs[0])  # the split axis is contracted away: one addend per shard
+        elif _reads_another_axis_length(g, node, split):
+            continue  # token positions from a head-split value's sequence axis: the same on every shard
         elif not (isinstance(node.op, Attention) and len(node.outputs) > 1):
             raise ShardingError(
                 f"node {node.name!r} ({node.op.kind}) reduces over the head axis of {reads_split[0]!r}; only einsums may (their results are summed)"
             )
     return partial
+
+
+def _reads_another_axis_length(g: Graph, node: Node, split: Mapping[str, int]) -> bool:
+    """``Positions`` reads only the length of one axis: of a head-split value, any axis but the head axis is whole on every shard."""
+    if not isinstance(node.op, Positions):
+        return False
+    rank = g.types[node.inputs[0]].rank
+    return split.get(node.inputs[0], -1) != node.op.axis % rank
 
 
 def _stages(g: Graph, split: Mapping[str, int], partial: set[str]) -> dict[str, int]:
