@@ -85,6 +85,25 @@ def _tokens(rows: list[tuple[str, Any]], prompts: list[list[int]]) -> tuple[str,
     return "\n".join(lines), len(distinct) <= 1
 
 
+def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, progress: Progress) -> tuple[str, Any]:
+    """The ``--shards N`` row: the model split by KV-head group on N Dask workers (each keeping its part of the cache)."""
+    from lowering import generate
+    from lowering.dask_shards import sharded_runner
+
+    from .errors import BackendUnavailableError
+
+    label = f"sharded x{args.shards}"
+    progress(f"{label}: starting {args.shards} Dask workers")
+    try:
+        with sharded_runner(graph, args.shards, args.shard_backend) as runner:
+            options = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id, "runner": runner}
+            generate(graph, prompts, min(2, args.max_new_tokens), **options)
+            progress(f"{label}: generating")
+            return label, generate(graph, prompts, args.max_new_tokens, **options)
+    except BackendUnavailableError as e:
+        return label, f"skipped: {e}"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate greedily on every backend; print tokens/s per backend and the tokens."""
     from lowering import generate, prepare
@@ -95,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     at_least("--max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
     at_least("--layers", args.layers, 1)
     at_least("--threads", args.threads, 1, 4096)
+    at_least("--shards", args.shards, 1, 1024)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends:
         raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
@@ -127,6 +147,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 **options,
             )
             rows.append((backend, run))
+        if args.shards is not None:
+            rows.append(_sharded_row(graph, prompts, args, progress))
     finally:
         progress.done()
     print(_table(rows, graph, prompts, args.max_new_tokens))
@@ -152,4 +174,12 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights without --weights")
     g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
+    g.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also generate with the model split by KV-head group on N Dask worker processes (needs graphc[distributed])",
+    )
+    g.add_argument("--shard-backend", default="numpy", metavar="NAME", help="backend of each shard with --shards (default numpy)")
     g.set_defaults(func=cmd_generate)

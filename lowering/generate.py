@@ -32,6 +32,7 @@ from graphc.graph import Graph
 from . import kv_buffers
 from .backends import prepare
 from .runner import Runner
+from .sharded import ShardedRunner
 
 __all__ = ["Generation", "generate", "left_pad", "lm_interface", "LMInterface"]
 
@@ -125,10 +126,11 @@ class Generation:
 class _Steps:
     """Runs one step after another, keeping the cache where the backend keeps it."""
 
-    def __init__(self, runner: Runner, layers: int) -> None:
+    def __init__(self, runner: Runner | ShardedRunner, layers: int) -> None:
         self.runner = runner
         self.cache_names = [(f"past_key_values.{i}.{k}", f"present.{i}.{k}") for i in range(layers) for k in ("key", "value")]
-        self.session = runner.session if runner.backend.startswith("ort-") else None
+        self.sharded = isinstance(runner, ShardedRunner)
+        self.session = runner.session if isinstance(runner, Runner) and runner.backend.startswith("ort-") else None
         self.cache: dict[str, Any] = {}
 
     def start(self, lm: LMInterface, batch: int, capacity: int) -> None:
@@ -138,12 +140,16 @@ class _Steps:
             import onnxruntime as ort
 
             self.cache = {n: ort.OrtValue.ortvalue_from_numpy(np.zeros((b, h, 0, d), lm.cache_dtype)) for n, (b, h, d) in shapes.items()}
-        elif self.runner.backend == "numpy":  # the attention kernel appends each step's keys in place
+        elif self.runner.backend == "numpy" and not self.sharded:  # the attention kernel appends each step's keys in place
             self.cache = {n: kv_buffers.allocate(b, h, capacity, d, lm.cache_dtype) for n, (b, h, d) in shapes.items()}
         else:
             self.cache = {n: np.zeros((b, h, 0, d), lm.cache_dtype) for n, (b, h, d) in shapes.items()}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        if self.sharded:  # each shard keeps its part of the cache between steps
+            outs = self.runner.run({**feeds, **self.cache}, resident=[present for _, present in self.cache_names])  # type: ignore[call-arg]
+            self.cache = {past: outs[present] for past, present in self.cache_names}
+            return outs["logits"]
         if self.session is None:
             outs = self.runner.run({**feeds, **self.cache})
             self.cache = {past: outs[present] for past, present in self.cache_names}
@@ -170,8 +176,10 @@ def generate(
     pad_token_id: int = 0,
     eos_token_id: int | None = None,
     keep_logits: bool = False,
-    runner: Runner | None = None,
+    runner: Runner | ShardedRunner | None = None,
     progress: Callable[[int, int], None] | None = None,
+    shards: int | None = None,
+    client: Any = None,
     **prepare_options: Any,
 ) -> Generation:
     """Greedy decoding (the argmax token at every step) of ``max_new_tokens`` tokens per prompt.
@@ -179,7 +187,9 @@ def generate(
     ``prompts``: lists of token ids (any lengths; left-padded with ``pad_token_id``) or an int array
     ``[batch, seq]`` with its ``attention_mask`` (1 token, 0 padding). ``runner``: a runner already
     prepared for ``graph`` (else :func:`~lowering.prepare` with ``backend`` and ``prepare_options``).
-    ``progress(step, total)`` is called after each step.
+    ``progress(step, total)`` is called after each step.  ``shards=N`` splits the model by KV-head group
+    (:func:`graphc.sharding.shard`) and runs it on ``N`` Dask workers (``client``, or a LocalCluster closed at the
+    end), each keeping its part of the KV cache between steps; ``backend`` is then each shard's backend.
     """
     lm = lm_interface(graph)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -192,7 +202,27 @@ def generate(
         mask = mask.astype(np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= lm.vocab_size):
         raise InputError(f"token ids must be in 0..{lm.vocab_size - 1} (the vocabulary), got {int(ids.min())}..{int(ids.max())}")
+    if runner is None and shards is not None:
+        from .dask_shards import sharded_runner
+
+        with sharded_runner(graph, shards, backend, client, **prepare_options) as own:
+            return _generate(graph, lm, ids, mask, max_new_tokens, own, pad_token_id, eos_token_id, keep_logits, progress)
     runner = runner or prepare(graph, backend, **prepare_options)
+    return _generate(graph, lm, ids, mask, max_new_tokens, runner, pad_token_id, eos_token_id, keep_logits, progress)
+
+
+def _generate(
+    graph: Graph,
+    lm: LMInterface,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    max_new_tokens: int,
+    runner: Runner | ShardedRunner,
+    pad_token_id: int,
+    eos_token_id: int | None,
+    keep_logits: bool,
+    progress: Callable[[int, int], None] | None,
+) -> Generation:
     batch = ids.shape[0]
     steps = _Steps(runner, lm.n_layers)
     steps.start(lm, batch, ids.shape[1] + max_new_tokens)
@@ -219,6 +249,5 @@ def generate(
         feeds = {"input_ids": token[:, None], "attention_mask": mask, "position_ids": feeds["position_ids"][:, -1:] + 1}
     tokens = np.stack(new, axis=1)
     full_mask = np.concatenate([mask[:, : ids.shape[1]], np.ones_like(tokens)], axis=1)
-    return Generation(
-        np.concatenate([ids, tokens], axis=1), tokens, full_mask, tuple(kept), times[0], tuple(times[1:]), runner.backend, runner.provider
-    )
+    provider = runner.provider if isinstance(runner, Runner) else f"sharded x{runner.plan.n}, {runner.backend} per shard"
+    return Generation(np.concatenate([ids, tokens], axis=1), tokens, full_mask, tuple(kept), times[0], tuple(times[1:]), runner.backend, provider)

@@ -305,3 +305,53 @@ def test_sharded_run_checks_input_ranks_before_splitting():
     feeds["past_key"] = np.ones(8, np.float32)
     with pytest.raises(InputError, match=r"'past_key': expected rank 4 .*got rank 1"):
         runner.run(feeds)
+
+
+def _lm() -> graphc.Graph:
+    from graphc.attention import causal_lm_config_from_hf
+
+    config = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 96,
+              "num_hidden_layers": 2, "vocab_size": 50, "sliding_window": 3}  # fmt: skip
+    return graphc.causal_lm_graph(causal_lm_config_from_hf(config), seed=1)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_generate_sharded_gives_the_single_process_tokens(n):
+    from lowering import generate
+
+    g = _lm()
+    prompts = [[1, 2, 3, 4], [5, 6]]  # left padding, a window shorter than the prompts
+    want = generate(g, prompts, 8, keep_logits=True)
+    runner = ShardedRunner(shard(g, n), LocalExecutor(n))
+    got = generate(g, prompts, 8, runner=runner, keep_logits=True)
+    np.testing.assert_array_equal(got.new_tokens, want.new_tokens)
+    np.testing.assert_allclose(np.stack(got.logits), np.stack(want.logits), **TOL)
+    assert got.provider == f"sharded x{n}, numpy per shard"
+    assert runner.last.bytes_sent < 64 * 1024  # the caches stayed on the shards: only the step's activations crossed
+
+
+def test_generate_on_dask_gives_the_single_process_tokens(client):
+    from lowering import generate
+
+    g = graphc.optimize(_lm(), hints={"batch": 2, "seq": 1, "past_seq": 12}).graph
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    want = generate(g, prompts, 6)
+    got = generate(g, prompts, 6, shards=2, client=client)
+    np.testing.assert_array_equal(got.new_tokens, want.new_tokens)
+
+
+def test_cli_generate_adds_a_sharded_row(tmp_path, capsys):
+    import json
+
+    pytest.importorskip("distributed")
+    from graphc.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 96,
+              "num_hidden_layers": 2, "vocab_size": 50}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["generate", "--hf-config", str(tmp_path / "config.json"), "--prompt-ids", "1,2,3", "--prompt-ids", "4", "--max-new-tokens", "4"]
+    assert main([*argv, "--backends", "numpy", "--shards", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded x2" in out and "sharded x2, numpy per shard" in out and "tokens (every backend the same):" in out
+    assert main([*argv, "--shards", "0", "--quiet"]) == 2
+    assert "--shards must be in 1..1024" in capsys.readouterr().err
