@@ -22,7 +22,7 @@ from graphc.graph import Graph
 
 from graphc.sharding import ShardPlan, Stage, shard
 
-from .sharded import RunStats, ShardedRunner, timed_run
+from .sharded import sum_parts, RunStats, ShardedRunner, timed_run
 
 __all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
 
@@ -135,6 +135,10 @@ class DaskExecutor:
     def fetch(self, handles: list[Any]) -> list[Any]:
         """Gather the futures' values to the driver (one round trip)."""
         return self._gather(handles)
+
+    def all_reduce(self, parts: list[Any]) -> list[Any]:
+        """Each shard's worker sums every shard's addend (Dask moves them worker to worker; the driver holds only futures)."""
+        return [self._submit(i, sum_parts, *parts) for i in range(self.n)]
 
 
 def sharded_runner(graph: Graph | ShardPlan, n: int | None = None, backend: str = "numpy", client: Any = None, **options: Any) -> ShardedRunner:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from graphc.dims import dim_symbols, eval_shape
 from graphc.errors import InputError, ShardingError
 from graphc.sharding import ShardPlan, Stage
 
@@ -80,6 +81,9 @@ class RunStats:
     shard_s: list[list[float]] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_between_shards: int = 0
+    """Bytes the all-reduces moved from shard to shard (each shard receives the other shards' addends), never through the driver."""
+    all_reduces: int = 0
 
 
 class LocalExecutor:
@@ -107,6 +111,18 @@ class LocalExecutor:
     def fetch(self, handles: list[Any]) -> list[Any]:
         """The arrays themselves."""
         return list(handles)
+
+    def all_reduce(self, parts: list[Any]) -> list[Any]:
+        """The sum of the shards' addends, for every shard (summed in shard order, as :meth:`ShardPlan.gather` does)."""
+        return [sum_parts(*parts)] * self.n
+
+
+def sum_parts(*parts: np.ndarray) -> np.ndarray:
+    """``parts[0] + parts[1] + ...`` in that order (every shard sums in the same order, so every shard holds the same numbers)."""
+    total = np.array(parts[0], copy=True)
+    for p in parts[1:]:
+        total += p
+    return total
 
 
 class ShardedRunner:
@@ -158,6 +174,8 @@ class ShardedRunner:
                 out[name] = val
             elif key in self._fetched:
                 out[name] = self._fetched[key]
+            elif kind == "summed":  # every shard holds the same sum: shard 0's copy is the whole value
+                todo.append((name, key, val[:1]))
             else:
                 todo.append((name, key, val if name in self.plan.split_axis or name in self.plan.partial else val[:1]))
         if not todo and not extra:
@@ -167,14 +185,30 @@ class ShardedRunner:
         self.last.bytes_received += sum(a.nbytes for a in arrays)
         i = 0
         for name, key, parts in todo:
-            self._fetched[key] = out[name] = self.plan.gather(name, arrays[i : i + len(parts)])
+            got = arrays[i : i + len(parts)]
+            self._fetched[key] = out[name] = got[0] if wanted[name][0] == "summed" else self.plan.gather(name, got)
             i += len(parts)
         return out, extras
 
+    def _all_reduce(self, st: Stage, where: dict[str, tuple[str, Any]], dims: Mapping[str, int]) -> None:
+        """Replace each addend value ``st`` reads by its sum on every shard (``("summed", handles)``), when the executor sums among shards."""
+        reduce = getattr(self.executor, "all_reduce", None)
+        if reduce is None:
+            return
+        n = self.plan.n
+        for v in st.inputs:
+            if where[v][0] == "parts" and v in self.plan.partial and v not in self.plan.split_axis:
+                where[v] = ("summed", reduce(where[v][1]))
+                t = self.plan.types[v]
+                bound = all(sym in dims for d in t.shape for sym in dim_symbols(d))
+                nbytes = int(np.prod(eval_shape(t.shape, dims), dtype=np.int64)) * np.dtype(t.dtype).itemsize if bound else 0
+                self.last.bytes_between_shards += (n - 1) * n * nbytes
+                self.last.all_reduces += 1
+
     def _feed(self, name: str, where: tuple[str, Any], shard: int, sent: dict[tuple[str, int], Any]) -> Any:
         kind, val = where
-        if kind == "parts" and name not in self.plan.partial:
-            return val[shard]  # made on this shard (its part, or its own copy of a replicated value)
+        if kind == "summed" or (kind == "parts" and name not in self.plan.partial):
+            return val[shard]  # made on this shard (its part, its own copy of a replicated value, or the all-reduced sum)
         if (name, shard) not in sent:
             part = self.plan.split(name, self._whole(name, where), shard)
             self.last.bytes_sent += part.nbytes
@@ -207,13 +241,16 @@ class ShardedRunner:
                 where[name] = ("whole", v)
             else:
                 raise InputError(f"input {name!r} must be a numpy.ndarray or a Resident, got {type(v).__name__}")
-        check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types)
+        dims = check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types)
         seconds: list[list[Any]] = []
+        sent: dict[
+            tuple[str, int], Any
+        ] = {}  # what each shard already holds this call: an input is sent to a shard once, however many stages read it
         for st in plan.stages:
             if st.sharded:
-                sent: dict[tuple[str, int], Any] = {}
+                self._all_reduce(st, where, dims)  # addends this stage needs whole: summed among the shards where the executor can
                 whole_first = {v: where[v] for v in st.inputs if where[v][0] == "parts" and v in plan.partial}
-                self._wholes(whole_first)  # partial sums this stage needs whole: one fetch for all of them
+                self._wholes(whole_first)  # the rest: through the driver, one fetch for all of them
                 outs = [self.executor.run(st, i, {v: self._feed(v, where[v], i, sent) for v in st.inputs}) for i in range(plan.n)]
                 for o in st.outputs:
                     where[o] = ("parts", [out[o] for out in outs])

@@ -101,14 +101,38 @@ def test_layer_plan_splits_projections_and_sums_the_output_projection():
     assert "stage 0 (sharded x2)" in text and "out_BSM: summed over shards" in text and "past_key: split on axis 1" in text
 
 
-def test_decoder_stack_alternates_sharded_and_replicated_stages():
-    """Attention (with its norm and RoPE positions) per shard, then residual + MLP whole; one value crosses each way."""
-    plan = shard(_decoder(ROPE, 2, True), 2)
+def test_decoder_stack_alternates_sharded_and_replicated_stages_with_the_residual_in_the_driver():
+    """replicated="driver", mlp=False: attention (with its norm and RoPE positions) per shard, then residual + MLP whole."""
+    plan = shard(_decoder(ROPE, 2, True), 2, mlp=False, replicated="driver")
     assert [st.sharded for st in plan.stages] == [True, False, True, False]
     mlp = plan.stages[1].graphs[0]
     assert any("mlp" in name for name in mlp.initializers) and not any("q_proj" in name for name in mlp.initializers)
     assert plan.stages[2].inputs == ("model.layers.0.out_BSM", "past_key.1", "past_value.1")
     assert plan.stages[2].outputs == ("present_key.1", "present_value.1", "model.layers.1.self_attn.out_BSM")
+
+
+def test_decoder_layers_run_on_the_shards_with_the_mlp_split():
+    """The default plan: every stage sharded (norms and residual adds on every shard), each layer two stages (attention, then MLP
+    split Megatron-style: gate/up rows, down columns), one sum of addends between them; no MLP weight whole anywhere."""
+    g = _decoder(ROPE, 2, True)
+    plan = shard(g, 2)
+    assert all(st.sharded for st in plan.stages) and len(plan.stages) == 5  # 2 per layer, then the last residual add
+    for name in ("mlp.up_proj.weight", "mlp.gate_proj.weight", "mlp.down_proj.weight"):
+        full = g.initializers[f"model.layers.0.{name}"]
+        axis = 1 if "down" in name else 0
+        parts = [next(a for n, a in st_g.initializers.items() if n.endswith(f"layers.0.{name}")) for st_g in plan.stages[1].graphs]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=axis), full)
+        assert all(p.shape[axis] == full.shape[axis] // 2 for p in parts)
+    assert "model.layers.0.out_BSM" not in plan.partial and any(v.endswith("mlp_out") or "down" in v for v in plan.partial)
+    feeds = random_inputs(g, seed=2, batch=2, seq=2, past_seq=4)
+    runner = ShardedRunner(plan, LocalExecutor(2))
+    got = runner.run(feeds)
+    want = _reference(g, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=name)
+    assert runner.last.all_reduces == 4  # two per layer, summed among the shards
+    caches = sum(a.nbytes for n, a in feeds.items() if n.startswith("past_"))
+    assert runner.last.bytes_sent == 2 * feeds["x_BSM"].nbytes + caches  # x to each shard once, each cache split; nothing else
 
 
 def test_every_shard_is_an_ordinary_graph_that_optimizes_exports_and_runs_on_onnxruntime(tmp_path):
@@ -213,7 +237,7 @@ def test_dask_result_equals_the_single_process_result(client, kind):
     want = _reference(g, feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], **TOL, err_msg=f"{kind}: {name}")
-    assert len(stats.shard_s) == (2 if "stack" in kind else 1) and all(len(s) == 2 for s in stats.shard_s)  # one sharded stage per layer
+    assert len(stats.shard_s) == sum(st.sharded for st in shard(g, 2).stages) and all(len(s) == 2 for s in stats.shard_s)
 
 
 @pytest.mark.parametrize("cfg", [GQA, MQA], ids=["gqa", "mqa"])

@@ -122,6 +122,16 @@ def _fused(graph: Graph) -> Graph:
     return work
 
 
+MLP_DOWN_WEIGHT = "mlp.down_proj.weight"
+"""The name a decoder MLP's down projection ``[hidden, intermediate]`` ends with (transformers' and graphc's builders')."""
+
+
+def _mlp_seeds(g: Graph, n: int) -> list[tuple[str, int]]:
+    """Megatron's MLP split: the intermediate axis of every down projection (so of its up and gate projections, linked through the
+    activation), when ``n`` divides it; the down projection then gives one addend per shard."""
+    return [(name, 1) for name, arr in g.initializers.items() if name.endswith(MLP_DOWN_WEIGHT) and arr.ndim == 2 and arr.shape[1] % n == 0]
+
+
 def _divisors(k: int) -> list[int]:
     return [d for d in range(1, k + 1) if k % d == 0]
 
@@ -196,12 +206,12 @@ def _reads_another_axis_length(g: Graph, node: Node, split: Mapping[str, int]) -
     return split.get(node.inputs[0], -1) != node.op.axis % rank
 
 
-def _stages(g: Graph, split: Mapping[str, int], partial: set[str]) -> dict[str, int]:
-    """Stage of every node: even stages are sharded, odd ones replicated."""
+def _stages(g: Graph, split: Mapping[str, int], partial: set[str], on_workers: bool) -> dict[str, int]:
+    """Stage of every node: even stages are sharded, odd ones replicated (none with ``on_workers``: every node runs on the shards)."""
     produced: dict[str, int] = {v: 0 for v in g.inputs} | {v: 0 for v in g.initializers}
     stage_of: dict[str, int] = {}
     for node in g.topological_order():
-        sharded = any(v in split for v in (*node.inputs, *node.outputs)) or any(o in partial for o in node.outputs)
+        sharded = on_workers or any(v in split for v in (*node.inputs, *node.outputs)) or any(o in partial for o in node.outputs)
         need = 0
         for v in node.inputs:
             s = produced[v]
@@ -302,23 +312,37 @@ def _check_bound(sg: Graph, stage: int) -> None:
             )
 
 
-def shard(graph: Graph, n: int) -> ShardPlan:
+REPLICATED_MODES = ("workers", "driver")
+"""Where :func:`shard` puts the nodes that read no head-split value (norms, residual adds, embeddings, the LM head)."""
+
+
+def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -> ShardPlan:
     """Split ``graph`` into ``n`` exact partitions by KV-head group (see the module doc); ``n`` must divide the KV heads.
 
     Attention is recognised first (the optimizer's ``fuse_attention``), so the
     shards hold ``Attention`` nodes; each shard graph can be optimized,
     exported and run on any backend.  Raises :class:`ShardingError` naming the
     attention and the valid shard counts when ``n`` does not divide.
+
+    ``mlp``: also split every decoder MLP Megatron-style (gate/up by rows, down by columns: one addend per
+    shard) where ``n`` divides its intermediate size.  ``replicated``: ``"workers"`` runs the nodes that read
+    no split value (norms, residual adds, embeddings, the LM head) on every shard, so the residual stream
+    stays there and a decoder layer is two sharded stages with one sum of addends after each; ``"driver"``
+    runs them in replicated stages between the sharded ones.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ShardingError(f"shard count must be an int >= 1, got {n!r}")
     n = int(n)
     g = _fused(graph)
     seeds, fallback = _seeds(g, n)
+    if mlp:
+        seeds += _mlp_seeds(g, n)
     classes = link_axes(g)
     split = _split_axes(g, classes, seeds, n) if n > 1 else {}
     partial = _partials(g, split, classes) if n > 1 else set()
-    stage_of = _stages(g, split, partial)
+    if replicated not in REPLICATED_MODES:
+        raise ShardingError(f"replicated must be one of {REPLICATED_MODES}, got {replicated!r}")
+    stage_of = _stages(g, split, partial, replicated == "workers")
     last = max(stage_of.values(), default=0)
     order = g.topological_order()
     stages = []
