@@ -84,6 +84,8 @@ class RunStats:
     bytes_between_shards: int = 0
     """Bytes the all-reduces moved from shard to shard (each shard receives the other shards' addends), never through the driver."""
     all_reduces: int = 0
+    driver_waits: int = 0
+    """Times the driver waited for the shards (fetches); stages whose inputs stay on the shards are queued without waiting."""
 
 
 class LocalExecutor:
@@ -181,6 +183,7 @@ class ShardedRunner:
         if not todo and not extra:
             return out, []
         fetched = self.executor.fetch([h for _, _, parts in todo for h in parts] + list(extra))
+        self.last.driver_waits += 1
         arrays, extras = fetched[: len(fetched) - len(extra)], fetched[len(fetched) - len(extra) :]
         self.last.bytes_received += sum(a.nbytes for a in arrays)
         i = 0
