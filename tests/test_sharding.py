@@ -379,3 +379,20 @@ def test_cli_generate_adds_a_sharded_row(tmp_path, capsys):
     assert "sharded x2" in out and "sharded x2, numpy per shard" in out and "tokens (every backend the same):" in out
     assert main([*argv, "--shards", "0", "--quiet"]) == 2
     assert "--shards must be in 1..1024" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_decode_step_moves_what_the_design_note_predicts(n):
+    """docs/sharding.md: per token 2 L all-reduces moving 2 L n (n - 1) B M b between the shards, one driver wait, and from the driver
+    only the step's token ids, mask and positions."""
+    from lowering import generate
+
+    g = _lm()
+    runner = ShardedRunner(shard(g, n), LocalExecutor(n))
+    out = generate(g, [[1, 2, 3]], 3, runner=runner)
+    layers, width = 2, 64
+    last = runner.last  # the last decode step: one token over a past of 4
+    assert last.all_reduces == 2 * layers and last.driver_waits == 1
+    assert last.bytes_between_shards == 2 * layers * n * (n - 1) * 1 * width * 4
+    step_inputs = 8 + 8 * (out.sequences.shape[1] - 1) + 8  # input_ids, attention_mask over all but the newest token, position_ids
+    assert last.bytes_sent == n * step_inputs and last.bytes_received == 50 * 4  # logits from one shard
