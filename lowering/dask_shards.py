@@ -81,6 +81,9 @@ def _item(d: Mapping[str, Any], key: str) -> Any:
 class DaskExecutor:
     """Shard ``i`` on worker ``i % workers`` of ``client``; handles are Dask futures kept on that worker."""
 
+    places_weights = True
+    """Each shard's graph and weight slices are sent to its worker once: the runner then drops its own copies."""
+
     def __init__(self, client: Any, n: int) -> None:
         self.client, self.n = client, n
         self.owns_client = False  # True when sharded_runner made the cluster: close() then shuts it down

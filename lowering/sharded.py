@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -150,6 +150,8 @@ class ShardedRunner:
                 executor.prepare(st, backend, options)
             else:
                 self._local[st.index] = prepare(st.graphs[0], backend, **options)
+        if getattr(executor, "places_weights", False):  # the shard graphs (and their weight slices) now live on the workers
+            self.plan = replace(plan, stages=tuple(replace(st, graphs=()) if st.sharded else st for st in plan.stages))
 
     def close(self) -> None:
         """Release the executor (a LocalCluster that :func:`~lowering.dask_shards.sharded_runner` started is shut down)."""

@@ -362,6 +362,11 @@ def test_generate_on_dask_gives_the_single_process_tokens(client):
     want = generate(g, prompts, 6)
     got = generate(g, prompts, 6, shards=2, client=client)
     np.testing.assert_array_equal(got.new_tokens, want.new_tokens)
+    from lowering.dask_shards import sharded_runner
+
+    with sharded_runner(g, 2, client=client) as runner:  # once placed, the driver keeps no shard weights
+        assert all(st.graphs == () for st in runner.plan.stages) and all(st.sharded for st in runner.plan.stages)
+        np.testing.assert_array_equal(generate(g, prompts, 6, runner=runner).new_tokens, want.new_tokens)
 
 
 def test_cli_generate_adds_a_sharded_row(tmp_path, capsys):
