@@ -360,8 +360,9 @@ def test_generate_on_dask_gives_the_single_process_tokens(client):
     g = graphc.optimize(_lm(), hints={"batch": 2, "seq": 1, "past_seq": 12}).graph
     prompts = [[1, 2, 3, 4], [5, 6]]
     want = generate(g, prompts, 6)
-    got = generate(g, prompts, 6, shards=2, client=client)
-    np.testing.assert_array_equal(got.new_tokens, want.new_tokens)
+    for n in (2, 4):  # 4 shards on the 2 workers: shard i on worker i % 2
+        got = generate(g, prompts, 6, shards=n, client=client)
+        np.testing.assert_array_equal(got.new_tokens, want.new_tokens, err_msg=f"{n} shards")
     from lowering.dask_shards import sharded_runner
 
     with sharded_runner(g, 2, client=client) as runner:  # once placed, the driver keeps no shard weights
