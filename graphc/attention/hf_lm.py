@@ -21,6 +21,7 @@ import numpy as np
 from graphc.dims import Dim
 from graphc.errors import WeightError
 from graphc.graph import Graph
+from graphc.weights import load_weights
 
 from .causal_lm import CausalLMConfig, causal_lm_graph
 from .hf import _flag, _int, _number, decoder_configs_from_hf, decoder_weights_from_hf, read_hf_config
@@ -91,11 +92,14 @@ def causal_lm_from_hf(
     """The whole model of a transformers checkpoint as a :func:`~graphc.attention.causal_lm_graph`.
 
     ``weights`` maps the checkpoint's tensor names to arrays (:func:`graphc.load_weights` of a
-    folder or ``.safetensors`` file, or a ``state_dict``); ``dtype`` defaults to the embedding's.
+    folder or ``.safetensors`` file, or a ``state_dict``); ``dtype`` defaults to the embedding's, and
+    another one converts every floating tensor (a copy).
     """
     cfg = read_hf_config(config)
     lm = causal_lm_config_from_hf(cfg, n_layers)
     named = causal_lm_weights_from_hf(weights, cfg)
+    if dtype is not None and dtype != _checkpoint_dtype(named):
+        named = load_weights(named, dtype=dtype)  # every floating tensor converted (a copy)
     dtype = dtype or _checkpoint_dtype(named)
     wanted = lm.n_layers
     kept = {n: a for n, a in named.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < wanted}
