@@ -85,9 +85,23 @@ def _tokens(rows: list[tuple[str, Any]], prompts: list[list[int]]) -> tuple[str,
     return "\n".join(lines), len(distinct) <= 1
 
 
+def _warm_and_generate(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, runner: Any, progress: Progress, tag: str) -> Any:
+    """Two untimed tokens (compiles, allocations, first calls), then the timed generation with progress lines."""
+    from lowering import generate
+
+    options = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id, "runner": runner}
+    generate(graph, prompts, min(2, args.max_new_tokens), **options)
+    every = max(1, args.max_new_tokens // 4)
+
+    def report(step: int, total: int) -> None:
+        if step % every == 0 or step == 1:
+            progress(f"{tag}: token {step}/{total}")
+
+    return generate(graph, prompts, args.max_new_tokens, progress=report, **options)
+
+
 def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, progress: Progress) -> tuple[str, Any]:
     """The ``--shards N`` row: the model split by KV-head group on N Dask workers (each keeping its part of the cache)."""
-    from lowering import generate
     from lowering.dask_shards import sharded_runner
 
     from .errors import BackendUnavailableError
@@ -96,17 +110,14 @@ def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespac
     progress(f"{label}: starting {args.shards} Dask workers")
     try:
         with sharded_runner(graph, args.shards, args.shard_backend) as runner:
-            options = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id, "runner": runner}
-            generate(graph, prompts, min(2, args.max_new_tokens), **options)
-            progress(f"{label}: generating")
-            return label, generate(graph, prompts, args.max_new_tokens, **options)
+            return label, _warm_and_generate(graph, prompts, args, runner, progress, label)
     except BackendUnavailableError as e:
         return label, f"skipped: {e}"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate greedily on every backend; print tokens/s per backend and the tokens."""
-    from lowering import generate, prepare
+    from lowering import prepare
     from lowering.backends import unavailable_reason
 
     from .optimizer import optimize
@@ -136,17 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tag = f"[{k}/{len(backends)}] {backend}"
             progress(f"{tag}: preparing and warming up")
             runner = prepare(graph, backend, **_options(backend, args, sizes))
-            options = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id, "runner": runner}
-            generate(graph, prompts, min(2, args.max_new_tokens), **options)  # first calls (compiles, allocations) are not timed
-            every = max(1, args.max_new_tokens // 4)
-            run = generate(
-                graph,
-                prompts,
-                args.max_new_tokens,
-                progress=lambda step, total, tag=tag: progress(f"{tag}: token {step}/{total}") if step % every == 0 or step == 1 else None,
-                **options,
-            )
-            rows.append((backend, run))
+            rows.append((backend, _warm_and_generate(graph, prompts, args, runner, progress, tag)))
         if args.shards is not None:
             rows.append(_sharded_row(graph, prompts, args, progress))
     finally:

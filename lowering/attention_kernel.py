@@ -28,7 +28,7 @@ from . import compiled
 from .kernels import default_threads, exp_rows_, run_blocks
 from .kv_buffers import append, prefix_buffer
 
-__all__ = ["attention_kernel", "blocked_attention", "key_runs", "GEMM_ROWS"]
+__all__ = ["attention_kernel", "blocked_attention", "key_runs", "is_key_mask_shape", "GEMM_ROWS"]
 
 GEMM_ROWS = 256
 """Target GEMM rows (group x query rows) per block: measured best on 2 cores for head_dim 128."""
@@ -70,10 +70,16 @@ def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: 
     return out.reshape(b, hq, sq, v.shape[-1])
 
 
+def is_key_mask_shape(shape: Sequence[object]) -> bool:
+    """A mask of this shape (broadcast to ``[B, H, Sq, T]``) varies over batch and keys only: ``[B, 1, 1, T]``, a padding mask.
+    The NumPy target keeps an ``Attention`` with such a bool mask for this kernel (:func:`key_runs`)."""
+    return len(shape) <= 4 and all(d == 1 for d in shape[-3:-1])
+
+
 def key_runs(mask: np.ndarray, batch: int, total: int) -> list[tuple[int, int]] | None:
     """Per batch row, the one run ``[lo, hi)`` of keys a per-key bool mask keeps (``(0, 0)`` for none); None when a row's kept keys
     are not one run or the mask varies over heads or queries."""
-    if mask.dtype != np.bool_ or mask.ndim > 4 or any(n != 1 for n in mask.shape[-3:-1]):
+    if mask.dtype != np.bool_ or not is_key_mask_shape(mask.shape):
         return None
     rows = np.broadcast_to(mask.reshape(*mask.shape[:-3], mask.shape[-1]) if mask.ndim >= 3 else mask, (batch, total))
     runs = []

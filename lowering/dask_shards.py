@@ -20,9 +20,9 @@ import numpy as np
 from graphc.errors import BackendError, BackendUnavailableError, GraphcError
 from graphc.graph import Graph
 
-from graphc.sharding import ShardPlan, Stage, shard
+from graphc.sharding import ShardPlan, Stage, shard, sum_addends
 
-from .sharded import sum_parts, RunStats, ShardedRunner, timed_run
+from .sharded import RunStats, ShardedRunner, timed_run
 
 __all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
 
@@ -141,7 +141,7 @@ class DaskExecutor:
 
     def all_reduce(self, parts: list[Any]) -> list[Any]:
         """Each shard's worker sums every shard's addend (Dask moves them worker to worker; the driver holds only futures)."""
-        return [self._submit(i, sum_parts, *parts) for i in range(self.n)]
+        return [self._submit(i, sum_addends, *parts) for i in range(self.n)]
 
 
 def sharded_runner(graph: Graph | ShardPlan, n: int | None = None, backend: str = "numpy", client: Any = None, **options: Any) -> ShardedRunner:

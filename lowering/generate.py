@@ -146,12 +146,9 @@ class _Steps:
             self.cache = {n: np.zeros((b, h, 0, d), lm.cache_dtype) for n, (b, h, d) in shapes.items()}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
-        if self.sharded:  # each shard keeps its part of the cache between steps
-            outs = self.runner.run({**feeds, **self.cache}, resident=[present for _, present in self.cache_names])  # type: ignore[call-arg]
-            self.cache = {past: outs[present] for past, present in self.cache_names}
-            return outs["logits"]
-        if self.session is None:
-            outs = self.runner.run({**feeds, **self.cache})
+        if self.session is None:  # sharded, each shard keeps its part of the cache between steps
+            resident = {"resident": [present for _, present in self.cache_names]} if self.sharded else {}
+            outs = self.runner.run({**feeds, **self.cache}, **resident)
             self.cache = {past: outs[present] for past, present in self.cache_names}
             return outs["logits"]
         import onnxruntime as ort
@@ -206,13 +203,12 @@ def generate(
         from .dask_shards import sharded_runner
 
         with sharded_runner(graph, shards, backend, client, **prepare_options) as own:
-            return _generate(graph, lm, ids, mask, max_new_tokens, own, pad_token_id, eos_token_id, keep_logits, progress)
+            return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos_token_id, keep_logits, progress)
     runner = runner or prepare(graph, backend, **prepare_options)
-    return _generate(graph, lm, ids, mask, max_new_tokens, runner, pad_token_id, eos_token_id, keep_logits, progress)
+    return _generate(lm, ids, mask, max_new_tokens, runner, pad_token_id, eos_token_id, keep_logits, progress)
 
 
 def _generate(
-    graph: Graph,
     lm: LMInterface,
     ids: np.ndarray,
     mask: np.ndarray,

@@ -26,7 +26,7 @@ import numpy as np
 
 from graphc.dims import dim_symbols, eval_shape
 from graphc.errors import InputError, ShardingError
-from graphc.sharding import ShardPlan, Stage
+from graphc.sharding import ShardPlan, Stage, sum_addends
 
 from .inputs import check_arrays
 
@@ -115,16 +115,8 @@ class LocalExecutor:
         return list(handles)
 
     def all_reduce(self, parts: list[Any]) -> list[Any]:
-        """The sum of the shards' addends, for every shard (summed in shard order, as :meth:`ShardPlan.gather` does)."""
-        return [sum_parts(*parts)] * self.n
-
-
-def sum_parts(*parts: np.ndarray) -> np.ndarray:
-    """``parts[0] + parts[1] + ...`` in that order (every shard sums in the same order, so every shard holds the same numbers)."""
-    total = np.array(parts[0], copy=True)
-    for p in parts[1:]:
-        total += p
-    return total
+        """The sum of the shards' addends (:func:`graphc.sharding.sum_addends`, as the driver's gather sums), for every shard."""
+        return [sum_addends(*parts)] * self.n
 
 
 class ShardedRunner:
@@ -248,9 +240,8 @@ class ShardedRunner:
                 raise InputError(f"input {name!r} must be a numpy.ndarray or a Resident, got {type(v).__name__}")
         dims = check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types)
         seconds: list[list[Any]] = []
-        sent: dict[
-            tuple[str, int], Any
-        ] = {}  # what each shard already holds this call: an input is sent to a shard once, however many stages read it
+        # what each shard already holds this call: an input is sent to a shard once, however many stages read it
+        sent: dict[tuple[str, int], Any] = {}
         for st in plan.stages:
             if st.sharded:
                 self._all_reduce(st, where, dims)  # addends this stage needs whole: summed among the shards where the executor can

@@ -16,6 +16,7 @@ from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
 
+from .attention_kernel import is_key_mask_shape
 from .forms import (
     ChunkedCausalAttention,
     OnnxAttention,
@@ -54,8 +55,7 @@ win from 4M (the exports at 1024 tokens by 12-30%, the mistral-7b layer at 512 b
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
     op: Attention = node.op  # type: ignore[assignment]
     if op.has_mask:
-        shape = graph.types[node.inputs[3]].shape
-        if op.mask != "bool" or len(shape) > 4 or any(d != 1 for d in shape[-3:-1]):
+        if op.mask != "bool" or not is_key_mask_shape(graph.types[node.inputs[3]].shape):
             return "the blocked kernel takes a bool key mask [B, 1, 1, T] (padding) only, not a per-query or additive mask"
     return f"the blocked kernel gives empty rows zeros, not the {op.empty_rows} of V" if op.empty_rows != "zero" else None
 

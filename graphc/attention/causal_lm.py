@@ -32,7 +32,7 @@ from graphc.memory import check_allocation
 from graphc.ops import check_dtype
 from graphc.tensor_ops import Gather
 
-from .decoder import DecoderConfig, decoder_stack_graph, decoder_weight_shapes, init_decoder_weights
+from .decoder import DecoderConfig, check_weight, decoder_stack_graph, decoder_weight_shapes, init_decoder_weights
 
 __all__ = ["CausalLMConfig", "causal_lm_graph", "causal_lm_weight_shapes", "init_causal_lm_weights", "LOGITS_KINDS", "cache_input_names"]
 
@@ -136,10 +136,7 @@ def _check_weights(cfg: CausalLMConfig, weights: Mapping[str, np.ndarray], dtype
         if name not in weights:
             hint = " (or tie_word_embeddings=True)" if name == "lm_head.weight" else ""
             raise WeightError(f"causal LM weights: missing {name!r}{hint}")
-        arr = weights[name]
-        if not isinstance(arr, np.ndarray) or tuple(arr.shape) != shapes[name] or str(arr.dtype) != dtype:
-            got = f"{getattr(arr, 'dtype', type(arr).__name__)}{list(getattr(arr, 'shape', []))}"
-            raise WeightError(f"weight {name!r} is {got}, expected {dtype}{list(shapes[name])}")
+        check_weight(name, weights[name], shapes[name], dtype)
 
 
 def _constant(g: Graph, base: str, value: float | int, dtype: str) -> Value:

@@ -30,7 +30,16 @@ from .blocks import ACTIVATIONS, gated_mlp, layer_norm, plain_mlp, rms_norm
 from .builders import attention_layer_graph, kv_cache_graph, layer_cache_inputs, layer_presents, name_stack_outputs, weight_shapes
 from .config import AttentionConfig
 
-__all__ = ["DecoderConfig", "decoder_weight_shapes", "decoder_layer_graph", "decoder_stack_graph", "init_decoder_weights", "MLP_KINDS", "NORM_KINDS"]
+__all__ = [
+    "DecoderConfig",
+    "check_weight",
+    "decoder_weight_shapes",
+    "decoder_layer_graph",
+    "decoder_stack_graph",
+    "init_decoder_weights",
+    "MLP_KINDS",
+    "NORM_KINDS",
+]
 
 MLP_KINDS = ("gated", "plain")
 NORM_KINDS = ("rms", "layer")
@@ -137,10 +146,14 @@ def _check(cfg: DecoderConfig, weights: Mapping[str, np.ndarray], dtype: str) ->
     if missing or extra:
         raise WeightError(f"decoder layer weights: missing {missing}, unexpected {extra}; this config takes {sorted(expected)}")
     for name, shape in expected.items():
-        arr = weights[name]
-        if not isinstance(arr, np.ndarray) or tuple(arr.shape) != shape or str(arr.dtype) != dtype:
-            got = f"{getattr(arr, 'dtype', type(arr).__name__)}{list(getattr(arr, 'shape', []))}"
-            raise WeightError(f"weight {name!r} is {got}, expected {dtype}{list(shape)}")
+        check_weight(name, weights[name], shape, dtype)
+
+
+def check_weight(name: str, arr: object, shape: tuple[int, ...], dtype: str) -> None:
+    """A :class:`WeightError` naming ``name`` unless ``arr`` is a ``dtype`` ndarray of ``shape``."""
+    if not isinstance(arr, np.ndarray) or tuple(arr.shape) != shape or str(arr.dtype) != dtype:
+        got = f"{getattr(arr, 'dtype', type(arr).__name__)}{list(getattr(arr, 'shape', []))}"
+        raise WeightError(f"weight {name!r} is {got}, expected {dtype}{list(shape)}")
 
 
 def decoder_layer_graph(

@@ -98,9 +98,10 @@ def causal_lm_from_hf(
     cfg = read_hf_config(config)
     lm = causal_lm_config_from_hf(cfg, n_layers)
     named = causal_lm_weights_from_hf(weights, cfg)
-    if dtype is not None and dtype != _checkpoint_dtype(named):
+    stored = _checkpoint_dtype(named)
+    if dtype is not None and dtype != stored:
         named = load_weights(named, dtype=dtype)  # every floating tensor converted (a copy)
-    dtype = dtype or _checkpoint_dtype(named)
+    dtype = dtype or stored
     wanted = lm.n_layers
     kept = {n: a for n, a in named.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < wanted}
     return causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits)

@@ -5,6 +5,6 @@ Running a plan is the backends' side: :class:`lowering.sharded.ShardedRunner`
 :func:`lowering.dask_shards.sharded_runner` on Dask workers.
 """
 
-from .plan import ShardPlan, Stage, shard
+from .plan import REPLICATED_MODES, ShardPlan, Stage, shard, sum_addends
 
-__all__ = ["shard", "ShardPlan", "Stage"]
+__all__ = ["shard", "ShardPlan", "Stage", "sum_addends", "REPLICATED_MODES"]

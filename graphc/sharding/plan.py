@@ -39,7 +39,7 @@ from graphc.rotary import Positions
 
 from .axes import AxisClasses, link_axes
 
-__all__ = ["shard", "ShardPlan", "Stage"]
+__all__ = ["shard", "ShardPlan", "Stage", "sum_addends", "REPLICATED_MODES"]
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,7 @@ class ShardPlan:
         if name in self.split_axis:
             return np.concatenate(list(parts), axis=self.split_axis[name])
         if name in self.partial:
-            total = np.array(parts[0], copy=True)
-            for p in parts[1:]:
-                total += p
-            return total
+            return sum_addends(*parts)
         return parts[0]
 
     def __str__(self) -> str:
@@ -105,6 +102,15 @@ class ShardPlan:
         for name in sorted(self.partial & set(self.outputs)):
             lines.append(f"  {name}: summed over shards")
         return "\n".join(lines)
+
+
+def sum_addends(*parts: np.ndarray) -> np.ndarray:
+    """``parts[0] + parts[1] + ...`` in shard order, into a new array: every place that sums a partial value (the driver's gather, each
+    shard's all-reduce) sums in the same order, so all of them hold the same numbers."""
+    total = np.array(parts[0], copy=True)
+    for p in parts[1:]:
+        total += p
+    return total
 
 
 def _part(array: np.ndarray, axis: int, shard: int, n: int) -> np.ndarray:
@@ -332,6 +338,8 @@ def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ShardingError(f"shard count must be an int >= 1, got {n!r}")
+    if replicated not in REPLICATED_MODES:
+        raise ShardingError(f"replicated must be one of {REPLICATED_MODES}, got {replicated!r}")
     n = int(n)
     g = _fused(graph)
     seeds, fallback = _seeds(g, n)
@@ -340,8 +348,6 @@ def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -
     classes = link_axes(g)
     split = _split_axes(g, classes, seeds, n) if n > 1 else {}
     partial = _partials(g, split, classes) if n > 1 else set()
-    if replicated not in REPLICATED_MODES:
-        raise ShardingError(f"replicated must be one of {REPLICATED_MODES}, got {replicated!r}")
     stage_of = _stages(g, split, partial, replicated == "workers")
     last = max(stage_of.values(), default=0)
     order = g.topological_order()
