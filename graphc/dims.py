@@ -5,8 +5,11 @@ polynomial over symbols with integer coefficients, for example ``"batch"``,
 ``"past_seq+seq"`` or ``"4*seq"``.  Strings are kept in a canonical form, so two
 dimensions are equal exactly when their canonical strings are equal.  Symbols are
 bound to integers at run time (:func:`bind_shape`) and expressions evaluated
-(:func:`eval_dim`).  Only sums and products occur in attention graphs: a
-concatenation adds, a head split or merge multiplies.
+(:func:`eval_dim`).  Sums and products are what attention graphs mostly need: a
+concatenation adds, a head split or merge multiplies.  ``min(a,b)`` and ``max(a,b)``
+are atoms inside the polynomial (a factor like a symbol): a sliding-window cache
+keeps ``min(past_seq+seq,15)`` keys.  An atom's arguments are canonical dims and
+an atom that can be decided (``max(seq,0)`` is ``seq``) is simplified away.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ __all__ = [
     "dim_mul",
     "dim_prod",
     "dim_div",
+    "dim_min",
+    "dim_max",
+    "dim_substitute",
+    "min_max_args",
+    "dim_atoms",
     "eval_dim",
     "eval_shape",
     "dim_symbols",
@@ -53,7 +61,7 @@ MAX_SIZE = 2**48
 """The largest static size of one axis graphc accepts in a declared shape (far past any real tensor)."""
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_TERM = re.compile(r"\s*([+-])?\s*([^+-]+)")
+_ATOM = re.compile(r"(min|max)\(")
 
 # A polynomial: monomial (sorted tuple of symbols, repeats allowed) -> coefficient.
 _Poly = dict[tuple[str, ...], int]
@@ -79,29 +87,143 @@ def _parse_uncached(d: Dim) -> _Poly:
         return {(): d} if d else {}
     if not isinstance(d, str):
         raise DimError(f"dimension must be an int or a symbol expression, got {type(d).__name__} {d!r}")
-    text = d.strip()
+    text = d.replace(" ", "")
     if not text:
         raise DimError("dimension expression is empty")
     poly: _Poly = {}
-    pos = 0
-    while pos < len(text):
-        m = _TERM.match(text, pos)
-        if not m or m.end() == pos:
-            raise DimError(f"cannot parse dimension expression {d!r}")
-        sign = -1 if m.group(1) == "-" else 1
-        coef, syms = sign, []
-        for factor in m.group(2).split("*"):
-            factor = factor.strip()
-            if factor.isdigit():
-                coef *= int(factor)
-            elif _SYMBOL.match(factor):
-                syms.append(factor)
-            else:
-                raise DimError(f"bad factor {factor!r} in dimension expression {d!r}; expected a symbol name or an integer")
-        key = tuple(sorted(syms))
-        poly[key] = poly.get(key, 0) + coef
-        pos = m.end()
+    for sign, term in _split_terms(text, d):
+        tpoly: _Poly = {(): sign}
+        for factor in _split_top(term, "*"):
+            tpoly = _poly_mul(tpoly, _parse_factor(factor, d))
+        for k, v in tpoly.items():
+            poly[k] = poly.get(k, 0) + v
     return {k: v for k, v in poly.items() if v}
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _split_terms(text: str, d: Dim) -> list[tuple[int, str]]:
+    """The signed terms of ``text`` (split at ``+``/``-`` outside parentheses)."""
+    terms, depth, start, sign = [], 0, 0, 1
+    if text[0] in "+-":
+        sign, start = (-1 if text[0] == "-" else 1), 1
+    for i in range(start, len(text)):
+        ch = text[i]
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth < 0:
+            raise DimError(f"unbalanced ')' in dimension expression {d!r}")
+        if ch in "+-" and depth == 0:
+            terms.append((sign, text[start:i]))
+            sign, start = (-1 if ch == "-" else 1), i + 1
+    if depth:
+        raise DimError(f"unbalanced '(' in dimension expression {d!r}")
+    terms.append((sign, text[start:]))
+    if any(not t for _, t in terms):
+        raise DimError(f"cannot parse dimension expression {d!r}")
+    return terms
+
+
+def _parse_factor(factor: str, d: Dim) -> _Poly:
+    if factor.isdigit():
+        return {(): int(factor)} if int(factor) else {}
+    if _SYMBOL.match(factor):
+        return {(factor,): 1}
+    m = _ATOM.match(factor)
+    if m and factor.endswith(")"):
+        args = _split_top(factor[m.end() : -1], ",")
+        if len(args) >= 2 and all(args):
+            return _min_max_poly(m.group(1), [_normalize_text(x) for x in args])
+    raise DimError(f"bad factor {factor!r} in dimension expression {d!r}; expected a symbol name, an integer, min(a,b,...) or max(a,b,...)")
+
+
+def _poly_mul(pa: _Poly, pb: _Poly) -> _Poly:
+    out: _Poly = {}
+    for ka, va in pa.items():
+        for kb, vb in pb.items():
+            key = tuple(sorted(ka + kb))
+            out[key] = out.get(key, 0) + va * vb
+    return {k: v for k, v in out.items() if v}
+
+
+def _min_max_poly(kind: str, args: Sequence[Dim]) -> _Poly:
+    """``min(...)``/``max(...)`` of canonical dims as a polynomial: nested atoms of the same kind flattened, an argument
+    that can never be the result (``min(s+15,15)`` is ``15``) dropped, one atom left only where the order is not known."""
+    flat: list[Dim] = []
+    for x in args:
+        inner = min_max_args(x)
+        flat.extend(inner[1] if inner is not None and inner[0] == kind else (x,))
+    keep: list[Dim] = []
+    for i, x in enumerate(flat):
+        # x is dropped when another argument is never worse than it (of two equal arguments, the first stays)
+        beaten = any(
+            j != i and dim_is_nonnegative(dim_sub(x, y) if kind == "min" else dim_sub(y, x)) and (x != y or j < i) for j, y in enumerate(flat)
+        )
+        if not beaten:
+            keep.append(x)
+    if len(keep) == 1:
+        return _parse(keep[0])
+    return {(f"{kind}({','.join(sorted(str(x) for x in keep))})",): 1}
+
+
+def _min_max(kind: str, args: Sequence[Dim]) -> Dim:
+    return _format(_min_max_poly(kind, [normalize_dim(x) for x in args]))
+
+
+def _atom_args(factor: str) -> tuple[str, tuple[Dim, ...]] | None:
+    """``(kind, arguments)`` for a ``min``/``max`` factor, else ``None`` (a plain symbol)."""
+    m = _ATOM.match(factor)
+    if not m:
+        return None
+    return m.group(1), tuple(_normalize_text(x) for x in _split_top(factor[m.end() : -1], ","))
+
+
+def min_max_args(d: Dim) -> tuple[str, tuple[Dim, ...]] | None:
+    """``("min" | "max", arguments)`` when ``d`` is exactly one ``min(...)``/``max(...)`` atom, else ``None``."""
+    terms = _parse(d) if isinstance(d, str) else {}
+    if len(terms) != 1:
+        return None
+    ((key, coef),) = terms.items()
+    return _atom_args(key[0]) if coef == 1 and len(key) == 1 else None
+
+
+def dim_atoms(d: Dim) -> list[str]:
+    """The ``min``/``max`` atoms of ``d``, outermost first, each once (``["max(0,s-15)"]`` for ``s-max(0,s-15)``)."""
+    out: list[str] = []
+    for key in _parse(d):
+        for f in key:
+            atom = _atom_args(f)
+            if atom is not None and f not in out:
+                out.append(f)
+                out.extend(a for x in atom[1] for a in dim_atoms(x) if a not in out)
+    return out
+
+
+def _factor_symbols(factor: str) -> frozenset[str]:
+    atom = _atom_args(factor)
+    return frozenset({factor}) if atom is None else frozenset(s for x in atom[1] for s in dim_symbols(x))
+
+
+def _factor_value(factor: str, env: Mapping[str, int], d: Dim) -> int:
+    atom = _atom_args(factor)
+    if atom is None:
+        if factor not in env:
+            raise DimError(f"symbolic dimension {factor!r} (in {d!r}) is not bound; bound: {sorted(env) or 'none'}")
+        return env[factor]
+    kind, args = atom
+    values = [eval_dim(x, env) for x in args]
+    return min(values) if kind == "min" else max(values)
 
 
 def _format(poly: _Poly) -> Dim:
@@ -173,13 +295,33 @@ def dim_sub(a: Dim, b: Dim) -> Dim:
 
 def dim_mul(a: Dim, b: Dim) -> Dim:
     """Return the canonical dimension ``a * b``."""
-    pa, pb = _parse(a), _parse(b)
-    out: _Poly = {}
-    for ka, va in pa.items():
-        for kb, vb in pb.items():
-            key = tuple(sorted(ka + kb))
-            out[key] = out.get(key, 0) + va * vb
-    return _format({k: v for k, v in out.items() if v})
+    return _format(_poly_mul(_parse(a), _parse(b)))
+
+
+def dim_min(a: Dim, b: Dim) -> Dim:
+    """The canonical dimension ``min(a, b)`` (``a`` or ``b`` itself where one is never larger)."""
+    return _min_max("min", (a, b))
+
+
+def dim_max(a: Dim, b: Dim) -> Dim:
+    """The canonical dimension ``max(a, b)`` (``a`` or ``b`` itself where one is never smaller)."""
+    return _min_max("max", (a, b))
+
+
+def dim_substitute(d: Dim, values: Mapping[str, Dim]) -> Dim:
+    """``d`` with each symbol in ``values`` replaced by its dim (inside ``min``/``max`` atoms too), simplified; a key may
+    also be a whole atom (``{"max(0,s-15)": 0}``)."""
+    out: Dim = 0
+    for syms, coef in _parse(d).items():
+        term: Dim = coef
+        for f in syms:
+            atom = _atom_args(f)
+            if atom is None or f in values:
+                term = dim_mul(term, values.get(f, f))
+            else:
+                term = dim_mul(term, _min_max(atom[0], [dim_substitute(x, values) for x in atom[1]]))
+        out = dim_add(out, term)
+    return normalize_dim(out)
 
 
 def dim_div(a: Dim, b: Dim) -> int | None:
@@ -210,8 +352,8 @@ def dim_terms(d: Dim) -> list[tuple[tuple[str, ...], int]]:
 
 
 def dim_symbols(d: Dim) -> frozenset[str]:
-    """Return the symbol names that occur in ``d``."""
-    return frozenset(s for key in _parse(d) for s in key)
+    """Return the symbol names that occur in ``d`` (inside ``min``/``max`` too)."""
+    return frozenset(s for key in _parse(d) for f in key for s in _factor_symbols(f))
 
 
 def is_symbol(d: Dim) -> bool:
@@ -225,8 +367,43 @@ def is_static(shape: Sequence[Dim]) -> bool:
 
 
 def dim_is_nonnegative(d: Dim) -> bool:
-    """True when ``d`` is provably >= 0 for every binding (all coefficients non-negative)."""
-    return all(v >= 0 for v in _parse(d).values())
+    """True when ``d`` is provably >= 0 for every binding of its symbols (sizes, so >= 0).
+
+    A polynomial without ``min``/``max`` is when every coefficient is.  A ``min``/``max`` term is taken apart:
+    ``r + k*max(a,b)`` (``k > 0``) is at least ``r + k*a`` and at least ``r + k*b``, so one of those suffices;
+    ``r + k*min(a,b)`` needs both (and the other way round for ``k < 0``): ``s - max(0,s-15)`` is non-negative.
+    """
+    return _nonnegative(_parse(d))
+
+
+def _nonnegative(poly: _Poly, depth: int = 0) -> bool:
+    return _nonnegative_cached(tuple(sorted(poly.items())), depth)
+
+
+@lru_cache(maxsize=65536)
+def _nonnegative_cached(items: tuple[tuple[tuple[str, ...], int], ...], depth: int) -> bool:
+    poly = dict(items)
+    for key, k in items:
+        atoms = [f for f in key if _ATOM.match(f)]
+        if not atoms:
+            continue
+        if len(atoms) > 1 or depth >= _MAX_NONNEGATIVE_DEPTH:
+            return False  # a product of atoms, or nested too deep: not decided (the answer stays "not proven")
+        others = tuple(g for g in key if g != atoms[0])  # symbols, >= 0
+        kind, args = _atom_args(atoms[0])  # type: ignore[misc]
+        rest = {m: c for m, c in poly.items() if m != key}
+
+        def with_arg(x: Dim) -> bool:
+            combined = dict(rest)
+            for m, c in _poly_mul({others: k}, _parse(x)).items():
+                combined[m] = combined.get(m, 0) + c
+            return _nonnegative({m: c for m, c in combined.items() if c}, depth + 1)
+
+        return all(map(with_arg, args)) if (kind == "min") == (k > 0) else any(map(with_arg, args))
+    return all(v >= 0 for v in poly.values())
+
+
+_MAX_NONNEGATIVE_DEPTH = 6
 
 
 def eval_dim(d: Dim, env: Mapping[str, int]) -> int:
@@ -234,10 +411,8 @@ def eval_dim(d: Dim, env: Mapping[str, int]) -> int:
     total = 0
     for syms, coef in _parse(d).items():
         term = coef
-        for s in syms:
-            if s not in env:
-                raise DimError(f"symbolic dimension {s!r} (in {d!r}) is not bound; bound: {sorted(env) or 'none'}")
-            term *= env[s]
+        for f in syms:
+            term *= _factor_value(f, env, d)
         total += term
     return total
 
@@ -292,10 +467,12 @@ def bind_shapes(items: Sequence[tuple[Sequence[Dim], Sequence[int], str]], env: 
                     if syms != (s,):
                         break  # not linear in s (s*s or s*t): left to another dim
                     coef += c
+                elif any(s in _factor_symbols(f) for f in syms):
+                    break  # s inside min/max: left to another dim
                 else:
                     term = c
-                    for t in syms:
-                        term *= env[t]
+                    for f in syms:
+                        term *= _factor_value(f, env, d)
                     rest += term
             else:
                 if coef and (n - rest) % coef == 0 and (n - rest) // coef >= 0:

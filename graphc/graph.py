@@ -27,7 +27,7 @@ import networkx as nx
 import numpy as np
 
 from .builder import GraphBuilder
-from .dims import Dim, format_shape
+from .dims import Dim, dim_symbols, format_shape, normalize_dim
 from .errors import (
     CycleError,
     DTypeMismatchError,
@@ -188,6 +188,7 @@ class Graph(GraphBuilder):
         self._head._prev = self._head._next = self._head
         self._fresh: dict[str, int] = {}
         self._touched: set[str] | None = None
+        self.assumptions: list[tuple[Dim, Dim]] = []
 
     # ----------------------------------------------------------------- views
     @property
@@ -217,6 +218,13 @@ class Graph(GraphBuilder):
         self.output(*names)
 
     # ----------------------------------------------------------------- naming
+    def assume(self, a: Dim, b: Dim) -> None:
+        """Record that dims ``a`` and ``b`` are equal wherever the graph is defined (an imported model's own assumption,
+        such as a sliding-window cache no longer than the window); every run checks it against the input sizes."""
+        a, b = normalize_dim(a), normalize_dim(b)
+        if a != b and (a, b) not in self.assumptions:
+            self.assumptions.append((a, b))
+
     def fresh_name(self, base: str) -> str:
         """Return ``base`` or ``base_N``, whichever is not used yet."""
         if base not in self._values:
@@ -514,6 +522,7 @@ class Graph(GraphBuilder):
             elif value_of[name] != name:  # pragma: no cover - the defaults keep every name
                 raise GraphError(f"rebuild of {self.name!r}: output {name!r} is now {value_of[name]!r}")
         g.outputs = list(self._outputs)
+        g.assumptions = list(self.assumptions)
         return g
 
     def __getstate__(self) -> dict[str, Any]:
@@ -525,6 +534,7 @@ class Graph(GraphBuilder):
             "nodes": [(node.op, node.inputs, node.outputs, [self._values[o].type for o in node.outputs]) for node in self._walk()],
             "outputs": list(self._outputs),
             "fresh": dict(self._fresh),
+            "assumptions": list(self.assumptions),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -542,6 +552,7 @@ class Graph(GraphBuilder):
             self.add_multi_node(op, ins, outs, types)
         self.outputs = state["outputs"]
         self._fresh = dict(state["fresh"])
+        self.assumptions = list(state.get("assumptions", ()))
 
     def replace_uses(self, old: ValueLike, new: ValueLike) -> None:
         """Make every reader of ``old`` (nodes and graph outputs) read ``new`` instead: O(readers).
@@ -636,6 +647,13 @@ class Graph(GraphBuilder):
         """Add a node (named ``base_name`` or a fresh variant) just before node ``anchor``."""
         return self.add_node(op, inputs, self.fresh_name(base_name), before=anchor if anchor in self._nodes else None)
 
+    def move_before(self, name: str, anchor: str) -> None:
+        """Move node ``name`` to just before node ``anchor`` (the caller keeps every value defined before its readers)."""
+        node = self._nodes[name]
+        self._unlink(node)
+        self._link_before(node, self._nodes[anchor])
+        self._touch(name)
+
     def remove_node(self, name: str) -> None:
         """Delete node ``name`` and its output values; none may have readers left."""
         node = self._nodes[name]
@@ -704,6 +722,12 @@ class Graph(GraphBuilder):
             defined.update(node.outputs)
         if not self._outputs:
             raise GraphError(f"graph {self.name!r} has no outputs")
+        bound = {s for n in self._inputs for d in self._values[n].type.shape for s in dim_symbols(d)}
+        for a, b in self.assumptions:
+            if not (dim_symbols(a) | dim_symbols(b)) <= bound:
+                raise GraphError(
+                    f"graph {self.name!r} assumes {a} == {b}, but its inputs do not size {sorted((dim_symbols(a) | dim_symbols(b)) - bound)}"
+                )
         for out in self._outputs:
             if out not in self._values:
                 raise UndefinedValueError(f"graph output {out!r} is never defined")
@@ -739,6 +763,8 @@ class Graph(GraphBuilder):
         lines.append(") {")
         for name in sorted(self.initializers):
             lines.append(f"  const {name}: {self._values[name].type}")
+        for a, b in self.assumptions:
+            lines.append(f"  assume {a} == {b}")
         for node in self._walk():
             outs = ", ".join(f"{o}: {self._values[o].type}" for o in node.outputs)
             lines.append(f"  {outs} = {node.op}({', '.join(node.inputs)})")

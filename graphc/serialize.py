@@ -42,7 +42,7 @@ def graph_to_dict(graph: Graph, include_weights: bool = True) -> dict[str, Any]:
         if include_weights:
             entry["data"] = base64.b64encode(contiguous(arr).astype(arr.dtype.newbyteorder("<")).tobytes()).decode("ascii")
         inits.append(entry)
-    return {
+    doc = {
         "format": "graphc",
         "version": FORMAT_VERSION,
         "name": graph.name,
@@ -51,6 +51,9 @@ def graph_to_dict(graph: Graph, include_weights: bool = True) -> dict[str, Any]:
         "nodes": [_node_to_dict(graph, node) for node in graph.topological_order()],
         "outputs": list(graph.outputs),
     }
+    if graph.assumptions:
+        doc["assumptions"] = [[a, b] for a, b in graph.assumptions]
+    return doc
 
 
 def _node_to_dict(graph: Graph, node: Node) -> dict[str, Any]:
@@ -150,6 +153,10 @@ def graph_from_dict(doc: Any) -> Graph:
         if not all(isinstance(x, str) for x in outputs):
             raise SerializationError("graph: 'outputs' must be a list of value names")
         g.outputs = list(outputs)
+        for i, pair in enumerate(doc.get("assumptions", [])):
+            if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in pair):
+                raise SerializationError(f"assumptions[{i}] must be a pair of dims [a, b], got {pair!r}")
+            g.assume(*pair)
     except SerializationError:
         raise
     except GraphcError as e:

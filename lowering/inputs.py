@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from graphc.dims import bind_shapes, check_sizes, dim_symbols, eval_shape
+from graphc.dims import bind_shapes, check_sizes, dim_symbols, eval_dim, eval_shape
 from graphc.errors import DimError, InputError
 from graphc.graph import Graph
 from graphc.memory import check_allocation
@@ -31,7 +31,15 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
         raise InputError(f"missing input(s) {missing}; graph {graph.name!r} takes {graph.inputs}")
     if extra:
         raise InputError(f"unexpected input(s) {extra}; graph {graph.name!r} takes {graph.inputs}")
-    return check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, require_all=True)
+    dims = check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, require_all=True)
+    for a, b in graph.assumptions:
+        x, y = eval_dim(a, dims), eval_dim(b, dims)
+        if x != y:
+            raise InputError(
+                f"graph {graph.name!r} is defined only where {a} == {b} (an assumption of the model it was imported from); with "
+                f"{format_sizes(dims)} they are {x} and {y}"
+            )
+    return dims
 
 
 class InputChecker:

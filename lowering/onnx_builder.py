@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, normalize_dim
+from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, min_max_args, normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Graph
 from graphc.ops import FLOAT_DTYPES
@@ -73,6 +73,9 @@ class OnnxBuilder:
             return self._dim_cache[d]
         if isinstance(d, int):
             out = self.const(np.array([d], np.int64), f"dim_{d}")
+        elif (atom := min_max_args(d)) is not None:
+            kind, args = atom
+            out = self.op("Min" if kind == "min" else "Max", [self.dim(x) for x in args], base=f"dim_{kind}")
         elif is_symbol(d):
             if d in self.symbol_source:
                 src, axis = self.symbol_source[d]

@@ -51,6 +51,30 @@ def test_dim_errors():
         bind_shape(["past+seq"], (6,), {"past": 2, "seq": 3}, "z")
 
 
+def test_min_max_dims():
+    from graphc.dims import bind_shapes, dim_is_nonnegative, dim_max, dim_min, dim_substitute, dim_symbols, min_max_args
+
+    cut = dim_sub("s", dim_max(dim_sub("s", 15), 0))  # x[-15:] of an axis of s
+    assert cut == "-max(0,s-15)+s" and dim_is_nonnegative(cut)
+    assert [eval_dim(cut, {"s": n}) for n in (3, 15, 40)] == [3, 15, 15]
+    assert dim_max(cut, 0) == cut  # decided: the cut is never negative
+    assert dim_min("s+15", 15) == 15 and dim_max("s", 0) == "s" and dim_min(3, 7) == 3
+    assert dim_min("b", "a") == dim_min("a", "b") == "min(a,b)"  # canonical argument order
+    assert dim_min(dim_min("a", "b"), "c") == "min(a,b,c)" == normalize_dim("min( c , min(b,a) )")
+    assert not dim_is_nonnegative("min(a-3,b)") and dim_is_nonnegative("max(a-3,b)")
+    assert dim_symbols("2*max(a,b+c)-d") == {"a", "b", "c", "d"}
+    assert min_max_args("min(a,b)") == ("min", ("a", "b")) and min_max_args("min(a,b)+1") is None
+    assert dim_substitute("max(0,s-15)+t", {"s": 10}) == "t" and dim_substitute("max(0,s-15)+t", {"max(0,s-15)": 0}) == "t"
+    env = {"t": 1}  # s is solved from the plain dim; the min/max dim is then checked
+    bind_shapes([(["s+t"], [21], "x"), ([dim_min("s+t", 15)], [15], "y")], env)
+    assert env == {"t": 1, "s": 20}
+    with pytest.raises(DimError, match="axis 0 must be 'min\\(15,s\\+t\\)' = 15, got 16"):
+        bind_shapes([(["s+t"], [21], "x"), ([dim_min("s+t", 15)], [16], "y")], {"t": 1})
+    for bad, why in (("min(a)", "bad factor"), ("min(a,b", "unbalanced"), ("max(a,b))", "unbalanced"), ("mean(a,b)", "bad factor")):
+        with pytest.raises(DimError, match=why):
+            normalize_dim(bad)
+
+
 # ---------------------------------------------------------------- einsum
 
 

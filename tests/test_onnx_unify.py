@@ -153,3 +153,49 @@ def test_isnan_guards_import_and_run_everywhere():
     assert "Opaque" not in g.op_counts()
     softmax_guard = [n for n in optimize(g).graph.nodes.values() if n.op.kind == "Where" and "p" in n.inputs]
     assert softmax_guard == []  # folded: nothing guards the softmax
+
+
+def test_a_negative_start_slice_keeps_at_most_k_rows():
+    """``x[-4:]`` of a symbolic axis keeps ``s - max(0, s - 4)`` rows: all of a shorter axis, 4 of a longer one."""
+    starts, ends = (numpy_helper.from_array(np.array([v], np.int64), n) for v, n in ((-4, "starts"), (2**62, "ends")))
+    nodes = [helper.make_node("Slice", ["x", "starts", "ends"], ["y"])]
+    model = _model(nodes, [_vi("x", F, ["s", 3])], [_vi("y", F, None)], [starts, ends])
+    g = from_onnx(model)
+    assert g.types[g.outputs[0]].shape == ("-max(0,s-4)+s", 3)
+    rng = np.random.default_rng(0)
+    for rows in (2, 4, 9):
+        _check(model, {"x": rng.standard_normal((rows, 3), np.float32)})
+
+
+def test_a_model_defined_only_below_a_window_is_assumed_so_and_checked():
+    """``x[-4:] + y`` with x and y of one length ``s`` broadcasts only while ``s <= 4`` (onnxruntime fails past it): the
+    graph assumes ``max(0, s - 4) == 0`` and every run checks it."""
+    starts, ends = (numpy_helper.from_array(np.array([v], np.int64), n) for v, n in ((-4, "starts"), (2**62, "ends")))
+    nodes = [helper.make_node("Slice", ["x", "starts", "ends"], ["cut"]), helper.make_node("Add", ["cut", "y"], ["z"])]
+    model = _model(nodes, [_vi("x", F, ["s", 3]), _vi("y", F, ["s", 3])], [_vi("z", F, None)], [starts, ends])
+    rng = np.random.default_rng(0)
+    g = _check(model, {"x": rng.standard_normal((3, 3), np.float32), "y": rng.standard_normal((3, 3), np.float32)})
+    assert g.assumptions == [("max(0,s-4)", 0)]
+    assert "  assume max(0,s-4) == 0" in str(g)
+    too_long = {"x": np.zeros((6, 3), np.float32), "y": np.zeros((6, 3), np.float32)}
+    with pytest.raises(Exception):  # noqa: B017 - onnxruntime's own error
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, too_long)
+    for backend in BACKENDS:
+        with pytest.raises(InputError, match=r"defined only where max\(0,s-4\) == 0.*s=6"):
+            run(optimize(g).graph, too_long, backend=backend)
+
+
+def test_assumptions_survive_copies_pickles_and_json():
+    import pickle
+
+    from graphc.serialize import graph_from_dict, graph_to_dict
+
+    g = Graph("g")
+    x = g.add_input("x", ["s", 3])
+    g.output(g.relu(x))
+    g.assume("max(0,s-4)", 0)
+    for h in (g.copy(), pickle.loads(pickle.dumps(g)), graph_from_dict(graph_to_dict(g)), optimize(g).graph):
+        assert h.assumptions == [("max(0,s-4)", 0)]
+    g.assume("t", 2)
+    with pytest.raises(Exception, match=r"assumes t == 2, but its inputs do not size \['t'\]"):
+        g.verify()

@@ -288,9 +288,10 @@ class ImportContext:
             return conflict_in_pairs(((ds[0], d) for ds in seen.values() for d in ds[1:]), self.free)
         return None
 
-    def unify(self, a: Dim, b: Dim) -> None:
-        """Raise :class:`DimConflict` when ``a`` and ``b`` differ and one is a free symbol (the caller's dims must agree)."""
-        conflict = conflict_in_pairs([(a, b)], self.free)
+    def unify(self, a: Dim, b: Dim, atoms: bool = True) -> None:
+        """Raise :class:`DimConflict` when ``a`` and ``b`` differ and one is a free symbol (the caller's dims must agree);
+        ``atoms=False`` where unequal dims are no error in onnxruntime (see :func:`.unify.conflict_in_pairs`)."""
+        conflict = conflict_in_pairs([(a, b)], self.free, atoms)
         if conflict is not None:
             raise DimConflict(conflict[0], conflict[1], ShapeMismatchError(f"dims {a!r} and {b!r} must be equal"))
 
@@ -300,6 +301,11 @@ class ImportContext:
         if isinstance(d, str) and is_symbol(d) and d not in self.free:
             self.free[d] = len(self.free)
         return d
+
+    def resolve(self, d: Dim) -> Dim:
+        """A dim computed by the model (a ``Max`` of dims, a clamped ``Slice`` bound) with the aliases applied: an atom
+        the import assumed equal to one of its arguments becomes that argument."""
+        return substitute(normalize_dim(d), self.aliases)
 
     def dim(self, d: Dim) -> Dim:
         """Normalize a dim, with the error on the node."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dims import Dim, dim_add, dim_sub, format_shape, normalize_dim
+from ..dims import Dim, dim_add, dim_max, dim_sub, format_shape, normalize_dim
 from ..errors import GraphcError
 from ..ops import (
     UNARY_FUNCTIONS,
@@ -161,6 +161,8 @@ def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
             acc = _binary(ctx, [acc, x], attrs, op_type)[0]
         return [acc]
     folded = sym_binary(op_type, ins)
+    if isinstance(folded, SymInts) and op_type in ("Max", "Min") and ctx.aliases:
+        folded = SymInts(tuple(ctx.resolve(d) for d in folded.values), folded.scalar, folded.dtype)
     if folded is not None:
         return [folded]
     a, b = ins
@@ -436,15 +438,18 @@ def _concat(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _slice_bounds(size: Dim, start: Dim, stop: Dim) -> tuple[Dim, Dim]:
-    """ONNX's clamping of static bounds: negative counts from the end, anything past the end is the end."""
+    """ONNX's clamping of bounds: negative counts from the end, anything past the end is the end.
+
+    A negative bound on a symbolic axis is ``max(size - k, 0)`` (``x[-15:]`` keeps ``size - max(0, size - 15)`` rows:
+    fewer than 15 when the axis is shorter).  A non-negative bound on a symbolic axis is taken as given (``cos[:seq]``
+    of a table assumed long enough; the run checks it)."""
 
     def clamp(v: Dim) -> Dim:
         if isinstance(v, int):
             if v >= 1 << 62 or (isinstance(size, int) and v >= size):
                 return size
             if v < 0:
-                v2 = dim_add(size, v)
-                return max(v2, 0) if isinstance(v2, int) else v2
+                return dim_max(dim_add(size, v), 0)
         return v
 
     return clamp(start), clamp(stop)
@@ -470,7 +475,7 @@ def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
         if not isinstance(axis, int) or not isinstance(step, int) or step < 1:
             raise ctx.error(f"Slice axis/step must be constants with step >= 1, got axis {axis!r} step {step!r}")
         a = ctx.axis(axis, len(shape), "Slice axis")
-        lo, hi = _slice_bounds(shape[a], start, stop)
+        lo, hi = (ctx.resolve(d) for d in _slice_bounds(shape[a], start, stop))
         if normalize_dim(lo) == 0 and normalize_dim(hi) == normalize_dim(shape[a]) and step == 1:
             continue
         x = ctx.add(Slice(a, lo, hi, step), [x], "slice")

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..dims import Dim, normalize_dim
+from ..dims import Dim, is_symbol, normalize_dim
 from ..errors import GraphcError, OnnxImportError, UnknownNameError
 from ..graph import Graph
 from ..opaque import Opaque
@@ -32,7 +32,7 @@ from .convert_core import CORE_CONVERTERS, SPLIT, unary_converter
 from .convert_fused import FUSED_CONVERTERS
 from .loading import read_model
 from .schema import SchemaChecker
-from .unify import MAX_UNIFICATIONS, DimConflict
+from .unify import MAX_UNIFICATIONS, DimConflict, substitute
 
 __all__ = ["from_onnx", "supported_ops", "ATTENTION_SEMANTICS"]
 
@@ -256,6 +256,10 @@ def from_onnx(
         except GraphcError as e:
             raise ctx.error(str(e)) from None
         break
+    for key, value in aliases.items():
+        if not is_symbol(key):  # a min/max atom the model's shapes assume equal to one of its arguments: every run checks it
+            others = {k: v for k, v in aliases.items() if k != key}
+            g.assume(substitute(key, others), substitute(value, others))
     g.verify()
     return g
 

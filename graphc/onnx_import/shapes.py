@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..dims import Dim, dim_add, dim_div, dim_is_nonnegative, dim_mul, dim_prod, dim_sub, normalize_dim
+from ..dims import Dim, dim_add, dim_div, dim_is_nonnegative, dim_max, dim_min, dim_mul, dim_prod, dim_sub, normalize_dim
 from .context import ONNX_TO_DTYPE, Imported, ImportContext, SymInts, simplify
 
 __all__ = ["as_dims", "sym_binary", "sym_where", "sym_layout", "reshape_target", "symbolic_quotient"]
@@ -65,10 +65,8 @@ def sym_binary(op_type: str, ins: Sequence[Imported | None]) -> Imported | None:
                 out.append(x)
             elif isinstance(x, int) and isinstance(y, int):
                 out.append(max(x, y) if op_type == "Max" else min(x, y))
-            elif op_type == "Max" and (y == 0 and dim_is_nonnegative(x) or x == 0 and dim_is_nonnegative(y)):  # max(size, 0) is the size
-                out.append(y if x == 0 else x)
             else:
-                return None
+                out.append(dim_max(x, y) if op_type == "Max" else dim_min(x, y))
         elif op_type == "Equal":
             x, y = normalize_dim(x), normalize_dim(y)
             if x == y:
@@ -220,9 +218,9 @@ def reshape_target(ctx: ImportContext, in_shape: Sequence[Dim], target: Sequence
         # view(batch, -1) with batch taken from another input: the axes before the -1 (and after it, from the end)
         # keep their place, so a free symbol there is the input's dim (unified, and checked when the model runs)
         for i in range(min(infer_at, len(in_shape))):
-            ctx.unify(out[i], in_shape[i])
+            ctx.unify(out[i], in_shape[i], atoms=False)
         for i in range(1, min(len(out) - infer_at, len(in_shape))):
-            ctx.unify(out[-i], in_shape[-i])
+            ctx.unify(out[-i], in_shape[-i], atoms=False)
         raise ctx.error(f"Reshape: cannot infer the -1 in {list(target)} from input shape {list(in_shape)} symbolically")
     out[infer_at] = q
     return tuple(out)

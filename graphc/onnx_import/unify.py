@@ -19,7 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..dims import Dim, dim_add, dim_mul, dim_prod, dim_sub, dim_symbols, dim_terms, is_symbol, normalize_dim
+from ..dims import (
+    Dim,
+    dim_add,
+    dim_atoms,
+    dim_mul,
+    dim_prod,
+    dim_sub,
+    dim_substitute,
+    dim_symbols,
+    dim_terms,
+    is_symbol,
+    min_max_args,
+    normalize_dim,
+)
 
 __all__ = ["DimConflict", "substitute", "conflict_in_broadcast", "conflict_in_pairs", "MAX_UNIFICATIONS"]
 
@@ -36,17 +49,12 @@ class DimConflict(Exception):
 
 
 def substitute(d: Dim, aliases: Mapping[str, Dim]) -> Dim:
-    """``d`` with every aliased symbol replaced by its dim (aliases may chain; cycles cannot arise, see :func:`choose`)."""
+    """``d`` with every aliased symbol or ``min``/``max`` atom replaced by its dim (aliases may chain; cycles cannot
+    arise, see :func:`choose`)."""
     for _ in range(len(aliases) + 1):
-        if not aliases or not (dim_symbols(d) & aliases.keys()):
+        if not aliases or not (dim_symbols(d) & aliases.keys() or set(dim_atoms(d)) & aliases.keys()):
             return d
-        out: Dim = 0
-        for syms, coef in dim_terms(d):
-            term: Dim = coef
-            for s in syms:
-                term = dim_mul(term, aliases.get(s, s))
-            out = dim_add(out, term)
-        d = normalize_dim(out)
+        d = dim_substitute(d, aliases)
     return d
 
 
@@ -55,13 +63,15 @@ def _free(d: Dim, free: Mapping[str, int]) -> str | None:
     return nd if isinstance(nd, str) and is_symbol(nd) and nd in free else None
 
 
-def conflict_in_pairs(pairs: Iterable[tuple[Dim, Dim]], free: Mapping[str, int]) -> tuple[str, Dim] | None:
-    """The first pair of unequal dims (neither 1) of which one is a free symbol, as ``(symbol, what it must equal)``."""
+def conflict_in_pairs(pairs: Iterable[tuple[Dim, Dim]], free: Mapping[str, int], atoms: bool = True) -> tuple[str, Dim] | None:
+    """The first pair of unequal dims (neither 1) of which one is a free symbol, as ``(symbol, what it must equal)``;
+    with ``atoms``, else a ``min``/``max`` atom and the argument that makes them equal (where onnxruntime would fail on
+    unequal dims: a broadcast, a concat; not a Reshape's ``-1``, which any size satisfies)."""
     for x, y in pairs:
         x, y = normalize_dim(x), normalize_dim(y)
         if x == y or x == 1 or y == 1:
             continue
-        choice = choose(x, y, free)
+        choice = choose(x, y, free, atoms)
         if choice is not None:
             return choice
     return None
@@ -75,7 +85,7 @@ def conflict_in_broadcast(shapes: Sequence[Sequence[Dim]], free: Mapping[str, in
     return conflict_in_pairs(pairs, free)
 
 
-def choose(x: Dim, y: Dim, free: Mapping[str, int]) -> tuple[str, Dim] | None:
+def choose(x: Dim, y: Dim, free: Mapping[str, int], atoms: bool = True) -> tuple[str, Dim] | None:
     """Which symbol to replace by which dim: a free symbol not in the other dim (no cycle); of two, the one met later.
 
     ``free`` maps each free symbol to the order in which the import met it (graph inputs first, in order; opaque
@@ -91,7 +101,24 @@ def choose(x: Dim, y: Dim, free: Mapping[str, int]) -> tuple[str, Dim] | None:
                 for t, c in terms:
                     if t != syms:
                         rest = dim_add(rest, dim_mul(-c * coef, dim_prod(t)))
-                options.append((syms[0], normalize_dim(rest)))
+                if syms[0] not in dim_symbols(rest):  # s = max(0, s-15) + t is no solution
+                    options.append((syms[0], normalize_dim(rest)))
+    if not options:  # the same expression of two free symbols (s - max(0,s-15) vs t - max(0,t-15)): s = t
+        for a in sorted(dim_symbols(x) - dim_symbols(y)):
+            for b in sorted(dim_symbols(y) - dim_symbols(x)):
+                if a in free and b in free and normalize_dim(dim_substitute(x, {a: b})) == y:
+                    options.append((a, b) if free[a] > free[b] else (b, a))
     if not options:
-        return None
+        return _assumed_atom(x, y) if atoms else None
     return max(options, key=lambda o: free[o[0]])
+
+
+def _assumed_atom(x: Dim, y: Dim) -> tuple[str, Dim] | None:
+    """A ``min``/``max`` atom and the argument it must equal for ``x == y`` (``s+t`` vs ``s-max(0,s-15)+t``: the
+    model is defined only where ``max(0,s-15)`` is ``0``, which the graph then assumes and every run checks)."""
+    for atom in dim_atoms(x) + dim_atoms(y):
+        found = min_max_args(atom)
+        for arg in found[1] if found is not None else ():
+            if normalize_dim(dim_substitute(x, {atom: arg})) == normalize_dim(dim_substitute(y, {atom: arg})):
+                return atom, arg
+    return None

@@ -73,6 +73,7 @@ class AttentionMatch:
     pv_rows: str = ""  # the query-row labels of the PV output (``rows``, or group and queries when P is a split view)
     empty_rows: str = "zero"  # what a row with no visible key gives (see Attention)
     more_masks: tuple[str, ...] = ()  # further bool masks ANDed onto ``mask``
+    moved: tuple[str, ...] = ()  # readers of the cache Concats before the PV einsum (a present cut to a window), moved after the op
 
 
 def _neg_inf_constant(graph: Graph, name: str) -> bool:
@@ -346,12 +347,14 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
     if sc.mask is not None and graph.types[sc.mask].rank > 2 and sc.view_for_rows != (*q_shape[:3], s[r.t]):
         return Miss(f"the mask is applied to a {list(sc.view_for_rows or ())} view, not [batch, heads, queries, keys]")
     past = presents = None
+    moved: tuple[str, ...] = ()
     if sc.offset is not None and len(r.batch) == 2 and r.k_term == r.batch + r.t + r.d and pv.v_term == r.batch + r.t + pv.e:
         kc, vc = graph.producer(k), graph.producer(v)
         if all(c is not None and isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
-            if graph.types[kc.inputs[0]].shape[2] == sc.offset and _later_readers_ok(graph, (kc, vc), pv.pv):  # type: ignore[union-attr]
+            early = _early_readers(graph, (kc, vc), pv.pv)  # type: ignore[arg-type]
+            if graph.types[kc.inputs[0]].shape[2] == sc.offset and early is not None:  # type: ignore[union-attr]
                 past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)  # type: ignore[union-attr]
-                k, v = kc.inputs[1], vc.inputs[1]  # type: ignore[union-attr]
+                k, v, moved = kc.inputs[1], vc.inputs[1], early  # type: ignore[union-attr]
     return AttentionMatch(
         softmax,
         pv.pv,
@@ -378,6 +381,7 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
         pv.out_term,
         sc.chain + [r.qk.name],
         window=sc.window,
+        moved=moved,
         softcap=sc.cap,
         pv_rows=pv.pv_rows,
         empty_rows=sc.empty_rows,
@@ -431,13 +435,19 @@ def _unwrap_kv(graph: Graph, value: str, term: str, reader: str, batch: str, tak
     return value, repeats, scale
 
 
-def _later_readers_ok(graph: Graph, concats: tuple[Node, ...], pv: Node) -> bool:
-    """The fused op replaces the cache Concats at the PV einsum's place: their other readers must come later."""
+def _early_readers(graph: Graph, concats: tuple[Node, ...], pv: Node) -> tuple[str, ...] | None:
+    """The fused op replaces the cache Concats at the PV einsum's place: their other readers must come later, or be
+    nodes read only later (a sliding-window cache's present, cut from the Concat before the scores), which then move
+    after the op.  ``None`` when a reader can do neither."""
+    early: list[str] = []
     for c in concats:
         for r in graph.consumers(c.name):
-            if not isinstance(r.op, (Repeat, Einsum, Scale)) and not graph.is_before(pv.name, r.name):
-                return False
-    return True
+            if isinstance(r.op, (Repeat, Einsum, Scale)) or graph.is_before(pv.name, r.name):
+                continue
+            if any(not graph.is_before(pv.name, u.name) for o in r.outputs for u in graph.consumers(o)):
+                return None
+            early.append(r.name)
+    return tuple(early)
 
 
 def _to_canonical(graph: Graph, value: str, term: str, order: str, shape: tuple[Dim, ...], anchor: str, label: str) -> str:
@@ -468,6 +478,8 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     stem = base.split("_B")[0] if "_B" in base else base
     names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.presents] if m.presents else [])
     outs = graph.add_multi_node(op, inputs, names, before=anchor)
+    for name in m.moved:
+        graph.move_before(name, anchor)
     # back to the PV einsum's layout: [B, Hq, Sq, E] -> [batch..., rows..., E] -> output order
     y = outs[0].name
     natural = m.batch + (m.pv_rows or m.rows) + m.e
