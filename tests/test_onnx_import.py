@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import installed
 from graphc import optimize
 from graphc.cli import main
-from graphc.errors import ExecutionError, GraphcError, OnnxImportError
+from graphc.errors import ExecutionError, GraphcError, InputError, OnnxImportError
 from graphc.onnx_import import MAX_DIM, from_onnx, supported_ops
 from lowering import run
 from lowering.onnx_export import export
@@ -395,9 +395,56 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
             np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
 
 
+ROLLING_CASES = {  # (new tokens, each row's past tokens, rotary): a rolling cache of W = 4 slots
+    "filling": (1, [2], False),
+    "just-full": (1, [4], False),
+    "rolling": (1, [9], False),
+    "rolling-chunk": (2, [10], True),
+    "prefill-past-the-window": (6, [0], False),
+    "ragged-decode": (1, [9, 2], True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROLLING_CASES))
+def test_group_query_attention_rolling_cache_matches_onnxruntime(case: str) -> None:
+    """onnxruntime-genai's sliding-window layers (``sliding_window_cache=1``): the cache holds each row's last
+    ``min(past, W)`` tokens in its first slots and the present is the last ``W`` keys.  onnxruntime leaves present slots
+    past a row's keys unspecified, so those are not compared."""
+    s, pasts, rotary = ROLLING_CASES[case]
+    heads, kv, d, w = 4, 2, 16, 4
+    b = len(pasts)
+    feeds = dict(q=_w(b, s, heads * d), k=_w(b, s, kv * d), v=_w(b, s, kv * d), pk=_w(b, kv, w, d), pv=_w(b, kv, w, d))
+    feeds["seqlens"] = np.array([p + s - 1 for p in pasts], np.int32)
+    feeds["total"] = np.array(max(pasts) + s, np.int32)
+    ins, inits = ["q", "k", "v", "pk", "pv", "seqlens", "total"], []
+    if rotary:
+        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
+        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        ins += ["cos", "sin"]
+    node = helper.make_node(
+        "GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv,
+        local_window_size=w, sliding_window_cache=1, do_rotary=int(rotary),
+    )  # fmt: skip
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
+    want = _ort(model, feeds)
+    g = optimize(from_onnx(model, strict=True)).graph
+    kept = [min(min(p, w) + s, w) for p in pasts]  # the present slots onnxruntime defines, per row
+    for backend in ("numpy", "ort-cpu"):
+        got = run(g, feeds, backend=backend)
+        np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-6, err_msg=backend)
+        for name, ref in zip(("present_key", "present_value"), want[1:]):
+            for row, n in enumerate(kept):
+                np.testing.assert_allclose(got[name][row, :, :n], ref[row, :, :n], rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name} row {row}")
+                assert not got[name][row, :, n:].any()  # graphc writes zeros there
+    with pytest.raises(InputError, match="'pk': axis 2 must be 4"):  # a cache of another length than the window
+        run(g, {**feeds, "pk": _w(b, kv, 6, d), "pv": _w(b, kv, 6, d)})
+
+
 @pytest.mark.parametrize("attr", [{"sliding_window_cache": 1}, {"qk_output": 1}, {"future_attribute": 3}])
 def test_group_query_attention_attributes_graphc_does_not_model_are_refused(attr) -> None:
-    """onnxruntime-genai writes sliding_window_cache=1 for a rolling window cache: refused by name, never ignored."""
+    """Attributes graphc does not model are refused by name, never ignored; a rolling cache (``sliding_window_cache=1``)
+    with fewer slots than its window (onnxruntime refuses it too) is refused at import."""
     node = helper.make_node(
         "GroupQueryAttention",
         ["q", "k", "v", "pk", "pv", "seqlens", "total"],

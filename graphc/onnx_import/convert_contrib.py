@@ -11,6 +11,13 @@
   lengths, left-padded by onnxruntime-genai's mask) row ``b``'s past is its
   first ``seqlens_k[b] + 1 - S`` cache slots: its new keys are written right
   after them and the slots after those are zeros, as onnxruntime does.
+  With ``sliding_window_cache=1`` the cache is a rolling one of ``C`` slots,
+  ``C`` = ``local_window_size`` (onnxruntime-genai's layout; the import
+  unifies the cache length with the window, so a run checks it): it holds row
+  ``b``'s last ``min(past_b, C)`` tokens in its first slots, the keys are those
+  and the new ones, and the present is the last ``C`` of them (its first ``C``
+  slots while it holds fewer; onnxruntime leaves the slots past those
+  unspecified, graphc writes zeros).
 - ``MultiHeadAttention``: Q/K/V ``[B, S, heads*D]``, optional additive
   ``attention_bias`` and ``past_key``/``past_value``, ``unidirectional``
   (causal, offset by the past length); ``key_padding_mask`` and packed
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dims import dim_add, dim_prod
+from ..dims import Dim, dim_add, dim_prod, normalize_dim
 from ..ops import Binary, Cast, Compare, Concat, Reshape, Transpose, Where
 from ..rotary import Positions
 from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, ShapeValues, Slice
@@ -57,7 +64,9 @@ GQA_ATTRIBUTES = frozenset(
 """GroupQueryAttention's attributes the import reads (or refuses by value); any other is refused by name, never ignored."""
 
 
-def _write_after_rows_past(ctx: ImportContext, pasts: tuple[str, str], news: tuple[str, str], lengths: str) -> list[str]:
+def _write_after_rows_past(
+    ctx: ImportContext, pasts: tuple[str, str], news: tuple[str, str], lengths: str, names: tuple[str, str] = ("present_key", "present_value")
+) -> list[str]:
     """Present K and V: ``present[b, :, j]`` is ``past[b, :, j]`` for ``j < L_b - S``, then ``new[b]``, then zeros
     (``L_b = lengths[b]``; length ``P + S``).  Where every row's past fills the cache (``L_b = P + S``) this is
     ``concat(past, new)``."""
@@ -73,7 +82,7 @@ def _write_after_rows_past(ctx: ImportContext, pasts: tuple[str, str], news: tup
     zero, last = ctx.constant(np.array(0, np.int64), "zero"), ctx.add(ShapeValues((dim_add(s, -1),), scalar=True), [], "last_new")
     clipped = ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")
     presents = []
-    for past, new, what in zip(pasts, news, ("present_key", "present_value")):
+    for past, new, what in zip(pasts, news, names):
         both = ctx.add(Concat(2), [past, new], f"{what}_concat")  # [B, H, P+S, D]
         index = ctx.add(BroadcastTo(ctx.graph.types[both].shape), [clipped], f"{what}_index")
         moved = ctx.add(GatherElements(2), [new, index], f"{what}_moved")
@@ -94,10 +103,9 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
         raise ctx.error("GroupQueryAttention: smooth_softmax=1 is not supported by graphc's import")
     if attrs.get("qk_output", 0):
         raise ctx.error("GroupQueryAttention: qk_output (the scores as an extra output) is not supported by graphc's import")
-    if attrs.get("sliding_window_cache", 0):
-        raise ctx.error(
-            "GroupQueryAttention: sliding_window_cache=1 (a rolling cache of local_window_size slots) is not supported by graphc's import"
-        )
+    rolling = bool(attrs.get("sliding_window_cache", 0))
+    if rolling and (ins[3] is None or attrs.get("local_window_size", -1) <= 0):
+        raise ctx.error("GroupQueryAttention: sliding_window_cache=1 needs past_key/past_value and a local_window_size > 0")
     unknown = sorted(set(attrs) - GQA_ATTRIBUTES)
     if unknown:
         raise ctx.error(
@@ -130,11 +138,54 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if window is not None and window > 0:
         fused["left_window_size"] = window - 1  # GQA's window counts the query's own key
     past = [ins[3], ins[4]] if ins[3] is not None else [None, None]
+    presents = None
     if past[0] is not None:  # row b's new keys go right after its own past, seqlens_k[b] + 1 - S (a ragged batch)
         pk, pv = ctx.tensor(past[0], "past_key"), ctx.tensor(past[1], "past_value")
-        k4, v4 = _write_after_rows_past(ctx, (pk, pv), (k4, v4), lengths)
+        if rolling:  # the cache holds the row's last min(past, capacity) tokens; the keys are those and the new ones
+            _check_capacity(ctx, ctx.graph.types[pk].shape[2], attrs["local_window_size"])
+            lengths = _rolling_lengths(ctx, pk, lengths, ctx.graph.types[k4].shape[2])
+        k4, v4 = _write_after_rows_past(ctx, (pk, pv), (k4, v4), lengths, ("keys", "values") if rolling else ("present_key", "present_value"))
+        if rolling:
+            presents = _last_slots(ctx, (k4, v4), lengths, ctx.graph.types[pk].shape[2])
     y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, None, None, None, lengths], fused)
-    return [_merge_heads(ctx, y), k4, v4]
+    return [_merge_heads(ctx, y), *(presents or (k4, v4))]
+
+
+def _check_capacity(ctx: ImportContext, capacity: Dim, window: int) -> None:
+    """A rolling cache has as many slots as the window (onnxruntime refuses fewer and, with more, keeps the last window
+    of keys in the first slots): a free capacity dim is unified with the window, so every run checks it."""
+    ctx.unify(capacity, window)
+    if normalize_dim(capacity) != window:
+        raise ctx.error(
+            f"GroupQueryAttention: sliding_window_cache=1 with a cache of {capacity!r} slots; graphc's import models a rolling cache "
+            f"of exactly local_window_size ({window}) slots, the layout onnxruntime-genai writes"
+        )
+
+
+def _rolling_lengths(ctx: ImportContext, past: str, lengths: str, new: Dim) -> str:
+    """Each row's keys in a rolling cache (``sliding_window_cache=1``): ``min(seqlens_k + 1 - S, C) + S`` for a cache of
+    ``C`` slots, which holds the row's last ``min(past, C)`` tokens in its first slots (onnxruntime's layout)."""
+    capacity = ctx.add(ShapeValues((ctx.graph.types[past].shape[2],), scalar=True), [], "cache_capacity")
+    new_len = ctx.add(ShapeValues((new,), scalar=True), [], "new_len")
+    row_past = ctx.add(Binary("sub"), [lengths, new_len], "row_past_tokens")
+    return ctx.add(Binary("add"), [ctx.add(Binary("min"), [row_past, capacity], "row_past_in_cache"), new_len], "row_keys")
+
+
+def _last_slots(ctx: ImportContext, fulls: tuple[str, str], lengths: str, capacity: Dim) -> list[str]:
+    """A rolling cache's present: row ``b``'s keys ``[max(L_b - C, 0), ... + C)`` of ``[past | new | zeros]`` (its last
+    ``C`` keys once it holds that many, else its first ``C`` slots)."""
+    b = ctx.graph.types[fulls[0]].shape[0]
+    slots = ctx.add(Reshape((1, 1, capacity, 1)), [ctx.add(Arange(0, capacity), [], "cache_slots")], "cache_slots4")
+    cap = ctx.add(ShapeValues((capacity,), scalar=True), [], "cache_capacity")
+    zero = ctx.constant(np.array(0, np.int64), "zero")
+    start = ctx.add(Binary("max"), [ctx.add(Binary("sub"), [lengths, cap], "row_overflow"), zero], "row_first_kept")
+    index = ctx.add(Binary("add"), [slots, ctx.add(Reshape((b, 1, 1, 1)), [start], "row_first_kept4")], "kept_slots")
+    out = []
+    for full, what in zip(fulls, ("present_key", "present_value")):
+        shape = ctx.graph.types[full].shape
+        kept = ctx.add(BroadcastTo((shape[0], shape[1], capacity, shape[3])), [index], f"{what}_kept_index")
+        out.append(ctx.add(GatherElements(2), [full, kept], what))
+    return out
 
 
 def _gqa_rotary(ctx: ImportContext, x: str, heads: int, lengths: str, cos: object, sin: object, interleaved: bool, what: str) -> str:
