@@ -75,6 +75,56 @@ def test_min_max_dims():
             normalize_dim(bad)
 
 
+def _dim_exprs():
+    """Random dims over s, t built with graphc's +, -, *, min and max, each with a plain Python function of the sizes."""
+    from hypothesis import strategies as st
+
+    from graphc.dims import dim_max, dim_min
+
+    leaf = st.one_of(
+        st.sampled_from([("s", lambda e: e["s"]), ("t", lambda e: e["t"])]),
+        st.integers(0, 20).map(lambda k: (k, lambda e, k=k: k)),
+    )
+    ops = {
+        "+": (dim_add, lambda x, y: x + y),
+        "-": (dim_sub, lambda x, y: x - y),
+        "*": (dim_mul, lambda x, y: x * y),
+        "min": (dim_min, min),
+        "max": (dim_max, max),
+    }
+
+    def make(args):  # noqa: ANN001, ANN202
+        op, (da, fa), (db, fb) = args
+        dim_op, py_op = ops[op]
+        return dim_op(da, db), lambda e: py_op(fa(e), fb(e))
+
+    return st.recursive(leaf, lambda children: st.tuples(st.sampled_from(sorted(ops)), children, children).map(make), max_leaves=8)
+
+
+def test_min_max_dims_agree_with_python_on_random_expressions():
+    """Canonical forms, simplification and the non-negativity proof are checked against plain Python arithmetic."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from graphc.dims import dim_is_nonnegative, dim_max, dim_min
+
+    @settings(max_examples=300, deadline=None)
+    @given(_dim_exprs(), _dim_exprs(), st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=6, max_size=6))
+    def check(a, b, sizes):
+        (da, fa), (db, fb) = a, b
+        for s, t in sizes + [(0, 0), (15, 1), (16, 0)]:
+            env = {"s": s, "t": t}
+            assert eval_dim(da, env) == fa(env), (da, env)
+            assert eval_dim(dim_sub(da, db), env) == fa(env) - fb(env)
+            assert eval_dim(dim_min(da, db), env) == min(fa(env), fb(env))
+            assert eval_dim(dim_max(dim_sub(da, db), 0), env) == max(fa(env) - fb(env), 0)
+            if dim_is_nonnegative(dim_sub(da, db)):  # a proof must hold for every size
+                assert fa(env) >= fb(env), (da, db, env)
+        assert normalize_dim(str(da)) == da  # the canonical text parses back to itself
+
+    check()
+
+
 # ---------------------------------------------------------------- einsum
 
 
