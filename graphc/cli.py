@@ -403,6 +403,8 @@ def _describe_graph(g: Graph, source: str) -> str:
         f"  optimized: {len(opt.nodes)} nodes; {after}",
         f"  attention recognised: {sum(kinds.values())}" + "".join(f"\n    {n} x {kind}" for kind, n in kinds.items()),
     ]
+    if g.assumptions:  # where an imported model is defined (every run checks it)
+        lines.insert(3, f"  defined where: {'; '.join(f'{a} == {b}' for a, b in g.assumptions)} (checked on every run)")
     return "\n".join(lines)
 
 

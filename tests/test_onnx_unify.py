@@ -4,12 +4,14 @@ has as an axis, and Expand to a symbolic shape used as it is, import as their ow
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from conftest import installed
 from onnx import TensorProto, helper, numpy_helper
 
 from graphc import Graph, optimize
+from graphc.cli import main
 from graphc.errors import InputError
 from graphc.onnx_import import from_onnx
 from graphc.tensor_ops import Arange, BroadcastTo
@@ -167,7 +169,7 @@ def test_a_negative_start_slice_keeps_at_most_k_rows():
         _check(model, {"x": rng.standard_normal((rows, 3), np.float32)})
 
 
-def test_a_model_defined_only_below_a_window_is_assumed_so_and_checked():
+def test_a_model_defined_only_below_a_window_is_assumed_so_and_checked(tmp_path, capsys):
     """``x[-4:] + y`` with x and y of one length ``s`` broadcasts only while ``s <= 4`` (onnxruntime fails past it): the
     graph assumes ``max(0, s - 4) == 0`` and every run checks it."""
     starts, ends = (numpy_helper.from_array(np.array([v], np.int64), n) for v, n in ((-4, "starts"), (2**62, "ends")))
@@ -177,6 +179,10 @@ def test_a_model_defined_only_below_a_window_is_assumed_so_and_checked():
     g = _check(model, {"x": rng.standard_normal((3, 3), np.float32), "y": rng.standard_normal((3, 3), np.float32)})
     assert g.assumptions == [("max(0,s-4)", 0)]
     assert "  assume max(0,s-4) == 0" in str(g)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    assert main(["info", str(path)]) == 0
+    assert "  defined where: max(0,s-4) == 0 (checked on every run)" in capsys.readouterr().out
     too_long = {"x": np.zeros((6, 3), np.float32), "y": np.zeros((6, 3), np.float32)}
     with pytest.raises(Exception):  # noqa: B017 - onnxruntime's own error
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, too_long)
