@@ -87,7 +87,7 @@ def _parse_uncached(d: Dim) -> _Poly:
         return {(): d} if d else {}
     if not isinstance(d, str):
         raise DimError(f"dimension must be an int or a symbol expression, got {type(d).__name__} {d!r}")
-    text = d.replace(" ", "")
+    text = re.sub(r"\s+", "", d)
     if not text:
         raise DimError("dimension expression is empty")
     poly: _Poly = {}
