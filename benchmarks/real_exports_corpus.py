@@ -10,7 +10,7 @@ size that is a multiple of 16), saves them with a small word-level tokenizer and
 - onnxruntime-genai: ``python -m onnxruntime_genai.models.builder -i MODEL -o OUT -p fp32 -e cpu``.
 
 Then, in this environment, each file is imported, optimized and run by graphc (numpy and ort-cpu) against
-onnxruntime on the file at sizes never traced (prefill 5 and 30 tokens, decode over a past of 100 and 260, a
+onnxruntime on the file at sizes never traced (prefill 5 and 30 tokens, a left-padded prompt batch, decode over a past of 100 and 260, a
 7-token chunk over a past, a left-padded batch), and graphc's re-export against the file.  One table row per file::
 
     python benchmarks/real_exports_corpus.py [--work DIR] [--tools optimum,genai] [--families llama,...]
@@ -39,7 +39,7 @@ TOOLS = {
 """What each tool's venv installs (torch 2.13.0 is the CPU build)."""
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon")
-SIZES = [(1, 5, 0, 0), (1, 1, 100, 0), (2, 1, 260, 0), (3, 7, 13, 0), (2, 30, 5, 0), (3, 7, 13, 2), (3, 1, 20, 4)]
+SIZES = [(1, 5, 0, 0), (2, 9, 0, 3), (1, 1, 100, 0), (2, 1, 260, 0), (3, 7, 13, 0), (2, 30, 5, 0), (3, 7, 13, 2), (3, 1, 20, 4)]
 """(batch, new tokens, past, left padding of row 0)."""
 
 GENERATOR = r"""

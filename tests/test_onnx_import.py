@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import installed
 from graphc import optimize
+from graphc.optimizer import Target, lower
 from graphc.cli import main
 from graphc.errors import ExecutionError, GraphcError, InputError, OnnxImportError
 from graphc.onnx_import import MAX_DIM, from_onnx, supported_ops
@@ -393,6 +394,54 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
         got = run(g, feeds, backend=backend)
         for name, ref in zip(("y", "present_key", "present_value"), want):
             np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+
+
+@pytest.mark.parametrize("empty_past", [False, True], ids=["no-past", "empty-past"])
+@pytest.mark.parametrize("extra", [{}, {"do_rotary": 1}, {"local_window_size": 3}], ids=["plain", "rotary", "window"])
+def test_group_query_attention_ragged_prompt_matches_onnxruntime(empty_past: bool, extra: dict) -> None:
+    """A prompt batch of rows of different lengths (seqlens_k < S - 1): onnxruntime reads the rows right-padded (query
+    i sees keys j <= i of the row's own L_b).  graphc read them bottom-right aligned until this test, silently wrong."""
+    heads, kv, d, s, lengths = 4, 2, 16, 6, [6, 4, 1]
+    b = len(lengths)
+    feeds = dict(q=_w(b, s, heads * d), k=_w(b, s, kv * d), v=_w(b, s, kv * d))
+    ins = ["q", "k", "v", "pk", "pv"] if empty_past else ["q", "k", "v", "", ""]
+    if empty_past:
+        feeds.update(pk=_w(b, kv, 0, d), pv=_w(b, kv, 0, d))
+    feeds.update(seqlens=np.array(lengths, np.int32) - 1, total=np.array(s, np.int32))
+    ins += ["seqlens", "total"]
+    inits = []
+    if extra.get("do_rotary"):
+        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
+        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        ins += ["cos", "sin"]
+    node = helper.make_node(
+        "GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv, **extra
+    )
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
+    want = _ort(model, feeds)
+    g = optimize(from_onnx(model, strict=True)).graph
+    for backend in ("numpy", "ort-cpu"):
+        got = run(g, feeds, backend=backend)
+        for name, ref in zip(("y", "present_key", "present_value"), want):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+
+
+def test_group_query_attention_is_one_causal_attention_with_its_cache() -> None:
+    """GroupQueryAttention over a cache is read as what it is: causal at the cache length, the KV cache, and a bool
+    mask for what differs per row (a ragged batch's rows, the window)."""
+    heads, kv, d = 4, 2, 16
+    node = helper.make_node(
+        "GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["y", "present_key", "present_value"], domain="com.microsoft",
+        num_heads=heads, kv_num_heads=kv, local_window_size=8,
+    )  # fmt: skip
+    shapes = {"q": ["b", "s", heads * d], "k": ["b", "s", kv * d], "v": ["b", "s", kv * d], "pk": ["b", kv, "p", d], "pv": ["b", kv, "p", d]}
+    inputs = [helper.make_tensor_value_info(n, F, sh) for n, sh in shapes.items()]
+    inputs += [helper.make_tensor_value_info("seqlens", TensorProto.INT32, ["b"]), helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], ms=True)
+    lowered = lower(optimize(from_onnx(model)).graph, Target("keep", lambda graph, n, ctx: None))
+    (op,) = [n.op for n in lowered.topological_order() if n.op.kind == "Attention"]
+    assert (op.causal_offset, op.kv_cache, op.mask) == ("p", True, "bool")
 
 
 ROLLING_CASES = {  # (new tokens, each row's past tokens, rotary): a rolling cache of W = 4 slots

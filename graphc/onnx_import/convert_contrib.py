@@ -1,16 +1,19 @@
 """onnxruntime's ``com.microsoft`` attention ops as graphc decompositions.
 
 - ``GroupQueryAttention``: Q/K/V ``[B, S, heads*D]`` (or packed QKV), a
-  ``[B, kv_heads, P, D]`` cache, ``seqlens_k`` (each row's total length - 1),
-  optional rotary from ``cos_cache``/``sin_cache``, ``softcap`` and
-  ``local_window_size``.  Present K/V are ``concat(past, new)``; row ``b``'s
-  queries sit at positions ``seqlens_k[b] + 1 - S + i`` (bottom-right causal,
-  keys at or past ``seqlens_k[b] + 1`` hidden).  This is onnxruntime's result
-  whenever every row's past fills the cache (``seqlens_k[b] = P + S - 1``),
-  the usual decode and prefill.  In a ragged batch (rows of different
-  lengths, left-padded by onnxruntime-genai's mask) row ``b``'s past is its
-  first ``seqlens_k[b] + 1 - S`` cache slots: its new keys are written right
-  after them and the slots after those are zeros, as onnxruntime does.
+  ``[B, kv_heads, P, D]`` cache, ``seqlens_k`` (each row's total length
+  ``L_b`` - 1), optional rotary from ``cos_cache``/``sin_cache``, ``softcap``
+  and ``local_window_size``.  Row ``b``'s past is ``max(L_b - S, 0)`` tokens
+  (0 in a prompt, whose rows onnxruntime reads right-padded: ``L_b`` real
+  tokens of ``S``), its queries and new keys at the positions after it.  The
+  import builds an ONNX ``Attention`` over ``concat(cache, new)``, causal at
+  offset ``P``, with a bool mask for what differs per row (the cache slots the
+  row holds, its real new keys, the window in positions), so the optimizer
+  recognises one causal ``Attention`` with its KV cache; where every row's past
+  fills the cache the mask only holds the window.  The present is written as
+  onnxruntime writes it: the row's past slots, then its new keys, then zeros
+  (a ragged batch, left-padded by onnxruntime-genai's mask, has rows whose new
+  keys sit before slot ``P``).
   With ``sliding_window_cache=1`` the cache is a rolling one of ``C`` slots,
   ``C`` = ``local_window_size`` (onnxruntime-genai's layout; the import
   unifies the cache length with the window, so a run checks it): it holds row
@@ -29,10 +32,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..dims import Dim, dim_add, dim_prod, normalize_dim
-from ..ops import Binary, Cast, Compare, Concat, Reshape, Transpose, Where
+from ..ops import Binary, Cast, Compare, Concat, Reshape, Transpose, Unary, Where
 from ..rotary import Positions
 from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, ShapeValues, Slice
-from .context import ImportContext, SymInts
+from .context import ImportContext
 from .convert_core import Converter
 from .convert_fused import _as_int64, _attention, _rotate, _split_heads
 
@@ -121,34 +124,72 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     else:
         k, v = ctx.tensor(ins[1], "key"), ctx.tensor(ins[2], "value")
     lengths = ctx.add(Binary("add"), [_as_int64(ctx, ctx.tensor(ins[5], "seqlens_k")), ctx.constant(np.array(1, np.int64), "one")], "total_lengths")
+    new_len = ctx.add(ShapeValues((ctx.graph.types[q].shape[1],), scalar=True), [], "new_len")
+    zero = ctx.constant(np.array(0, np.int64), "zero")
+    row_past = ctx.add(Binary("max"), [ctx.add(Binary("sub"), [lengths, new_len], "row_past_signed"), zero], "row_past")
     if attrs.get("do_rotary", 0):
         if ins[7] is None or ins[8] is None:
             raise ctx.error("GroupQueryAttention with do_rotary=1 needs cos_cache and sin_cache")
         q, k = (
-            _gqa_rotary(ctx, x, n, lengths, ins[7], ins[8], bool(attrs.get("rotary_interleaved", 0)), what)
+            _gqa_rotary(ctx, x, n, row_past, ins[7], ins[8], bool(attrs.get("rotary_interleaved", 0)), what)
             for x, n, what in ((q, heads, "q"), (k, kv_heads, "k"))
         )
     q4, k4, v4 = (
         ctx.add(Transpose((0, 2, 1, 3)), [_bsnd(ctx, x, n, w)], f"{w}_BHSD") for x, n, w in ((q, heads, "q"), (k, kv_heads, "k"), (v, kv_heads, "v"))
     )
-    window = attrs.get("local_window_size", -1)
     fused = {"is_causal": 1, "softcap": attrs.get("softcap", 0.0)}
     if attrs.get("scale"):
         fused["scale"] = attrs["scale"]
-    if window is not None and window > 0:
-        fused["left_window_size"] = window - 1  # GQA's window counts the query's own key
-    past = [ins[3], ins[4]] if ins[3] is not None else [None, None]
-    presents = None
-    if past[0] is not None:  # row b's new keys go right after its own past, seqlens_k[b] + 1 - S (a ragged batch)
-        pk, pv = ctx.tensor(past[0], "past_key"), ctx.tensor(past[1], "past_value")
-        if rolling:  # the cache holds the row's last min(past, capacity) tokens; the keys are those and the new ones
-            _check_capacity(ctx, ctx.graph.types[pk].shape[2], attrs["local_window_size"])
-            lengths = _rolling_lengths(ctx, pk, lengths, ctx.graph.types[k4].shape[2])
-        k4, v4 = _write_after_rows_past(ctx, (pk, pv), (k4, v4), lengths, ("keys", "values") if rolling else ("present_key", "present_value"))
-        if rolling:
-            presents = _last_slots(ctx, (k4, v4), lengths, ctx.graph.types[pk].shape[2])
-    y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, None, None, None, lengths], fused)
-    return [_merge_heads(ctx, y), *(presents or (k4, v4))]
+    window = attrs.get("local_window_size", -1)
+    past = (ctx.tensor(ins[3], "past_key"), ctx.tensor(ins[4], "past_value")) if ins[3] is not None else None
+    held = row_past
+    if past is not None and rolling:  # the cache holds the row's last min(past, capacity) tokens in its first slots
+        _check_capacity(ctx, ctx.graph.types[past[0]].shape[2], window)
+        capacity = ctx.add(ShapeValues((ctx.graph.types[past[0]].shape[2],), scalar=True), [], "cache_capacity")
+        held = ctx.add(Binary("min"), [row_past, capacity], "row_past_in_cache")
+    visible = _gqa_visible(ctx, q4, past, lengths, row_past, held, window)
+    y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, visible, *(past or (None, None))], fused)
+    if past is None:
+        return [_merge_heads(ctx, y), k4, v4]
+    rows_keys = ctx.add(Binary("add"), [held, new_len], "row_keys")  # the row's past in the cache, then its new keys
+    names = ("keys", "values") if rolling else ("present_key", "present_value")
+    presents = _write_after_rows_past(ctx, past, (k4, v4), rows_keys, names)
+    if rolling:
+        presents = _last_slots(ctx, tuple(presents), rows_keys, ctx.graph.types[past[0]].shape[2])  # type: ignore[arg-type]
+    return [_merge_heads(ctx, y), *presents]
+
+
+def _gqa_visible(ctx: ImportContext, q4: str, past: tuple[str, str] | None, lengths: str, row_past: str, held: str, window: int) -> str:
+    """Which keys of ``[cache | new]`` each query of row ``b`` sees, beyond the causal mask at offset ``P`` (the cache
+    length) that the ``Attention`` op applies: the row's ``held`` cache slots and its real new keys (all ``S`` after a
+    past; ``L_b`` in a prompt, whose rows onnxruntime reads right-padded), within the window of positions.
+
+    Row ``b``'s queries sit at positions ``row_past + i``, its cache slot ``j`` holds position ``row_past - held + j``
+    and new key ``t`` position ``row_past + t``: in slot terms (new key ``t`` at slot ``P + t``) the causal mask at
+    offset ``P`` is the row's own causal mask, so ``[B, 1, S, P + S]`` booleans say the rest exactly."""
+    b, _, s, _ = ctx.graph.types[q4].shape
+    p = ctx.graph.types[past[0]].shape[2] if past is not None else 0
+    total = dim_add(p, s)
+    slot = ctx.add(Reshape((1, 1, 1, total)), [ctx.add(Arange(0, total), [], "key_slots")], "key_slots4")
+    row = ctx.add(Reshape((1, 1, s, 1)), [ctx.add(Arange(0, s), [], "query_steps")], "query_steps4")
+    held4, past4 = (ctx.add(Reshape((b, 1, 1, 1)), [x], f"{x}4") for x in (held, row_past))
+    cache_len = ctx.add(ShapeValues((p,), scalar=True), [], "cache_len")
+    new_slot = ctx.add(Binary("sub"), [slot, cache_len], "new_slot")  # t = j - P on the new keys, negative on the cache
+    real_new = ctx.add(Reshape((b, 1, 1, 1)), [ctx.add(Binary("sub"), [lengths, row_past], "row_new")], "row_new4")
+    in_cache = ctx.add(Compare("less"), [slot, held4], "slot_held")
+    is_new = ctx.add(Compare("less"), [ctx.add(Unary("neg"), [new_slot], "minus_new_slot"), ctx.constant(np.array(1, np.int64), "one")], "slot_new")
+    new_real = ctx.add(Compare("less"), [new_slot, real_new], "new_is_real")
+    false = ctx.constant(np.array(False), "false")
+    visible = ctx.add(Where(), [in_cache, in_cache, ctx.add(Where(), [is_new, new_real, false], "new_visible")], "key_visible")
+    if window is None or window <= 0:
+        return ctx.add(BroadcastTo((b, 1, s, total)), [visible], "visible")
+    position = ctx.add(
+        Where(), [in_cache, ctx.add(Binary("sub"), [ctx.add(Binary("add"), [slot, past4], "slot_plus_past"), held4], "cache_pos"),
+                  ctx.add(Binary("add"), [new_slot, past4], "new_pos")], "key_pos",
+    )  # fmt: skip
+    distance = ctx.add(Binary("sub"), [ctx.add(Binary("add"), [row, past4], "query_pos"), position], "distance")
+    in_window = ctx.add(Compare("less"), [distance, ctx.constant(np.array(window, np.int64), "window")], "in_window")
+    return ctx.add(Where(), [visible, in_window, false], "visible")
 
 
 def _check_capacity(ctx: ImportContext, capacity: Dim, window: int) -> None:
@@ -160,15 +201,6 @@ def _check_capacity(ctx: ImportContext, capacity: Dim, window: int) -> None:
             f"GroupQueryAttention: sliding_window_cache=1 with a cache of {capacity!r} slots; graphc's import models a rolling cache "
             f"of exactly local_window_size ({window}) slots, the layout onnxruntime-genai writes"
         )
-
-
-def _rolling_lengths(ctx: ImportContext, past: str, lengths: str, new: Dim) -> str:
-    """Each row's keys in a rolling cache (``sliding_window_cache=1``): ``min(seqlens_k + 1 - S, C) + S`` for a cache of
-    ``C`` slots, which holds the row's last ``min(past, C)`` tokens in its first slots (onnxruntime's layout)."""
-    capacity = ctx.add(ShapeValues((ctx.graph.types[past].shape[2],), scalar=True), [], "cache_capacity")
-    new_len = ctx.add(ShapeValues((new,), scalar=True), [], "new_len")
-    row_past = ctx.add(Binary("sub"), [lengths, new_len], "row_past_tokens")
-    return ctx.add(Binary("add"), [ctx.add(Binary("min"), [row_past, capacity], "row_past_in_cache"), new_len], "row_keys")
 
 
 def _last_slots(ctx: ImportContext, fulls: tuple[str, str], lengths: str, capacity: Dim) -> list[str]:
@@ -188,11 +220,10 @@ def _last_slots(ctx: ImportContext, fulls: tuple[str, str], lengths: str, capaci
     return out
 
 
-def _gqa_rotary(ctx: ImportContext, x: str, heads: int, lengths: str, cos: object, sin: object, interleaved: bool, what: str) -> str:
-    """RoPE at positions ``lengths[b] - S + i`` (each row's new tokens end at its total length)."""
+def _gqa_rotary(ctx: ImportContext, x: str, heads: int, start: str, cos: object, sin: object, interleaved: bool, what: str) -> str:
+    """RoPE at positions ``start[b] + i`` (each row's new tokens follow its past; a prompt starts at 0)."""
     xs = _bsnd(ctx, x, heads, what)
     b, s = ctx.graph.types[xs].shape[:2]
-    start = ctx.add(Binary("sub"), [lengths, ctx.tensor(SymInts((s,), True), "seq")], "rope_start")
     pos = ctx.add(Binary("add"), [ctx.add(Reshape((b, 1)), [start], "rope_start_B1"), ctx.add(Positions(1), [xs], "rope_steps")], "rope_positions")
     cos_t, sin_t = ctx.tensor(cos, "cos_cache"), ctx.tensor(sin, "sin_cache")
     cos_g = ctx.add(Reshape((b, s, 1, ctx.graph.types[cos_t].shape[1])), [ctx.add(Gather(0), [cos_t, pos], "rope_cos")], "rope_cos_BS1D")

@@ -86,8 +86,8 @@ def _attention(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if past_k is not None:
         pk, pv = ctx.tensor(past_k, "past_key"), ctx.tensor(past_v, "past_value")
         past_len = ctx.graph.types[pk].shape[2]
-        k = ctx.add(Concat(2), [pk, k], "present_key")
-        v = ctx.add(Concat(2), [pv, v], "present_value")
+        k = ctx.add(Concat(2), [pk, k], "key_with_past")
+        v = ctx.add(Concat(2), [pv, v], "value_with_past")
     present_k, present_v = k, v
     n_kv = ctx.graph.types[k].shape[1]
     total = ctx.graph.types[k].shape[2]
