@@ -18,10 +18,10 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt
 VOCAB = 128
 
 
-def config_kwargs(family: str, attention: str | None = None, hidden: int = 64) -> tuple[str, dict]:
+def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, window: int = 16) -> tuple[str, dict]:
     """``(transformers config class name, keyword arguments)`` of a 2-layer ``family`` model of width ``hidden``: 8 query /
-    2 KV heads where the family has GQA, else 4 heads.  Plain data, so that other environments (other transformers
-    versions) build the same models."""
+    2 KV heads where the family has GQA, else 4 heads; Mistral and Gemma 2 with a sliding ``window``.  Plain data, so
+    that other environments (other transformers versions) build the same models."""
     common: dict = dict(vocab_size=VOCAB, **({"attn_implementation": attention} if attention else {}))
     if family == "bert":
         return "BertConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
@@ -51,7 +51,7 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64) -
         **common,
     )
     if family in ("mistral", "gemma2"):
-        kw.update(sliding_window=16)
+        kw.update(sliding_window=window)
     if family == "gemma2":
         kw.update(query_pre_attn_scalar=8)
     if family == "phi3":  # its default pad token (32000) lies outside the tiny vocabulary
@@ -59,11 +59,11 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64) -
     return classes[family], kw
 
 
-def config(family: str, attention: str, hidden: int = 64):  # noqa: ANN201 - a transformers PretrainedConfig
+def config(family: str, attention: str, hidden: int = 64, window: int = 16):  # noqa: ANN201 - a transformers PretrainedConfig
     """The transformers config of :func:`config_kwargs`."""
     import transformers
 
-    name, kw = config_kwargs(family, attention, hidden)
+    name, kw = config_kwargs(family, attention, hidden, window)
     return getattr(transformers, name)(**kw)
 
 
@@ -77,13 +77,15 @@ def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
     return cfg.num_hidden_layers, kv, hd
 
 
-def export_model(family: str, exporter: str, attention: str, cache: bool, path: str | Path, seed: int = 0, hidden: int = 64) -> Path:
-    """Export one tiny model (see the module doc); returns ``path``."""
+def export_model(
+    family: str, exporter: str, attention: str, cache: bool, path: str | Path, seed: int = 0, hidden: int = 64, window: int = 16
+) -> Path:
+    """Export one tiny model (see the module doc; ``window``: Mistral's and Gemma 2's sliding window); returns ``path``."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
     torch.manual_seed(seed)
-    cfg = config(family, attention, hidden)
+    cfg = config(family, attention, hidden, window)
     encoder = family == "bert"
     if encoder and cache:
         raise ValueError("BERT is an encoder: it has no KV cache")
