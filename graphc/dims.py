@@ -62,6 +62,8 @@ MAX_SIZE = 2**48
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ATOM = re.compile(r"(min|max)\(")
+_MAX_TEXT, _MAX_NESTING, _MAX_ARGS = 4096, 16, 16
+"""Bounds on a dim expression (a model file's ``dim_param`` is one): real ones are a few terms and one or two atoms."""
 
 # A polynomial: monomial (sorted tuple of symbols, repeats allowed) -> coefficient.
 _Poly = dict[tuple[str, ...], int]
@@ -90,6 +92,8 @@ def _parse_uncached(d: Dim) -> _Poly:
     text = re.sub(r"\s+", "", d)
     if not text:
         raise DimError("dimension expression is empty")
+    if len(text) > _MAX_TEXT:
+        raise DimError(f"dimension expression of {len(text)} characters; graphc reads at most {_MAX_TEXT}: {text[:60]!r}...")
     poly: _Poly = {}
     for sign, term in _split_terms(text, d):
         tpoly: _Poly = {(): sign}
@@ -124,6 +128,8 @@ def _split_terms(text: str, d: Dim) -> list[tuple[int, str]]:
         depth -= ch == ")"
         if depth < 0:
             raise DimError(f"unbalanced ')' in dimension expression {d!r}")
+        if depth > _MAX_NESTING:
+            raise DimError(f"min/max nested more than {_MAX_NESTING} deep in dimension expression {str(d)[:60]!r}...")
         if ch in "+-" and depth == 0:
             terms.append((sign, text[start:i]))
             sign, start = (-1 if ch == "-" else 1), i + 1
@@ -143,6 +149,8 @@ def _parse_factor(factor: str, d: Dim) -> _Poly:
     m = _ATOM.match(factor)
     if m and factor.endswith(")"):
         args = _split_top(factor[m.end() : -1], ",")
+        if len(args) > _MAX_ARGS:
+            raise DimError(f"{m.group(1)} of {len(args)} arguments in dimension expression {str(d)[:60]!r}...; graphc reads at most {_MAX_ARGS}")
         if len(args) >= 2 and all(args):
             return _min_max_poly(m.group(1), [_normalize_text(x) for x in args])
     raise DimError(f"bad factor {factor!r} in dimension expression {d!r}; expected a symbol name, an integer, min(a,b,...) or max(a,b,...)")
@@ -174,6 +182,8 @@ def _min_max_poly(kind: str, args: Sequence[Dim]) -> _Poly:
             keep.append(x)
     if len(keep) == 1:
         return _parse(keep[0])
+    if len(keep) > _MAX_ARGS:
+        raise DimError(f"{kind} of {len(keep)} dims that cannot be ordered; graphc keeps at most {_MAX_ARGS}")
     return {(f"{kind}({','.join(sorted(str(x) for x in keep))})",): 1}
 
 

@@ -70,7 +70,12 @@ def test_min_max_dims():
     assert env == {"t": 1, "s": 20}
     with pytest.raises(DimError, match="axis 0 must be 'min\\(15,s\\+t\\)' = 15, got 16"):
         bind_shapes([(["s+t"], [21], "x"), ([dim_min("s+t", 15)], [16], "y")], {"t": 1})
-    for bad, why in (("min(a)", "bad factor"), ("min(a,b", "unbalanced"), ("max(a,b))", "unbalanced"), ("mean(a,b)", "bad factor")):
+    deep = "a"
+    for i in range(20):
+        deep = f"min({deep},s{i})"
+    many = "max(" + ",".join(f"s{i}" for i in range(300)) + ")"
+    bounded = ((deep, "nested more than 16 deep"), (many, "max of 300 arguments"), ("s" * 5000, "5000 characters"))
+    for bad, why in (("min(a)", "bad factor"), ("min(a,b", "unbalanced"), ("max(a,b))", "unbalanced"), ("mean(a,b)", "bad factor"), *bounded):
         with pytest.raises(DimError, match=why):
             normalize_dim(bad)
 

@@ -434,3 +434,17 @@ def test_compare_cli_names_the_onnx_reference(tmp_path, capsys):
     path.write_bytes(_relu_model().SerializeToString())
     assert main(["compare", str(path), "--backends", "numpy,ort-cpu", "--repeats", "1", "--quiet"]) == 0
     assert "reference: onnxruntime" in capsys.readouterr().out
+
+
+def test_a_hostile_min_max_dim_param_is_a_plain_symbol():
+    """A dim_param of 300 min arguments or nested 40 deep (graphc's dims read min/max) is bounded: it becomes a symbol of
+    its own, and the import does not spend quadratic time ordering the arguments."""
+    deep = "a"
+    for i in range(40):
+        deep = f"min({deep},s{i})"
+    for dim_param in ("min(" + ",".join(f"s{i}" for i in range(300)) + ")", deep):
+        model = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", F, [dim_param, 3])], [_vi("y", F, None)])
+        g = from_onnx(model)
+        (d, _) = g.types[g.inputs[0]].shape
+        assert isinstance(d, str) and "(" not in d
+        _same_as_onnxruntime(model, {"x": RNG.standard_normal((4, 3)).astype(np.float32)})
