@@ -8,17 +8,27 @@ different sizes) fails with an :class:`~graphc.errors.InputError` naming it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from graphc.dims import bind_shapes, check_sizes, dim_symbols, eval_dim, eval_shape
+from graphc.dims import Dim, bind_shapes, check_sizes, dim_symbols, eval_dim, eval_shape
 from graphc.errors import DimError, InputError
 from graphc.graph import Graph
 from graphc.memory import check_allocation
 
-__all__ = ["check_inputs", "InputChecker", "check_arrays", "random_inputs", "symbol_bindings", "input_shapes", "input_bytes", "format_sizes"]
+__all__ = [
+    "check_inputs",
+    "check_assumptions",
+    "InputChecker",
+    "check_arrays",
+    "random_inputs",
+    "symbol_bindings",
+    "input_shapes",
+    "input_bytes",
+    "format_sizes",
+]
 
 
 def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
@@ -32,14 +42,21 @@ def check_inputs(graph: Graph, feeds: Mapping[str, object]) -> dict[str, int]:
     if extra:
         raise InputError(f"unexpected input(s) {extra}; graph {graph.name!r} takes {graph.inputs}")
     dims = check_arrays({n: feeds[n] for n in graph.inputs}, graph.types, require_all=True)
-    for a, b in graph.assumptions:
+    check_assumptions(graph.name, graph.assumptions, dims)
+    return dims
+
+
+def check_assumptions(name: str, assumptions: Sequence[tuple[Dim, Dim]], dims: Mapping[str, int]) -> None:
+    """Raise :class:`InputError` when the sizes ``dims`` break one of a graph's assumptions (``Graph.assumptions``)."""
+    for a, b in assumptions:
+        if not (dim_symbols(a) | dim_symbols(b)) <= dims.keys():
+            continue  # sizes of values the shards hold resident (checked when they were fed)
         x, y = eval_dim(a, dims), eval_dim(b, dims)
         if x != y:
             raise InputError(
-                f"graph {graph.name!r} is defined only where {a} == {b} (an assumption of the model it was imported from); with "
+                f"graph {name!r} is defined only where {a} == {b} (an assumption of the model it was imported from); with "
                 f"{format_sizes(dims)} they are {x} and {y}"
             )
-    return dims
 
 
 class InputChecker:

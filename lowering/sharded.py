@@ -28,7 +28,7 @@ from graphc.dims import dim_symbols, eval_shape
 from graphc.errors import InputError, ShardingError
 from graphc.sharding import ShardPlan, Stage, sum_addends
 
-from .inputs import check_arrays
+from .inputs import check_arrays, check_assumptions
 
 __all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run"]
 
@@ -239,6 +239,7 @@ class ShardedRunner:
             else:
                 raise InputError(f"input {name!r} must be a numpy.ndarray or a Resident, got {type(v).__name__}")
         dims = check_arrays({n: inputs[n] for n in plan.inputs if where[n][0] == "whole" and n in plan.types}, plan.types)
+        check_assumptions(plan.name, plan.assumptions, dims)
         seconds: list[list[Any]] = []
         # what each shard already holds this call: an input is sent to a shard once, however many stages read it
         sent: dict[tuple[str, int], Any] = {}

@@ -196,6 +196,17 @@ def test_runner_names_bad_inputs():
         runner.run(random_inputs(g, batch=1, seq=2), resident=["nope"])
 
 
+def test_a_sharded_plan_checks_the_graphs_assumptions():
+    """An imported model's domain (``Graph.assumptions``) holds for its shards too: the driver checks it on every run."""
+    g = graphc.sdpa_graph(GQA)
+    g.assume("max(0,seq-4)", 0)  # as a sliding-window cache export records it
+    runner = ShardedRunner(shard(g, 2), LocalExecutor(2))
+    feeds = random_inputs(g, batch=1, seq=3)
+    np.testing.assert_allclose(runner.run(feeds)[g.outputs[0]], NumpyInterpreter(g).run(feeds)[g.outputs[0]], rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"defined only where max\(0,seq-4\) == 0"):
+        runner.run(random_inputs(g, batch=1, seq=6))
+
+
 def test_run_sharded_without_dask_says_how_to_install(monkeypatch):
     import builtins
 

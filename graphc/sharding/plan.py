@@ -70,6 +70,7 @@ class ShardPlan:
     partial: frozenset[str]
     fallback: str | None = None
     types: Mapping[str, TensorType] = field(default_factory=dict)
+    assumptions: tuple[tuple[Dim, Dim], ...] = ()  # the source graph's (an imported model's domain), checked on every run
 
     def split(self, name: str, array: np.ndarray, shard: int) -> np.ndarray:
         """Shard ``shard``'s part of value ``name`` (the array itself when the value is not split)."""
@@ -369,4 +370,6 @@ def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -
         _check_bound(graphs[0], s)
         stages.append(Stage(s, sharded, graphs, tuple(ins), tuple(outs)))
     types = {v: g.types[v] for v in g.types}
-    return ShardPlan(graph.name, n, tuple(stages), tuple(g.inputs), tuple(g.outputs), split, frozenset(partial), fallback, types)
+    return ShardPlan(
+        graph.name, n, tuple(stages), tuple(g.inputs), tuple(g.outputs), split, frozenset(partial), fallback, types, tuple(graph.assumptions)
+    )
