@@ -359,6 +359,27 @@ GQA_CASES = {
 }
 
 
+def _gqa_against_onnxruntime(feeds: dict[str, np.ndarray], ins: list[str], attrs: dict, head_dim: int) -> tuple[list[np.ndarray], object]:
+    """A model of one GroupQueryAttention over ``feeds`` (rotary tables appended when ``attrs`` ask for them): what
+    onnxruntime gives, and graphc's optimized import of it."""
+    inits = []
+    if attrs.get("do_rotary"):
+        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, head_dim, 2) / head_dim))[None]
+        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
+        ins = [*ins, "cos", "sin"]
+    node = helper.make_node("GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", **attrs)
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
+    return _ort(model, feeds), optimize(from_onnx(model, strict=True)).graph
+
+
+def _assert_gqa_equal(want: list[np.ndarray], g, feeds: dict[str, np.ndarray]) -> None:  # noqa: ANN001 - a Graph
+    for backend in ("numpy", "ort-cpu"):
+        got = run(g, feeds, backend=backend)
+        for name, ref in zip(("y", "present_key", "present_value"), want):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+
+
 @pytest.mark.parametrize("case", sorted(GQA_CASES))
 def test_group_query_attention_matches_onnxruntime(case: str) -> None:
     cfg = dict(GQA_CASES[case])
@@ -378,22 +399,7 @@ def test_group_query_attention_matches_onnxruntime(case: str) -> None:
     ins = ["qkv", "", ""] if packed else ["q", "k", "v"]
     ins += ["", ""] if prefill else ["pk", "pv"]
     ins += ["seqlens", "total"]
-    inits = []
-    if cfg.get("do_rotary"):
-        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
-        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
-        ins += ["cos", "sin"]
-    node = helper.make_node(
-        "GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv, **cfg
-    )
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
-    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
-    want = _ort(model, feeds)
-    g = optimize(from_onnx(model, strict=True)).graph
-    for backend in ("numpy", "ort-cpu"):
-        got = run(g, feeds, backend=backend)
-        for name, ref in zip(("y", "present_key", "present_value"), want):
-            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+    _assert_gqa_equal(*_gqa_against_onnxruntime(feeds, ins, dict(num_heads=heads, kv_num_heads=kv, **cfg), d), feeds)
 
 
 @pytest.mark.parametrize("empty_past", [False, True], ids=["no-past", "empty-past"])
@@ -409,22 +415,7 @@ def test_group_query_attention_ragged_prompt_matches_onnxruntime(empty_past: boo
         feeds.update(pk=_w(b, kv, 0, d), pv=_w(b, kv, 0, d))
     feeds.update(seqlens=np.array(lengths, np.int32) - 1, total=np.array(s, np.int32))
     ins += ["seqlens", "total"]
-    inits = []
-    if extra.get("do_rotary"):
-        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
-        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
-        ins += ["cos", "sin"]
-    node = helper.make_node(
-        "GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv, **extra
-    )
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
-    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
-    want = _ort(model, feeds)
-    g = optimize(from_onnx(model, strict=True)).graph
-    for backend in ("numpy", "ort-cpu"):
-        got = run(g, feeds, backend=backend)
-        for name, ref in zip(("y", "present_key", "present_value"), want):
-            np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-6, err_msg=f"{backend} {name}")
+    _assert_gqa_equal(*_gqa_against_onnxruntime(feeds, ins, dict(num_heads=heads, kv_num_heads=kv, **extra), d), feeds)
 
 
 def test_group_query_attention_is_one_causal_attention_with_its_cache() -> None:
@@ -465,19 +456,8 @@ def test_group_query_attention_rolling_cache_matches_onnxruntime(case: str) -> N
     feeds = dict(q=_w(b, s, heads * d), k=_w(b, s, kv * d), v=_w(b, s, kv * d), pk=_w(b, kv, w, d), pv=_w(b, kv, w, d))
     feeds["seqlens"] = np.array([p + s - 1 for p in pasts], np.int32)
     feeds["total"] = np.array(max(pasts) + s, np.int32)
-    ins, inits = ["q", "k", "v", "pk", "pv", "seqlens", "total"], []
-    if rotary:
-        angles = np.arange(64)[:, None] * (10000.0 ** (-np.arange(0, d, 2) / d))[None]
-        inits = [numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"), numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin")]
-        ins += ["cos", "sin"]
-    node = helper.make_node(
-        "GroupQueryAttention", ins, ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv,
-        local_window_size=w, sliding_window_cache=1, do_rotary=int(rotary),
-    )  # fmt: skip
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT32 if n in ("seqlens", "total") else F, list(a.shape)) for n, a in feeds.items()]
-    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], inits, ms=True)
-    want = _ort(model, feeds)
-    g = optimize(from_onnx(model, strict=True)).graph
+    attrs = dict(num_heads=heads, kv_num_heads=kv, local_window_size=w, sliding_window_cache=1, do_rotary=int(rotary))
+    want, g = _gqa_against_onnxruntime(feeds, ["q", "k", "v", "pk", "pv", "seqlens", "total"], attrs, d)
     kept = [min(min(p, w) + s, w) for p in pasts]  # the present slots onnxruntime defines, per row
     for backend in ("numpy", "ort-cpu"):
         got = run(g, feeds, backend=backend)
