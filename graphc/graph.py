@@ -722,7 +722,7 @@ class Graph(GraphBuilder):
             defined.update(node.outputs)
         if not self._outputs:
             raise GraphError(f"graph {self.name!r} has no outputs")
-        bound = {s for n in self._inputs for d in self._values[n].type.shape for s in dim_symbols(d)}
+        bound = {s for n in self._inputs for d in self._values[n].type.shape for s in dim_symbols(d)} if self.assumptions else set()
         for a, b in self.assumptions:
             if not (dim_symbols(a) | dim_symbols(b)) <= bound:
                 raise GraphError(

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dims import Dim, dim_add, dim_prod, normalize_dim
-from ..ops import Binary, Cast, Compare, Concat, Reshape, Transpose, Unary, Where
+from ..ops import Binary, Cast, Compare, Reshape, Transpose, Where
 from ..rotary import Positions
 from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, ShapeValues, Slice
 from .context import ImportContext
@@ -68,29 +68,27 @@ GQA_ATTRIBUTES = frozenset(
 
 
 def _write_after_rows_past(
-    ctx: ImportContext, pasts: tuple[str, str], news: tuple[str, str], lengths: str, names: tuple[str, str] = ("present_key", "present_value")
+    ctx: ImportContext, fulls: tuple[str, str], news: tuple[str, str], row_past: str, names: tuple[str, str] = ("present_key", "present_value")
 ) -> list[str]:
-    """Present K and V: ``present[b, :, j]`` is ``past[b, :, j]`` for ``j < L_b - S``, then ``new[b]``, then zeros
-    (``L_b = lengths[b]``; length ``P + S``).  Where every row's past fills the cache (``L_b = P + S``) this is
-    ``concat(past, new)``."""
-    b, _, p, _ = ctx.graph.types[pasts[0]].shape
+    """Present K and V from ``concat(past, new)`` (``fulls``): ``present[b, :, j]`` is ``past[b, :, j]`` for
+    ``j < row_past[b]``, then ``new[b]``, then zeros (length ``P + S``).  Where every row's past fills the cache
+    (``row_past[b] = P``) this is ``concat(past, new)`` itself."""
+    b, _, total, _ = ctx.graph.types[fulls[0]].shape
     s = ctx.graph.types[news[0]].shape[2]
-    total = dim_add(p, s)
     slot = ctx.add(Reshape((1, 1, total, 1)), [ctx.add(Arange(0, total), [], "present_slots")], "present_slots4")
     new_len = ctx.add(ShapeValues((s,), scalar=True), [], "new_len")
-    start = ctx.add(Reshape((b, 1, 1, 1)), [ctx.add(Binary("sub"), [lengths, new_len], "row_past")], "row_past4")  # past_b
+    start = ctx.add(Reshape((b, 1, 1, 1)), [row_past], "row_past4")
     is_past = ctx.add(Compare("less"), [slot, start], "slot_is_past")
     is_new = ctx.add(Compare("less"), [slot, ctx.add(Binary("add"), [start, new_len], "new_end")], "slot_before_end")
     offset = ctx.add(Binary("sub"), [slot, start], "new_slot")  # j - past_b: 0.. on the new keys
     zero, last = ctx.constant(np.array(0, np.int64), "zero"), ctx.add(ShapeValues((dim_add(s, -1),), scalar=True), [], "last_new")
     clipped = ctx.add(Binary("min"), [ctx.add(Binary("max"), [offset, zero], "lo"), last], "hi")
     presents = []
-    for past, new, what in zip(pasts, news, names):
-        both = ctx.add(Concat(2), [past, new], f"{what}_concat")  # [B, H, P+S, D]
-        index = ctx.add(BroadcastTo(ctx.graph.types[both].shape), [clipped], f"{what}_index")
+    for full, new, what in zip(fulls, news, names):
+        index = ctx.add(BroadcastTo(ctx.graph.types[full].shape), [clipped], f"{what}_index")
         moved = ctx.add(GatherElements(2), [new, index], f"{what}_moved")
         zeros = ctx.constant(np.zeros((), np.dtype(ctx.graph.types[new].dtype)), "zero")
-        presents.append(ctx.add(Where(), [is_past, both, ctx.add(Where(), [is_new, moved, zeros], f"{what}_tail")], what))
+        presents.append(ctx.add(Where(), [is_past, full, ctx.add(Where(), [is_new, moved, zeros], f"{what}_tail")], what))
     return presents
 
 
@@ -142,21 +140,20 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
         fused["scale"] = attrs["scale"]
     window = attrs.get("local_window_size", -1)
     past = (ctx.tensor(ins[3], "past_key"), ctx.tensor(ins[4], "past_value")) if ins[3] is not None else None
-    held = row_past
+    held, capacity = row_past, ""
     if past is not None and rolling:  # the cache holds the row's last min(past, capacity) tokens in its first slots
         _check_capacity(ctx, ctx.graph.types[past[0]].shape[2], window)
         capacity = ctx.add(ShapeValues((ctx.graph.types[past[0]].shape[2],), scalar=True), [], "cache_capacity")
         held = ctx.add(Binary("min"), [row_past, capacity], "row_past_in_cache")
     visible = _gqa_visible(ctx, q4, past, lengths, row_past, held, window)
-    y, _, _, _ = _current_semantics(ctx, [q4, k4, v4, visible, *(past or (None, None))], fused)
+    y, full_k, full_v, _ = _current_semantics(ctx, [q4, k4, v4, visible, *(past or (None, None))], fused)
     if past is None:
         return [_merge_heads(ctx, y), k4, v4]
+    if not rolling:
+        return [_merge_heads(ctx, y), *_write_after_rows_past(ctx, (full_k, full_v), (k4, v4), held)]
+    keys = _write_after_rows_past(ctx, (full_k, full_v), (k4, v4), held, ("keys", "values"))
     rows_keys = ctx.add(Binary("add"), [held, new_len], "row_keys")  # the row's past in the cache, then its new keys
-    names = ("keys", "values") if rolling else ("present_key", "present_value")
-    presents = _write_after_rows_past(ctx, past, (k4, v4), rows_keys, names)
-    if rolling:
-        presents = _last_slots(ctx, tuple(presents), rows_keys, ctx.graph.types[past[0]].shape[2])  # type: ignore[arg-type]
-    return [_merge_heads(ctx, y), *presents]
+    return [_merge_heads(ctx, y), *_last_slots(ctx, (keys[0], keys[1]), rows_keys, ctx.graph.types[past[0]].shape[2], capacity)]
 
 
 def _gqa_visible(ctx: ImportContext, q4: str, past: tuple[str, str] | None, lengths: str, row_past: str, held: str, window: int) -> str:
@@ -177,10 +174,10 @@ def _gqa_visible(ctx: ImportContext, q4: str, past: tuple[str, str] | None, leng
     new_slot = ctx.add(Binary("sub"), [slot, cache_len], "new_slot")  # t = j - P on the new keys, negative on the cache
     real_new = ctx.add(Reshape((b, 1, 1, 1)), [ctx.add(Binary("sub"), [lengths, row_past], "row_new")], "row_new4")
     in_cache = ctx.add(Compare("less"), [slot, held4], "slot_held")
-    is_new = ctx.add(Compare("less"), [ctx.add(Unary("neg"), [new_slot], "minus_new_slot"), ctx.constant(np.array(1, np.int64), "one")], "slot_new")
+    cache_slot = ctx.add(Compare("less"), [slot, cache_len], "slot_in_cache")
     new_real = ctx.add(Compare("less"), [new_slot, real_new], "new_is_real")
     false = ctx.constant(np.array(False), "false")
-    visible = ctx.add(Where(), [in_cache, in_cache, ctx.add(Where(), [is_new, new_real, false], "new_visible")], "key_visible")
+    visible = ctx.add(Where(), [cache_slot, in_cache, new_real], "key_visible")
     if window is None or window <= 0:
         return ctx.add(BroadcastTo((b, 1, s, total)), [visible], "visible")
     position = ctx.add(
@@ -203,12 +200,11 @@ def _check_capacity(ctx: ImportContext, capacity: Dim, window: int) -> None:
         )
 
 
-def _last_slots(ctx: ImportContext, fulls: tuple[str, str], lengths: str, capacity: Dim) -> list[str]:
+def _last_slots(ctx: ImportContext, fulls: tuple[str, str], lengths: str, capacity: Dim, cap: str) -> list[str]:
     """A rolling cache's present: row ``b``'s keys ``[max(L_b - C, 0), ... + C)`` of ``[past | new | zeros]`` (its last
-    ``C`` keys once it holds that many, else its first ``C`` slots)."""
+    ``C`` keys once it holds that many, else its first ``C`` slots); ``cap`` holds ``C`` as a tensor."""
     b = ctx.graph.types[fulls[0]].shape[0]
     slots = ctx.add(Reshape((1, 1, capacity, 1)), [ctx.add(Arange(0, capacity), [], "cache_slots")], "cache_slots4")
-    cap = ctx.add(ShapeValues((capacity,), scalar=True), [], "cache_capacity")
     zero = ctx.constant(np.array(0, np.int64), "zero")
     start = ctx.add(Binary("max"), [ctx.add(Binary("sub"), [lengths, cap], "row_overflow"), zero], "row_first_kept")
     index = ctx.add(Binary("add"), [slots, ctx.add(Reshape((b, 1, 1, 1)), [start], "row_first_kept4")], "kept_slots")
