@@ -84,6 +84,23 @@ def test_query_head_uses_its_consecutive_kv_head_not_the_tiled_one():
     np.testing.assert_allclose(out[4:], 0.0, atol=0)
 
 
+
+@needs_numba
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_nan_score_gives_nan_as_the_reference_does(threads):
+    """A NaN in a key makes every row that sees it NaN (the exp gave 0 for NaN: the key silently got weight 0)."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, 1, 16), dtype=np.float32)
+    k = rng.standard_normal((1, 1, 600, 16), dtype=np.float32)
+    v = rng.standard_normal((1, 1, 600, 16), dtype=np.float32)
+    k[0, 0, 123, 5] = np.nan
+    got = compiled.decode_attention(q.reshape(1, 2, 16), k[0], v[0], 1, None, None, threads)
+    want = ref_sdpa(q, k, v, causal=False, offset=None, scale=1.0)
+    assert np.isnan(want).all() and np.isnan(got).all()
+    s = np.float32([[0.0, np.nan, -1.0], [0.0, -1.0, -2.0]])
+    total = compiled.exp_rows_compiled(s)
+    assert np.isnan(s[0, 1]) and np.isnan(total[0, 0]) and np.isfinite(s[1]).all()
+
 @needs_numba
 @pytest.mark.parametrize("threads", [1, 2])
 def test_blocked_attention_takes_the_compiled_path_for_decode_and_prefill(threads, monkeypatch):
