@@ -5,12 +5,13 @@ Two kernels:
 - :func:`attend_rows` (``nogil``, called on graphc's thread pool with a share
   of the KV heads and key slices each: numba's own threading layers spun
   against OpenBLAS's threads, and decode calls made after a GEMM took 4-15 ms
-  instead of 1): attention of a few query rows per KV head (decode, short chunks), in two
-  streaming passes per head: ``K`` once for all the
-  rows of a KV head (scores kept in a small buffer), then ``V`` once.  Four
-  query rows x four keys per step, and the next rows of ``K``/``V`` are
-  prefetched a fixed distance ahead (on 128 MiB of K, cache-cold, the ``K``
-  pass read 29 GB/s without the prefetch and 47 GB/s with it).  The
+  instead of 1): attention of a few query rows per KV head (decode, short
+  chunks), streaming ``K`` and ``V`` once for all the rows of a KV head, in
+  blocks of :data:`KEY_BLOCK` keys with an online softmax (scores of one
+  block stay in L1; cache-cold, 1024-key blocks read 5-10% more of the
+  machine's bandwidth than one pass over all of ``K`` then all of ``V``).
+  Scores four query rows x four keys at a time (:func:`_scores_4x4_simd`);
+  the next rows of ``K``/``V`` are prefetched a fixed distance ahead.  The
   softmax is left unnormalised: each slice returns its row maxima, sums and
   ``V`` accumulators, and the caller merges slices (split keys) and divides.
 - :func:`exp_rows` (``nogil``, called from the prefill blocks' threads):
@@ -19,7 +20,7 @@ Two kernels:
 
 ``exp`` is :func:`_exp_neg`, a range-reduced polynomial (Cephes' ``expf``
 coefficients) that LLVM vectorises: relative error below 3e-7 on [-87, 0]
-(tested against float64), exactly 0 below -87.3 and for ``-inf``.
+(tested against float64), exactly 0 below -87.3 and for ``-inf``, NaN for NaN.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["attend_rows", "exp_rows"]
@@ -34,8 +36,15 @@ __all__ = ["attend_rows", "exp_rows"]
 FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 """LLVM's fast-math flags less ``nnan`` and ``ninf``: sums may be reordered (vectorised), but ``-inf`` (masked keys) stays meaningful."""
 
-PREFETCH_ROWS = 32
-"""Key rows prefetched ahead of the one being read (16 KiB at head_dim 128; 16 to 128 measured alike, within noise)."""
+PREFETCH_ROWS = 16
+"""Key rows prefetched ahead of the one being read (8 KiB at head_dim 128).
+
+Cache-cold, 8 to 24 rows read alike; 32 rows was 10-20% slower, and no
+prefetch 20% slower at 8 query rows per KV head.
+"""
+
+KEY_BLOCK = 1024
+"""Keys per block of the online softmax in :func:`attend_rows` (256 and 512 measured slower, cache-cold)."""
 
 
 @intrinsic
@@ -50,6 +59,70 @@ def _prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
         fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
         ptr = builder.bitcast(builder.gep(array.data, [args[1]]), byte_ptr)
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_F32 = ir.FloatType()
+_V16 = ir.VectorType(_F32, 16)
+
+
+def _pairwise_sums(builder, x, y, lo, hi):  # type: ignore[no-untyped-def]
+    """``shuffle(x, y, lo) + shuffle(x, y, hi)``: one level of the transposing reduction tree."""
+    i32 = ir.IntType(32)
+    pick = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 16), [ir.Constant(i32, m) for m in mask])) for mask in (lo, hi)]
+    return builder.fadd(pick[0], pick[1])
+
+
+_TREE = (
+    (list(range(0, 8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))),
+    ([a + b for a in (0, 8, 16, 24) for b in range(4)], [a + b for a in (4, 12, 20, 28) for b in range(4)]),
+    ([a + b for a in range(0, 32, 4) for b in (0, 1)], [a + b for a in range(0, 32, 4) for b in (2, 3)]),
+    (list(range(0, 32, 2)), list(range(1, 32, 2))),
+)
+"""Shuffle masks of the four levels that turn 16 vectors of partial sums into one vector of their 16 totals, in order."""
+
+
+@intrinsic
+def _scores_4x4_simd(typingctx, q, k, s, r, j, c):  # type: ignore[no-untyped-def]
+    """``s[r + a, c + b] = q[r + a] . k[j + b]`` for ``a, b`` in 0..3, written in LLVM vector IR (head_dim a multiple of 16).
+
+    Sixteen ``<16 x float>`` accumulators over the head dimension, then one
+    transposing reduction tree (four levels of shuffles and adds, 45
+    instructions) instead of sixteen separate horizontal sums (eight
+    instructions each, as LLVM vectorises the scalar loop).
+    """
+    sig = types.void(q, k, s, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        qa, ka, sa = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
+        r, j, c = args[3:]
+        intp = context.get_value_type(types.intp)
+        d_len = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+        s_row = builder.sdiv(cgutils.unpack_tuple(builder, sa.strides, 2)[0], ir.Constant(intp, 4))
+        q_rows = [builder.gep(qa.data, [builder.mul(builder.add(r, ir.Constant(intp, a)), d_len)]) for a in range(4)]
+        k_rows = [builder.gep(ka.data, [builder.mul(builder.add(j, ir.Constant(intp, b)), d_len)]) for b in range(4)]
+        zero = ir.Constant(_V16, [ir.Constant(_F32, 0.0)] * 16)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(16)]
+        v16p = _V16.as_pointer()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), d_len, ir.Constant(intp, 16), intp=intp) as (d, _):
+            kv = [builder.load(builder.bitcast(builder.gep(p, [d]), v16p), align=4) for p in k_rows]
+            for a in range(4):
+                qv = builder.load(builder.bitcast(builder.gep(q_rows[a], [d]), v16p), align=4)
+                for b in range(4):
+                    builder.store(builder.call(fma, [qv, kv[b], builder.load(accs[4 * a + b])]), accs[4 * a + b])
+        level = [builder.load(p) for p in accs]
+        for lo, hi in _TREE:
+            level = [_pairwise_sums(builder, level[i], level[i + 1], lo, hi) for i in range(0, len(level), 2)]
+        totals = level[0]
+        i32 = ir.IntType(32)
+        v4p = ir.VectorType(_F32, 4).as_pointer()
+        for a in range(4):
+            row = builder.shuffle_vector(totals, totals, ir.Constant(ir.VectorType(i32, 4), [ir.Constant(i32, 4 * a + b) for b in range(4)]))
+            at = builder.add(builder.mul(builder.add(r, ir.Constant(intp, a)), s_row), c)
+            builder.store(row, builder.bitcast(builder.gep(sa.data, [at]), v4p), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -96,6 +169,7 @@ def _scores(q, k, s):  # type: ignore[no-untyped-def]
     kf = k.ravel()
     j4 = k.shape[0] // 4 * 4
     r4 = rows // 4 * 4
+    simd = d_len % 16 == 0
     for j in range(0, j4, 4):
         _prefetch_ahead(kf, j, d_len)
         k0 = k[j]
@@ -104,7 +178,10 @@ def _scores(q, k, s):  # type: ignore[no-untyped-def]
         k3 = k[j + 3]
         c = j
         for r in range(0, r4, 4):
-            _scores_4x4(q[r], q[r + 1], q[r + 2], q[r + 3], k0, k1, k2, k3, s[r : r + 4, c : c + 4])
+            if simd:
+                _scores_4x4_simd(q, k, s, r, j, c)
+            else:
+                _scores_4x4(q[r], q[r + 1], q[r + 2], q[r + 3], k0, k1, k2, k3, s[r : r + 4, c : c + 4])
         for r in range(r4, rows):
             a0 = np.float32(0.0)
             a1 = np.float32(0.0)
@@ -264,11 +341,19 @@ def _row_max(x):  # type: ignore[no-untyped-def]
 
 @njit(fastmath=FAST, inline="always", cache=True)
 def _softmax_unnormalised(x):  # type: ignore[no-untyped-def]
-    """``x <- exp(x - max(x))`` in place; returns ``(max, sum)`` (``-inf`` and 0, with ``x`` zeroed, when every entry is ``-inf``)."""
+    """``x <- exp(x - max(x))`` in place; returns ``(max, sum)``.
+
+    When no entry is above ``-inf`` the max is ``-inf``, the ``-inf`` entries
+    become 0 and NaN ones stay NaN: the sum is 0, or NaN when ``x`` has a NaN.
+    """
     m = _row_max(x)
     if m == np.float32(-np.inf):
-        x[:] = 0
-        return m, np.float32(0.0)
+        t = np.float32(0.0)
+        for j in range(x.size):
+            y = np.float32(0.0) if x[j] == np.float32(-np.inf) else x[j]
+            x[j] = y
+            t += y
+        return m, t
     t = np.float32(0.0)
     for j in range(x.size):
         e = _exp_neg(x[j] - m)
@@ -282,32 +367,60 @@ def exp_rows(s, totals):  # type: ignore[no-untyped-def]
     """``s[r] <- exp(s[r] - max(s[r]))`` in place for every row of the 2-D ``s``; ``totals[r]`` the row sum (rows all ``-inf``: zeros, sum 1)."""
     for r in range(s.shape[0]):
         m, t = _softmax_unnormalised(s[r])
-        totals[r] = t if m != np.float32(-np.inf) else np.float32(1.0)
+        totals[r] = t if m != np.float32(-np.inf) or t != t else np.float32(1.0)
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, acc, row_max, row_sum):  # type: ignore[no-untyped-def]
-    """One KV head's slice of :func:`attend_rows`: ``q [R, D]``, ``k [T, D]``, ``v [T, E]`` into ``acc [R, E]``, ``row_max``/``row_sum [R]``."""
-    rows = q.shape[0]
-    width = key_stop - key_start
-    ks = k[key_start:key_stop]
-    vs = v[key_start:key_stop]
-    _scores(q, ks, s)
-    for r in range(rows):
-        lo = key_start
-        hi = key_stop
-        if causal:
-            last = r % sq + offset
-            hi = min(hi, last + 1)
-            if window > 0:
-                lo = max(lo, last - window + 1)
-        row = s[r]
-        a = min(max(lo - key_start, 0), width)
-        b = max(min(hi - key_start, width), a)
-        row[:a] = 0
-        row[b:] = 0
-        row_max[r], row_sum[r] = _softmax_unnormalised(row[a:b])
-    _weighted_values(s, vs, acc)
+def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, part, acc, row_max, row_sum):  # type: ignore[no-untyped-def]
+    """One KV head's slice of :func:`attend_rows`: ``q [R, D]``, ``k [T, D]``, ``v [T, E]`` into ``acc [R, E]``, ``row_max``/``row_sum [R]``.
+
+    Keys in blocks of :data:`KEY_BLOCK` (``s [R, >= block]`` and ``part [R, E]``
+    are scratch): each block's scores, their exp against the block's row
+    maxima, then the running maxima, sums and ``acc`` rescaled to whichever
+    maximum is larger, and the block's ``P V`` added.
+    """
+    rows, e_len = acc.shape
+    acc[:] = 0
+    row_max[:] = -np.inf
+    row_sum[:] = 0
+    for b0 in range(key_start, key_stop, KEY_BLOCK):
+        b1 = min(b0 + KEY_BLOCK, key_stop)
+        width = b1 - b0
+        _scores(q, k[b0:b1], s)  # a slice indexed from 0: with a runtime start offset the loops ran 1.4x slower
+        for r in range(rows):
+            lo = b0
+            hi = b1
+            if causal:
+                last = r % sq + offset
+                hi = min(hi, last + 1)
+                if window > 0:
+                    lo = max(lo, last - window + 1)
+            row = s[r, :width]
+            a = min(max(lo - b0, 0), width)
+            b = max(min(hi - b0, width), a)
+            row[:a] = 0
+            row[b:] = 0
+            m, t = _softmax_unnormalised(row[a:b])
+            _merge_block_row(acc[r], row[a:b], row_max, row_sum, r, m, t)
+        _weighted_values(s[:, :width], v[b0:b1], part)
+        acc += part
+
+
+@njit(fastmath=FAST, inline="always", cache=True)
+def _merge_block_row(acc_row, p, row_max, row_sum, r, m, t):  # type: ignore[no-untyped-def]
+    """Fold a block's row (``p = exp(s - m)``, sum ``t``) into row ``r``'s running max and sum, rescaling ``acc_row`` or ``p`` to the larger max."""
+    old = row_max[r]
+    if m == np.float32(-np.inf):  # no key of this block is visible (t is 0, or NaN from a NaN score)
+        row_sum[r] += t
+    elif m > old:
+        scale = _exp_neg(old - m)
+        acc_row *= scale
+        row_sum[r] = row_sum[r] * scale + t
+        row_max[r] = m
+    else:
+        scale = _exp_neg(m - old)
+        p *= scale
+        row_sum[r] += t * scale
 
 
 @njit(fastmath=FAST, nogil=True, cache=True)
@@ -324,12 +437,10 @@ def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max
     """
     rows = q.shape[1]
     slices = bounds.size - 1
-    widest = 1
-    for c in range(slices):
-        widest = max(widest, bounds[c + 1] - bounds[c])
-    s = np.empty((rows, widest), np.float32)
+    s = np.empty((rows, KEY_BLOCK), np.float32)
+    part = np.empty((rows, v.shape[2]), np.float32)
     for task in tasks:
         head = task // slices
         c = task % slices
         lo, hi = bounds[c], bounds[c + 1]
-        _attend_head(q[head], k[head], v[head], sq, causal, offset, window, lo, hi, s, acc[c, head], row_max[c, head], row_sum[c, head])
+        _attend_head(q[head], k[head], v[head], sq, causal, offset, window, lo, hi, s, part, acc[c, head], row_max[c, head], row_sum[c, head])

@@ -34,10 +34,26 @@ from graphc.errors import GraphcError
 
 from .kernels import default_threads, run_blocks
 
-__all__ = ["MAX_ROWS", "compiled_reason", "kernels_description", "use_compiled", "decode_attention", "exp_rows_compiled", "warm_up"]
+__all__ = [
+    "DECODE_BYTES_PER_THREAD",
+    "MAX_ROWS",
+    "compiled_reason",
+    "kernels_description",
+    "use_compiled",
+    "decode_attention",
+    "exp_rows_compiled",
+    "warm_up",
+]
 
 MAX_ROWS = 64
 """Query rows per KV head up to which attention runs in the compiled streaming kernel (above it, GEMMs win)."""
+
+DECODE_BYTES_PER_THREAD = 4 << 20
+"""K/V bytes (times query rows / 4) per extra thread in :func:`decode_attention`.
+
+Below it, waking a second thread costs more than it saves (2 MiB at 4 rows:
+45 us on one thread, 68 us on two).
+"""
 
 _MODULE: list[ModuleType] = []
 _LOAD_ERROR: list[str] = []
@@ -134,7 +150,7 @@ def decode_attention(
     kern = _loaded_kernels()
     lead, rows, _ = q.shape
     t_len, e_len = k.shape[1] if keys is None else keys, v.shape[2]
-    n = threads or default_threads()
+    n = min(threads or default_threads(), 1 + lead * t_len * (q.shape[2] + e_len) * 4 * max(1, rows // 4) // DECODE_BYTES_PER_THREAD)
     splits = max(1, min(-(-n // max(lead, 1)), t_len // 256 or 1))
     bounds = np.array([c * t_len // splits for c in range(splits + 1)], np.int64)
     acc = np.empty((splits, lead, rows, e_len), np.float32)

@@ -115,3 +115,23 @@ def test_the_numpy_target_keeps_padding_masks_and_decomposes_the_others():
     assert lower(optimize(keyed).graph, NUMPY_TARGET).op_counts().get("Attention") == 1
     assert "Attention" not in lower(optimize(per_query).graph, NUMPY_TARGET).op_counts()
     assert "Attention" not in lower(optimize(additive).graph, NUMPY_TARGET).op_counts()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_run_blocks_runs_every_block_once_and_raises_a_blocks_error(threads):
+    """The caller works beside the pool: every start exactly once; an error in any block (caller's or pool's) is raised after all stop."""
+    import threading
+
+    from lowering.kernels import run_blocks
+
+    seen: list[tuple[int, str]] = []
+    run_blocks(lambda i: seen.append((i, threading.current_thread().name)), list(range(50)), threads)
+    assert sorted(i for i, _ in seen) == list(range(50))
+    for bad in (0, 49):
+
+        def block(i: int, bad: int = bad) -> None:
+            if i == bad:
+                raise ValueError(f"block {i}")
+
+        with pytest.raises(ValueError, match=f"block {bad}"):
+            run_blocks(block, list(range(50)), threads)

@@ -73,6 +73,32 @@ def test_decode_kernel_equals_numpy_reference(lead, groups, sq, t_len, dim, caus
 
 
 @needs_numba
+@settings(max_examples=15, deadline=None)
+@given(
+    t_len=st.integers(900, 3200),
+    sq=st.integers(1, 5),
+    causal=st.booleans(),
+    window=st.none() | st.integers(1, 1500),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 999),
+)
+def test_decode_kernel_over_several_key_blocks(t_len, sq, causal, window, threads, seed):
+    """Caches longer than the kernel's key block: running maxima and sums merged across blocks, and blocks a window hides."""
+    from lowering._numba_attention import KEY_BLOCK
+
+    assert t_len < 4 * KEY_BLOCK
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, 6, sq, 16), dtype=np.float32) * np.float32(2.0)  # large scores: block maxima differ
+    k = rng.standard_normal((1, 2, t_len, 16), dtype=np.float32)
+    k[0, :, ::700] *= 4  # a few keys dominate, in different blocks
+    v = rng.standard_normal((1, 2, t_len, 8), dtype=np.float32)
+    offset = t_len - sq if causal else None
+    got = compiled.decode_attention(q.reshape(2, 3 * sq, 16), k[0], v[0], sq, offset, window if causal else None, threads)
+    want = ref_sdpa(q, k, v, causal=causal, offset=offset, scale=1.0, window=window if causal else None)
+    np.testing.assert_allclose(got.reshape(want.shape), want, **F32)
+
+
+@needs_numba
 def test_query_head_uses_its_consecutive_kv_head_not_the_tiled_one():
     """Query head h reads KV head h // group: with K/V of head 1 = 0 and V of head 0 = 1, heads 0..3 give 1 and 4..7 give 0."""
     rng = np.random.default_rng(1)
@@ -91,9 +117,9 @@ def test_a_nan_score_gives_nan_as_the_reference_does(threads):
     """A NaN in a key makes every row that sees it NaN (the exp gave 0 for NaN: the key silently got weight 0)."""
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, 2, 1, 16), dtype=np.float32)
-    k = rng.standard_normal((1, 1, 600, 16), dtype=np.float32)
-    v = rng.standard_normal((1, 1, 600, 16), dtype=np.float32)
-    k[0, 0, 123, 5] = np.nan
+    k = rng.standard_normal((1, 1, 2600, 16), dtype=np.float32)
+    v = rng.standard_normal((1, 1, 2600, 16), dtype=np.float32)
+    k[0, 0, 2123, 5] = np.nan  # in the third key block
     got = compiled.decode_attention(q.reshape(1, 2, 16), k[0], v[0], 1, None, None, threads)
     want = ref_sdpa(q, k, v, causal=False, offset=None, scale=1.0)
     assert np.isnan(want).all() and np.isnan(got).all()
