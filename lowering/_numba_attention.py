@@ -10,8 +10,8 @@ Two kernels:
   blocks of :data:`KEY_BLOCK` keys with an online softmax (scores of one
   block stay in L1; cache-cold, 1024-key blocks read 5-10% more of the
   machine's bandwidth than one pass over all of ``K`` then all of ``V``).
-  Scores four query rows x four keys at a time (:func:`_scores_4x4_simd`);
-  the next rows of ``K``/``V`` are prefetched a fixed distance ahead.  The
+  Scores four query rows x four keys at a time (:func:`_scores_4x4_simd`),
+  values four rows x 64 columns (:func:`_values_4x64_simd`); the next rows of ``K``/``V`` are prefetched a fixed distance ahead.  The
   softmax is left unnormalised: each slice returns its row maxima, sums and
   ``V`` accumulators, and the caller merges slices (split keys) and divides.
 - :func:`exp_rows` (``nogil``, called from the prefill blocks' threads):
@@ -93,6 +93,8 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c):  # type: ignore[no-untyped-de
     instructions) instead of sixteen separate horizontal sums (eight
     instructions each, as LLVM vectorises the scalar loop).
     """
+    if q.layout != "C" or k.layout != "C":  # rows are addressed as row * head_dim
+        return None
     sig = types.void(q, k, s, types.intp, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -123,6 +125,63 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c):  # type: ignore[no-untyped-de
             row = builder.shuffle_vector(totals, totals, ir.Constant(ir.VectorType(i32, 4), [ir.Constant(i32, 4 * a + b) for b in range(4)]))
             at = builder.add(builder.mul(builder.add(r, ir.Constant(intp, a)), s_row), c)
             builder.store(row, builder.bitcast(builder.gep(sa.data, [at]), v4p), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):  # type: ignore[no-untyped-def]
+    """``out[r + a, e0 : e0 + 64] = sum_j p[r + a, j] v[j, e0 : e0 + 64]`` for ``a`` in 0..3 over all keys of ``v``, in LLVM vector IR.
+
+    Sixteen ``<16 x float>`` accumulators stay in registers over the keys (the
+    NumPy-level loop kept its accumulator rows in memory: a load and a store
+    per four FMAs); each key's four ``V`` vectors feed four rows.  With
+    ``prefetch``, the ``V`` row :data:`PREFETCH_ROWS` ahead is prefetched
+    (the first column block of a pass; later ones read it from cache).
+    """
+    if v.layout != "C":  # rows are addressed as key * value width
+        return None
+    sig = types.void(p, v, out, types.intp, types.intp, types.boolean)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        pa, va, oa = (context.make_array(t)(context, builder, x) for t, x in zip(signature.args[:3], args[:3]))
+        r, e0, prefetch = args[3:]
+        intp = context.get_value_type(types.intp)
+        i32 = ir.IntType(32)
+        p_row = builder.sdiv(cgutils.unpack_tuple(builder, pa.strides, 2)[0], ir.Constant(intp, 4))
+        o_row = builder.sdiv(cgutils.unpack_tuple(builder, oa.strides, 2)[0], ir.Constant(intp, 4))
+        keys, e_len = cgutils.unpack_tuple(builder, va.shape, 2)
+        p_rows = [builder.gep(pa.data, [builder.mul(builder.add(r, ir.Constant(intp, a)), p_row)]) for a in range(4)]
+        zero = ir.Constant(_V16, [ir.Constant(_F32, 0.0)] * 16)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(16)]
+        v16p = _V16.as_pointer()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
+        byte_ptr = ir.IntType(8).as_pointer()
+        fetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
+        splat = ir.Constant(ir.VectorType(i32, 16), [ir.Constant(i32, 0)] * 16)
+        with cgutils.for_range(builder, keys, intp=intp) as loop:
+            j = loop.index
+            row = builder.gep(va.data, [builder.add(builder.mul(j, e_len), e0)])
+            ahead = builder.add(j, ir.Constant(intp, PREFETCH_ROWS))
+            with builder.if_then(builder.and_(prefetch, builder.icmp_signed("<", ahead, keys)), likely=True):
+                base = builder.gep(va.data, [builder.mul(ahead, e_len)])
+                with cgutils.for_range_slice(builder, ir.Constant(intp, 0), e_len, ir.Constant(intp, 16), intp=intp) as (c, _):
+                    builder.call(
+                        fetch, [builder.bitcast(builder.gep(base, [c]), byte_ptr), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+                    )
+            vv = [builder.load(builder.bitcast(builder.gep(row, [ir.Constant(intp, 16 * c)]), v16p), align=4) for c in range(4)]
+            for a in range(4):
+                weight = builder.load(builder.gep(p_rows[a], [j]))
+                wv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(_V16, ir.Undefined), weight, ir.Constant(i32, 0)), ir.Constant(_V16, ir.Undefined), splat
+                )
+                for c in range(4):
+                    builder.store(builder.call(fma, [wv, vv[c], builder.load(accs[4 * a + c])]), accs[4 * a + c])
+        for a in range(4):
+            dst = builder.gep(oa.data, [builder.add(builder.mul(builder.add(r, ir.Constant(intp, a)), o_row), e0)])
+            for c in range(4):
+                builder.store(builder.load(accs[4 * a + c]), builder.bitcast(builder.gep(dst, [ir.Constant(intp, 16 * c)]), v16p), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -245,25 +304,31 @@ def _scores_4x4(q0, q1, q2, q3, k0, k1, k2, k3, out):  # type: ignore[no-untyped
 
 @njit(fastmath=FAST, inline="always", cache=True)
 def _weighted_values(p, v, acc):  # type: ignore[no-untyped-def]
-    """``acc[r] = sum_j p[r, j] v[j]`` over every key of ``v`` (a slice starting at 0, as in :func:`_scores`), prefetching ahead.
+    """``acc[r] = sum_j p[r, j] v[j]`` over every key of ``v`` (a slice indexed from 0, as in :func:`_scores`), prefetching ahead.
 
-    Rows four at a time into fresh accumulators (LLVM then sees they alias
-    neither ``V`` nor ``p``), each ``V`` load feeding four rows; then the
-    leftover rows; four keys per step throughout.
+    Rows four at a time: with the value width a multiple of 64, in 64-column
+    blocks held in registers (:func:`_values_4x64_simd`); otherwise into
+    fresh accumulator rows (LLVM then sees they alias neither ``V`` nor ``p``),
+    each ``V`` load feeding four rows.  Then the leftover rows.
     """
     rows, e_len = acc.shape
     vf = v.ravel()
     r4 = rows // 4 * 4
-    for r in range(0, r4, 4):
-        c0 = np.zeros(e_len, np.float32)
-        c1 = np.zeros(e_len, np.float32)
-        c2 = np.zeros(e_len, np.float32)
-        c3 = np.zeros(e_len, np.float32)
-        _values_4_rows(p[r : r + 4], v, vf, c0, c1, c2, c3)
-        acc[r] = c0
-        acc[r + 1] = c1
-        acc[r + 2] = c2
-        acc[r + 3] = c3
+    if e_len % 64 == 0:
+        for r in range(0, r4, 4):
+            for e0 in range(0, e_len, 64):
+                _values_4x64_simd(p, v, acc, r, e0, r == 0 and e0 == 0)
+    else:
+        for r in range(0, r4, 4):
+            c0 = np.zeros(e_len, np.float32)
+            c1 = np.zeros(e_len, np.float32)
+            c2 = np.zeros(e_len, np.float32)
+            c3 = np.zeros(e_len, np.float32)
+            _values_4_rows(p[r : r + 4], v, vf, c0, c1, c2, c3)
+            acc[r] = c0
+            acc[r + 1] = c1
+            acc[r + 2] = c2
+            acc[r + 3] = c3
     for r in range(r4, rows):
         c0 = np.zeros(e_len, np.float32)
         _values_1_row(p[r], v, vf, c0)

@@ -58,14 +58,15 @@ def test_exp_rows_matches_numpy_with_fully_masked_rows():
     past_shift=st.integers(-9, 3),
     window=st.none() | st.integers(1, 50),
     threads=st.sampled_from([1, 2, 3, 8]),
+    value_dim=st.sampled_from([None, 64, 128]),
     seed=st.integers(0, 999),
 )
-def test_decode_kernel_equals_numpy_reference(lead, groups, sq, t_len, dim, causal, past_shift, window, threads, seed):
+def test_decode_kernel_equals_numpy_reference(lead, groups, sq, t_len, dim, causal, past_shift, window, threads, value_dim, seed):
     """Every key slice split, causal offset (negative ones give empty rows), window and head grouping, against float64 NumPy."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((1, lead * groups, sq, dim), dtype=np.float32) * np.float32(dim**-0.5)  # scaled as attention scales it
     k = rng.standard_normal((1, lead, t_len, dim), dtype=np.float32)
-    v = rng.standard_normal((1, lead, t_len, dim + 1), dtype=np.float32)
+    v = rng.standard_normal((1, lead, t_len, value_dim or dim + 1), dtype=np.float32)  # 64 and 128: the register-blocked P V
     offset = t_len - sq + past_shift if causal else None
     got = compiled.decode_attention(q.reshape(lead, groups * sq, dim), k[0], v[0], sq, offset, window if causal else None, threads)
     want = ref_sdpa(q, k, v, causal=causal, offset=offset, scale=1.0, window=window if causal else None)
@@ -91,7 +92,7 @@ def test_decode_kernel_over_several_key_blocks(t_len, sq, causal, window, thread
     q = rng.standard_normal((1, 6, sq, 16), dtype=np.float32) * np.float32(2.0)  # large scores: block maxima differ
     k = rng.standard_normal((1, 2, t_len, 16), dtype=np.float32)
     k[0, :, ::700] *= 4  # a few keys dominate, in different blocks
-    v = rng.standard_normal((1, 2, t_len, 8), dtype=np.float32)
+    v = rng.standard_normal((1, 2, t_len, 64), dtype=np.float32)
     offset = t_len - sq if causal else None
     got = compiled.decode_attention(q.reshape(2, 3 * sq, 16), k[0], v[0], sq, offset, window if causal else None, threads)
     want = ref_sdpa(q, k, v, causal=causal, offset=offset, scale=1.0, window=window if causal else None)
