@@ -207,7 +207,8 @@ def bench_case(config: str, case: str, threads: int, blocks: int) -> list[dict]:
             if temp != "cold" and not isinstance(runs[n], str)
         }
         work = kv_bytes + 2 * feeds["q_BHSD"].nbytes if decode else flops
-        rows += make_rows(dict(config=config, case=case, cache=temp), runs, times, notes, work, decode, _limit(times, decode), peak)
+        key = dict(config=config, case=case, cache=temp, flops=flops)
+        rows += make_rows(key, runs, times, notes, work, decode, _limit(times, decode), peak)
     return rows
 
 
@@ -291,14 +292,27 @@ def markdown(rows: list[dict]) -> str:
 OWN = ("graphc numpy", "graphc ort-cpu")
 
 
-def _target_rows(key: tuple[str, str, str], by: dict[str, dict]) -> list[tuple[str, float, str, bool]]:
-    """``(measure, value, target text, met)`` for one config/case/cache."""
+def _target_rows(key: tuple[str, str, str], by: dict[str, dict], gemm_peak: float | None) -> list[tuple[str, float, str, bool | None]]:
+    """``(measure, value, target text, met)`` for one config/case/cache (``met`` None: context, not a target).
+
+    ``gemm_peak`` (GFLOP/s, from the config's prefill cases of the same run)
+    gives decode its roofline: the slower of reading K/V at the measured
+    bandwidth and doing its FLOPs at the GEMM peak; a row says so where the
+    FLOPs are the slower.
+    """
     config, case, cache = key
-    out = []
+    out: list[tuple[str, float, str, bool | None]] = []
     own = [n for n in OWN if n in by]
     if case.startswith("decode") and cache == "cold" and own:
         pct = max(by[n]["pct_bandwidth"] for n in own)
         out.append(("faster graphc backend, % of read bandwidth", pct, ">= 80%", pct >= 80))
+        row = by[own[0]]
+        if gemm_peak and "flops" in row:
+            fastest = min(by[n]["ms"] for n in own)
+            read_ms = row["gbs"] * row["ms"] / row["read_gbs"]  # the case's bytes at the measured bandwidth
+            flop_ms = 1e3 * row["flops"] / (gemm_peak * 1e9)
+            if flop_ms > read_ms:  # FLOPs at the GEMM peak take longer than reading K/V (many query rows per KV head: MQA)
+                out.append(("faster graphc backend, % of roofline (GEMM-peak-bound)", 100 * flop_ms / fastest, "-", None))
     if "prefill" in case and "layer" not in config and "torch SDPA" in by:
         torch_ms = by["torch SDPA"]["ms"]
         causal = case.startswith("causal")
@@ -323,11 +337,16 @@ def targets(rows: list[dict]) -> str:
     """The targets per case: decode % of read bandwidth, prefill against torch SDPA, layer and stack against transformers and its export."""
     out = ["| config | case | cache | measure | value | target | met |", "|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["config"], r["case"], r["cache"]) for r in rows))
+    peaks: dict[str, float] = {}
+    for r in rows:
+        if r.get("gemm_gflops"):
+            peaks[r["config"]] = max(peaks.get(r["config"], 0.0), r["gemm_gflops"])
     for key in keys:
         by = {r["variant"]: r for r in rows if (r["config"], r["case"], r["cache"]) == key and "ms" in r}
-        for measure, value, target, met in _target_rows(key, by):
-            shown = f"{value:.1f}%" if measure.endswith("bandwidth") else f"{value:.2f}x"
-            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {measure} | {shown} | {target} | {'met' if met else '**NOT met**'} |")
+        for measure, value, target, met in _target_rows(key, by, peaks.get(key[0])):
+            shown = f"{value:.1f}%" if "%" in measure else f"{value:.2f}x"
+            verdict = "-" if met is None else "met" if met else "**NOT met**"
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | {measure} | {shown} | {target} | {verdict} |")
     return "\n".join(out)
 
 
