@@ -14,6 +14,9 @@ Two kernels:
   values four rows x 64 columns (:func:`_values_4x64_simd`); the next rows of ``K``/``V`` are prefetched a fixed distance ahead.  The
   softmax is left unnormalised: each slice returns its row maxima, sums and
   ``V`` accumulators, and the caller merges slices (split keys) and divides.
+- :func:`spin_until` (``nogil``): a bounded busy wait on a shared counter,
+  with which graphc's helper threads (:mod:`lowering.crew`) pick up the next
+  call's blocks without being woken by the kernel.
 - :func:`exp_rows` (``nogil``, called from the prefill blocks' threads):
   ``s <- exp(s - rowmax)`` in place with the row sums, in one
   pass after the max (NumPy takes five: max, isfinite, subtract, exp, sum).
@@ -31,7 +34,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["attend_rows", "exp_rows"]
+__all__ = ["attend_rows", "exp_rows", "spin_until"]
 
 FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 """LLVM's fast-math flags less ``nnan`` and ``ninf``: sums may be reordered (vectorised), but ``-inf`` (masked keys) stays meaningful."""
@@ -509,3 +512,26 @@ def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max
         c = task % slices
         lo, hi = bounds[c], bounds[c + 1]
         _attend_head(q[head], k[head], v[head], sq, causal, offset, window, lo, hi, s, part, acc[c, head], row_max[c, head], row_sum[c, head])
+
+
+@intrinsic
+def _load_acquire(typingctx, counters, index):  # type: ignore[no-untyped-def]
+    """``counters[index]`` (int64) read with acquire ordering: re-read on every call, never hoisted out of a loop."""
+    sig = types.int64(counters, index)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(array.data, [args[1]]), "acquire", 8)
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def spin_until(counters, index, target, reads):  # type: ignore[no-untyped-def]
+    """Read ``counters[index]`` until it reaches ``target`` or ``reads`` reads were made (about 0.2 ns each); returns the last value read."""
+    value = _load_acquire(counters, index)
+    n = 0
+    while value < target and n < reads:
+        value = _load_acquire(counters, index)
+        n += 1
+    return value

@@ -26,12 +26,14 @@ import functools
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
 
 from graphc.errors import GraphcError
 
+from .crew import use_spin
 from .kernels import default_threads, run_blocks
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "use_compiled",
     "decode_attention",
     "exp_rows_compiled",
+    "spin_until",
     "warm_up",
 ]
 
@@ -123,6 +126,14 @@ def warm_up() -> float:
     return time.perf_counter() - t0
 
 
+def spin_until() -> Callable[[np.ndarray, int, int, int], int] | None:
+    """The compiled bounded busy wait on a shared counter (:mod:`lowering.crew`'s helpers), or None when the compiled tier is off."""
+    return _loaded_kernels().spin_until if use_compiled() else None
+
+
+use_spin(spin_until)
+
+
 def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
     """:func:`lowering.kernels.exp_rows_` in one compiled pass: ``s <- exp(s - rowmax)`` in place; returns the row sums ``[..., 1]``.
 
@@ -160,7 +171,7 @@ def decode_attention(
     off = int(offset) if causal else 0
     win = int(window) if causal and window is not None else 0
     tasks = np.arange(lead * splits, dtype=np.int64)
-    shares = [part for part in np.array_split(tasks, min(n, tasks.size)) if part.size]
+    shares = [part for part in np.array_split(tasks, min(4 * n, tasks.size)) if part.size]  # a helper that starts late takes fewer
     run_blocks(lambda part: kern.attend_rows(q, k, v, sq, causal, off, win, bounds, part, acc, row_max, row_sum), shares, n)
     if splits == 1:  # a row that sees a key sums to >= 1 (its max gives exp(0)); one that sees none has acc 0
         return np.divide(acc[0], np.maximum(row_sum[0][..., None], 1), out=acc[0])

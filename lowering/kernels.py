@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
@@ -22,11 +21,12 @@ from threadpoolctl import ThreadpoolController
 
 from graphc.numerics import hidden_keys
 
+from .crew import crew
+
 __all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads", "blas_description"]
 
 T = TypeVar("T")
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
 _BLAS: list[ThreadpoolController] = []  # one controller, made on first use: threadpool_limits() rescans the libraries each call (0.3 ms)
 _TASK_BYTES = 1 << 20  # about 1 MiB of scores per task: cache-sized, many tasks to balance triangles
 
@@ -51,12 +51,6 @@ def blas_description() -> str:
             arch = info.get("architecture")
             return f"{info.get('internal_api', 'BLAS')} {info.get('version', '')}" + (f" {arch} kernels" if arch else "")
     return "no BLAS found"
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    if threads not in _POOLS:
-        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="graphc-softmax")
-    return _POOLS[threads]
 
 
 def _blas_controller() -> ThreadpoolController:
@@ -88,10 +82,10 @@ def softmax_rows_(s: np.ndarray) -> None:
 def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | None, pin_blas: bool = False) -> None:
     """Call ``block(start)`` for every start, on ``threads`` threads (the caller's and a pool's) when there is more than one block.
 
-    The calling thread works through the blocks beside the pool's threads
-    instead of waiting for them: a decode call then waits for one thread
-    wake-up fewer (handing every block to the pool cost 50-100 us a call,
-    more than half of a 2 MiB decode).  ``pin_blas`` limits BLAS to one
+    The calling thread works through the blocks beside its helpers, which
+    stay awake for a moment between calls (:mod:`lowering.crew`: handing
+    every block to a pool of sleeping threads cost 50-100 us a call, more
+    than half of a 2 MiB decode).  ``pin_blas`` limits BLAS to one
     thread per block while the blocks run, so that BLAS's own threads do not
     oversubscribe the cores.
     """
@@ -108,21 +102,15 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
 
 
 def _share_blocks(block: Callable[[T], None], starts: Sequence[T], n: int) -> None:
-    """Blocks taken in order from one counter by the caller and ``n - 1`` pool threads; the first error is raised after all stop."""
+    """Blocks taken in order from one counter by the caller and ``n - 1`` helpers (:mod:`lowering.crew`); the first error is raised after all stop."""
     counter = itertools.count()
 
     def work() -> None:
         while (i := next(counter)) < len(starts):  # next() on a count is atomic under the GIL
             block(starts[i])
 
-    helpers = [_pool(n - 1).submit(work) for _ in range(n - 1)]
-    try:
+    if not crew(n).run(work):  # the crew serves another call (another thread, or a block asking for helpers): this one runs here
         work()
-    finally:
-        errors = [f.exception() for f in helpers]
-    for error in errors:
-        if error is not None:
-            raise error
 
 
 def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None = None) -> np.ndarray:

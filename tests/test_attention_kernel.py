@@ -135,3 +135,66 @@ def test_run_blocks_runs_every_block_once_and_raises_a_blocks_error(threads):
 
         with pytest.raises(ValueError, match=f"block {bad}"):
             run_blocks(block, list(range(50)), threads)
+
+
+def test_run_blocks_called_from_a_block_runs_the_inner_blocks_on_that_thread():
+    """A block that itself asks for helpers (the crew is busy with the outer call) gets its blocks run inline, not a deadlock."""
+    from lowering.kernels import run_blocks
+
+    inner: list[int] = []
+
+    def outer(i: int) -> None:
+        run_blocks(lambda j: inner.append(i * 10 + j), [0, 1, 2], 2)
+
+    run_blocks(outer, [0, 1, 2, 3], 2)
+    assert sorted(inner) == sorted(i * 10 + j for i in range(4) for j in range(3))
+
+
+def test_run_blocks_from_several_threads_at_once():
+    """Callers on several threads share one crew: one is served by it, the others run their blocks themselves; every block runs once."""
+    import threading
+
+    from lowering.kernels import run_blocks
+
+    done: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def caller(c: int) -> None:
+        for _ in range(20):
+            seen: list[int] = []
+            run_blocks(lambda i: seen.append(i), list(range(8)), 2)
+            with lock:
+                done.append((c, len(seen)))
+            assert sorted(seen) == list(range(8))
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(done) == 80 and all(n == 8 for _, n in done)
+
+
+@pytest.mark.parametrize("compiled_spin", [False, True])
+def test_crew_runs_work_on_every_thread_and_raises_a_helpers_error(compiled_spin):
+    """Without the compiled busy wait helpers sleep between calls; with it they spin first: the same results either way."""
+    import threading
+
+    from lowering import compiled
+    from lowering.crew import Crew
+
+    if compiled_spin and not compiled.use_compiled():
+        pytest.skip(f"compiled kernels off: {compiled.compiled_reason()}")
+    team = Crew(2, compiled.spin_until() if compiled_spin else None)
+    for _ in range(30):
+        names: list[str] = []
+        assert team.run(lambda: names.append(threading.current_thread().name))
+        assert len(names) == 3 and len(set(names)) == 3
+
+    def fail_on_helpers() -> None:
+        if threading.current_thread().name.startswith("graphc-crew"):
+            raise RuntimeError("helper failed")
+
+    with pytest.raises(RuntimeError, match="helper failed"):
+        team.run(fail_on_helpers)
+    assert team.run(lambda: None)  # still serves after an error
