@@ -88,23 +88,32 @@ _TREE = (
 
 
 @intrinsic
-def _scores_4x4_simd(typingctx, q, k, s, r, j, c):  # type: ignore[no-untyped-def]
+def _scores_4x4_simd(typingctx, q, k, s, r, j, c, prefetch):  # type: ignore[no-untyped-def]
     """``s[r + a, c + b] = q[r + a] . k[j + b]`` for ``a, b`` in 0..3, written in LLVM vector IR (head_dim a multiple of 16).
 
     Sixteen ``<16 x float>`` accumulators over the head dimension, then one
     transposing reduction tree (four levels of shuffles and adds, 45
     instructions) instead of sixteen separate horizontal sums (eight
-    instructions each, as LLVM vectorises the scalar loop).
+    instructions each, as LLVM vectorises the scalar loop).  With
+    ``prefetch``, each step over the head dimension also prefetches the same
+    columns of the four keys :data:`PREFETCH_ROWS` ahead: the prefetches are
+    spread over the block's arithmetic instead of issued as one burst.
     """
     if q.layout != "C" or k.layout != "C":  # rows are addressed as row * head_dim
         return None
-    sig = types.void(q, k, s, types.intp, types.intp, types.intp)
+    sig = types.void(q, k, s, types.intp, types.intp, types.intp, types.boolean)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         qa, ka, sa = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
-        r, j, c = args[3:]
+        r, j, c, prefetch = args[3:]
         intp = context.get_value_type(types.intp)
+        i32 = ir.IntType(32)
         d_len = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+        ahead = builder.add(j, ir.Constant(intp, PREFETCH_ROWS + 3))
+        prefetch = builder.and_(prefetch, builder.icmp_signed("<", ahead, cgutils.unpack_tuple(builder, ka.shape, 2)[0]))
+        byte_ptr = ir.IntType(8).as_pointer()
+        fetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
+        far = [builder.gep(ka.data, [builder.mul(builder.add(j, ir.Constant(intp, PREFETCH_ROWS + b)), d_len)]) for b in range(4)]
         s_row = builder.sdiv(cgutils.unpack_tuple(builder, sa.strides, 2)[0], ir.Constant(intp, 4))
         q_rows = [builder.gep(qa.data, [builder.mul(builder.add(r, ir.Constant(intp, a)), d_len)]) for a in range(4)]
         k_rows = [builder.gep(ka.data, [builder.mul(builder.add(j, ir.Constant(intp, b)), d_len)]) for b in range(4)]
@@ -113,6 +122,10 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c):  # type: ignore[no-untyped-de
         v16p = _V16.as_pointer()
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
         with cgutils.for_range_slice(builder, ir.Constant(intp, 0), d_len, ir.Constant(intp, 16), intp=intp) as (d, _):
+            with builder.if_then(prefetch, likely=True):
+                for p in far:
+                    line = builder.bitcast(builder.gep(p, [d]), byte_ptr)
+                    builder.call(fetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             kv = [builder.load(builder.bitcast(builder.gep(p, [d]), v16p), align=4) for p in k_rows]
             for a in range(4):
                 qv = builder.load(builder.bitcast(builder.gep(q_rows[a], [d]), v16p), align=4)
@@ -122,7 +135,6 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c):  # type: ignore[no-untyped-de
         for lo, hi in _TREE:
             level = [_pairwise_sums(builder, level[i], level[i + 1], lo, hi) for i in range(0, len(level), 2)]
         totals = level[0]
-        i32 = ir.IntType(32)
         v4p = ir.VectorType(_F32, 4).as_pointer()
         for a in range(4):
             row = builder.shuffle_vector(totals, totals, ir.Constant(ir.VectorType(i32, 4), [ir.Constant(i32, 4 * a + b) for b in range(4)]))
@@ -232,8 +244,10 @@ def _scores(q, k, s):  # type: ignore[no-untyped-def]
     j4 = k.shape[0] // 4 * 4
     r4 = rows // 4 * 4
     simd = d_len % 16 == 0
+    spread = simd and r4 > 0  # the first 4x4 block of each step prefetches, spread over its arithmetic
     for j in range(0, j4, 4):
-        _prefetch_ahead(kf, j, d_len)
+        if not spread:
+            _prefetch_ahead(kf, j, d_len)
         k0 = k[j]
         k1 = k[j + 1]
         k2 = k[j + 2]
@@ -241,7 +255,7 @@ def _scores(q, k, s):  # type: ignore[no-untyped-def]
         c = j
         for r in range(0, r4, 4):
             if simd:
-                _scores_4x4_simd(q, k, s, r, j, c)
+                _scores_4x4_simd(q, k, s, r, j, c, r == 0)
             else:
                 _scores_4x4(q[r], q[r + 1], q[r + 2], q[r + 3], k0, k1, k2, k3, s[r : r + 4, c : c + 4])
         for r in range(r4, rows):
