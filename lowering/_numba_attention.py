@@ -1,17 +1,17 @@
 """numba kernels behind :mod:`lowering.compiled` (imported only when numba is installed).
 
-Two kernels:
+Three compiled functions:
 
 - :func:`attend_rows` (``nogil``, called on graphc's thread pool with a share
   of the KV heads and key slices each: numba's own threading layers spun
   against OpenBLAS's threads, and decode calls made after a GEMM took 4-15 ms
   instead of 1): attention of a few query rows per KV head (decode, short
   chunks), streaming ``K`` and ``V`` once for all the rows of a KV head, in
-  blocks of :data:`KEY_BLOCK` keys with an online softmax (scores of one
-  block stay in L1; cache-cold, 1024-key blocks read 5-10% more of the
-  machine's bandwidth than one pass over all of ``K`` then all of ``V``).
-  Scores four query rows x four keys at a time (:func:`_scores_4x4_simd`),
-  values four rows x 64 columns (:func:`_values_4x64_simd`); the next rows of ``K``/``V`` are prefetched a fixed distance ahead.  The
+  blocks of :data:`KEY_BLOCK` keys with an online softmax (one block's
+  scores stay in L1, and the scratch does not grow with the cache).  Scores
+  four query rows x four keys at a time (:func:`_scores_4x4_simd`), values
+  four rows x 64 columns (:func:`_values_4x64_simd`); the next rows of
+  ``K``/``V`` are prefetched a fixed distance ahead.  The
   softmax is left unnormalised: each slice returns its row maxima, sums and
   ``V`` accumulators, and the caller merges slices (split keys) and divides.
 - :func:`spin_until` (``nogil``): a bounded busy wait on a shared counter,
@@ -42,12 +42,44 @@ FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 PREFETCH_ROWS = 16
 """Key rows prefetched ahead of the one being read (8 KiB at head_dim 128).
 
-Cache-cold, 8 to 24 rows read alike; 32 rows was 10-20% slower, and no
-prefetch 20% slower at 8 query rows per KV head.
+Cache-cold, in one process, 8, 16 and 24 rows read alike, and without the
+prefetch 8 query rows per KV head read 18% slower.  (Such comparisons load
+each variant as its own module, and at batch 1 the module loaded last read
+up to 25% faster whatever it held: only differences that hold in both load
+orders count.)
 """
 
 KEY_BLOCK = 1024
-"""Keys per block of the online softmax in :func:`attend_rows` (256 and 512 measured slower, cache-cold)."""
+"""Keys per block of the online softmax in :func:`attend_rows`: the block's scores stay in L1 at up to 8 query rows."""
+
+
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_V16 = ir.VectorType(_F32, 16)
+
+
+def _emit_prefetch(builder, ptr):  # type: ignore[no-untyped-def]
+    """``llvm.prefetch`` (read, keep in all cache levels) of the line holding ``ptr``; never faults."""
+    byte_ptr = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, _I32, _I32, _I32]), "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, byte_ptr), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _emit_fma(builder, a, b, acc_ptr):  # type: ignore[no-untyped-def]
+    """``*acc_ptr = a * b + *acc_ptr`` on ``<16 x float>`` (``llvm.fma``)."""
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
+    builder.store(builder.call(fma, [a, b, builder.load(acc_ptr)]), acc_ptr)
+
+
+def _zeroed_accumulators(builder, count):  # type: ignore[no-untyped-def]
+    """``count`` stack slots of ``<16 x float>`` zeros (promoted to registers by LLVM)."""
+    zero = ir.Constant(_V16, [ir.Constant(_F32, 0.0)] * 16)
+    return [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
+
+
+def _load16(builder, ptr):  # type: ignore[no-untyped-def]
+    """A ``<16 x float>`` load from a ``float*`` (4-byte aligned)."""
+    return builder.load(builder.bitcast(ptr, _V16.as_pointer()), align=4)
 
 
 @intrinsic
@@ -57,24 +89,15 @@ def _prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         array = context.make_array(signature.args[0])(context, builder, args[0])
-        byte_ptr = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
-        ptr = builder.bitcast(builder.gep(array.data, [args[1]]), byte_ptr)
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _emit_prefetch(builder, builder.gep(array.data, [args[1]]))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-_F32 = ir.FloatType()
-_V16 = ir.VectorType(_F32, 16)
-
-
 def _pairwise_sums(builder, x, y, lo, hi):  # type: ignore[no-untyped-def]
     """``shuffle(x, y, lo) + shuffle(x, y, hi)``: one level of the transposing reduction tree."""
-    i32 = ir.IntType(32)
-    pick = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 16), [ir.Constant(i32, m) for m in mask])) for mask in (lo, hi)]
+    pick = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, m) for m in mask])) for mask in (lo, hi)]
     return builder.fadd(pick[0], pick[1])
 
 
@@ -107,37 +130,30 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c, prefetch):  # type: ignore[no-
         qa, ka, sa = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
         r, j, c, prefetch = args[3:]
         intp = context.get_value_type(types.intp)
-        i32 = ir.IntType(32)
         d_len = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
         ahead = builder.add(j, ir.Constant(intp, PREFETCH_ROWS + 3))
         prefetch = builder.and_(prefetch, builder.icmp_signed("<", ahead, cgutils.unpack_tuple(builder, ka.shape, 2)[0]))
-        byte_ptr = ir.IntType(8).as_pointer()
-        fetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
         far = [builder.gep(ka.data, [builder.mul(builder.add(j, ir.Constant(intp, PREFETCH_ROWS + b)), d_len)]) for b in range(4)]
         s_row = builder.sdiv(cgutils.unpack_tuple(builder, sa.strides, 2)[0], ir.Constant(intp, 4))
         q_rows = [builder.gep(qa.data, [builder.mul(builder.add(r, ir.Constant(intp, a)), d_len)]) for a in range(4)]
         k_rows = [builder.gep(ka.data, [builder.mul(builder.add(j, ir.Constant(intp, b)), d_len)]) for b in range(4)]
-        zero = ir.Constant(_V16, [ir.Constant(_F32, 0.0)] * 16)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(16)]
-        v16p = _V16.as_pointer()
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
+        accs = _zeroed_accumulators(builder, 16)
         with cgutils.for_range_slice(builder, ir.Constant(intp, 0), d_len, ir.Constant(intp, 16), intp=intp) as (d, _):
             with builder.if_then(prefetch, likely=True):
                 for p in far:
-                    line = builder.bitcast(builder.gep(p, [d]), byte_ptr)
-                    builder.call(fetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            kv = [builder.load(builder.bitcast(builder.gep(p, [d]), v16p), align=4) for p in k_rows]
+                    _emit_prefetch(builder, builder.gep(p, [d]))
+            kv = [_load16(builder, builder.gep(p, [d])) for p in k_rows]
             for a in range(4):
-                qv = builder.load(builder.bitcast(builder.gep(q_rows[a], [d]), v16p), align=4)
+                qv = _load16(builder, builder.gep(q_rows[a], [d]))
                 for b in range(4):
-                    builder.store(builder.call(fma, [qv, kv[b], builder.load(accs[4 * a + b])]), accs[4 * a + b])
+                    _emit_fma(builder, qv, kv[b], accs[4 * a + b])
         level = [builder.load(p) for p in accs]
         for lo, hi in _TREE:
             level = [_pairwise_sums(builder, level[i], level[i + 1], lo, hi) for i in range(0, len(level), 2)]
         totals = level[0]
         v4p = ir.VectorType(_F32, 4).as_pointer()
         for a in range(4):
-            row = builder.shuffle_vector(totals, totals, ir.Constant(ir.VectorType(i32, 4), [ir.Constant(i32, 4 * a + b) for b in range(4)]))
+            row = builder.shuffle_vector(totals, totals, ir.Constant(ir.VectorType(_I32, 4), [ir.Constant(_I32, 4 * a + b) for b in range(4)]))
             at = builder.add(builder.mul(builder.add(r, ir.Constant(intp, a)), s_row), c)
             builder.store(row, builder.bitcast(builder.gep(sa.data, [at]), v4p), align=4)
         return context.get_dummy_value()
@@ -163,18 +179,13 @@ def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):  # type: ignore[no
         pa, va, oa = (context.make_array(t)(context, builder, x) for t, x in zip(signature.args[:3], args[:3]))
         r, e0, prefetch = args[3:]
         intp = context.get_value_type(types.intp)
-        i32 = ir.IntType(32)
         p_row = builder.sdiv(cgutils.unpack_tuple(builder, pa.strides, 2)[0], ir.Constant(intp, 4))
         o_row = builder.sdiv(cgutils.unpack_tuple(builder, oa.strides, 2)[0], ir.Constant(intp, 4))
         keys, e_len = cgutils.unpack_tuple(builder, va.shape, 2)
         p_rows = [builder.gep(pa.data, [builder.mul(builder.add(r, ir.Constant(intp, a)), p_row)]) for a in range(4)]
-        zero = ir.Constant(_V16, [ir.Constant(_F32, 0.0)] * 16)
-        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(16)]
-        v16p = _V16.as_pointer()
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
-        byte_ptr = ir.IntType(8).as_pointer()
-        fetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
-        splat = ir.Constant(ir.VectorType(i32, 16), [ir.Constant(i32, 0)] * 16)
+        accs = _zeroed_accumulators(builder, 16)
+        splat = ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, 0)] * 16)
+        undef = ir.Constant(_V16, ir.Undefined)
         with cgutils.for_range(builder, keys, intp=intp) as loop:
             j = loop.index
             row = builder.gep(va.data, [builder.add(builder.mul(j, e_len), e0)])
@@ -182,21 +193,18 @@ def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):  # type: ignore[no
             with builder.if_then(builder.and_(prefetch, builder.icmp_signed("<", ahead, keys)), likely=True):
                 base = builder.gep(va.data, [builder.mul(ahead, e_len)])
                 with cgutils.for_range_slice(builder, ir.Constant(intp, 0), e_len, ir.Constant(intp, 16), intp=intp) as (c, _):
-                    builder.call(
-                        fetch, [builder.bitcast(builder.gep(base, [c]), byte_ptr), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]
-                    )
-            vv = [builder.load(builder.bitcast(builder.gep(row, [ir.Constant(intp, 16 * c)]), v16p), align=4) for c in range(4)]
+                    _emit_prefetch(builder, builder.gep(base, [c]))
+            vv = [_load16(builder, builder.gep(row, [ir.Constant(intp, 16 * c)])) for c in range(4)]
             for a in range(4):
                 weight = builder.load(builder.gep(p_rows[a], [j]))
-                wv = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(_V16, ir.Undefined), weight, ir.Constant(i32, 0)), ir.Constant(_V16, ir.Undefined), splat
-                )
+                wv = builder.shuffle_vector(builder.insert_element(undef, weight, ir.Constant(_I32, 0)), undef, splat)
                 for c in range(4):
-                    builder.store(builder.call(fma, [wv, vv[c], builder.load(accs[4 * a + c])]), accs[4 * a + c])
+                    _emit_fma(builder, wv, vv[c], accs[4 * a + c])
         for a in range(4):
             dst = builder.gep(oa.data, [builder.add(builder.mul(builder.add(r, ir.Constant(intp, a)), o_row), e0)])
             for c in range(4):
-                builder.store(builder.load(accs[4 * a + c]), builder.bitcast(builder.gep(dst, [ir.Constant(intp, 16 * c)]), v16p), align=4)
+                column = builder.bitcast(builder.gep(dst, [ir.Constant(intp, 16 * c)]), _V16.as_pointer())
+                builder.store(builder.load(accs[4 * a + c]), column, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -359,15 +367,14 @@ def _values_4_rows(p, v, vf, c0, c1, c2, c3):  # type: ignore[no-untyped-def]
     j4 = v.shape[0] // 4 * 4
     for j in range(0, j4, 4):
         _prefetch_ahead(vf, j, e_len)
-        i = j
         v0 = v[j]
         v1 = v[j + 1]
         v2 = v[j + 2]
         v3 = v[j + 3]
-        p00, p01, p02, p03 = p[0, i], p[0, i + 1], p[0, i + 2], p[0, i + 3]
-        p10, p11, p12, p13 = p[1, i], p[1, i + 1], p[1, i + 2], p[1, i + 3]
-        p20, p21, p22, p23 = p[2, i], p[2, i + 1], p[2, i + 2], p[2, i + 3]
-        p30, p31, p32, p33 = p[3, i], p[3, i + 1], p[3, i + 2], p[3, i + 3]
+        p00, p01, p02, p03 = p[0, j], p[0, j + 1], p[0, j + 2], p[0, j + 3]
+        p10, p11, p12, p13 = p[1, j], p[1, j + 1], p[1, j + 2], p[1, j + 3]
+        p20, p21, p22, p23 = p[2, j], p[2, j + 1], p[2, j + 2], p[2, j + 3]
+        p30, p31, p32, p33 = p[3, j], p[3, j + 1], p[3, j + 2], p[3, j + 3]
         for e in range(e_len):
             x0 = v0[e]
             x1 = v1[e]
@@ -378,13 +385,12 @@ def _values_4_rows(p, v, vf, c0, c1, c2, c3):  # type: ignore[no-untyped-def]
             c2[e] += (p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)
             c3[e] += (p30 * x0 + p31 * x1) + (p32 * x2 + p33 * x3)
     for j in range(j4, v.shape[0]):
-        i = j
         for e in range(e_len):
             x0 = v[j, e]
-            c0[e] += p[0, i] * x0
-            c1[e] += p[1, i] * x0
-            c2[e] += p[2, i] * x0
-            c3[e] += p[3, i] * x0
+            c0[e] += p[0, j] * x0
+            c1[e] += p[1, j] * x0
+            c2[e] += p[2, j] * x0
+            c3[e] += p[3, j] * x0
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
@@ -394,8 +400,7 @@ def _values_1_row(p, v, vf, c0):  # type: ignore[no-untyped-def]
     j4 = v.shape[0] // 4 * 4
     for j in range(0, j4, 4):
         _prefetch_ahead(vf, j, e_len)
-        i = j
-        p0, p1, p2, p3 = p[i], p[i + 1], p[i + 2], p[i + 3]
+        p0, p1, p2, p3 = p[j], p[j + 1], p[j + 2], p[j + 3]
         for e in range(e_len):
             c0[e] += (p0 * v[j, e] + p1 * v[j + 1, e]) + (p2 * v[j + 2, e] + p3 * v[j + 3, e])
     for j in range(j4, v.shape[0]):

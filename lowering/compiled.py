@@ -161,7 +161,8 @@ def decode_attention(
     kern = _loaded_kernels()
     lead, rows, _ = q.shape
     t_len, e_len = k.shape[1] if keys is None else keys, v.shape[2]
-    n = min(threads or default_threads(), 1 + lead * t_len * (q.shape[2] + e_len) * 4 * max(1, rows // 4) // DECODE_BYTES_PER_THREAD)
+    kv_bytes = lead * t_len * (q.shape[2] + e_len) * 4
+    n = min(threads or default_threads(), 1 + kv_bytes * max(1, rows // 4) // DECODE_BYTES_PER_THREAD)
     splits = max(1, min(-(-n // max(lead, 1)), t_len // 256 or 1))
     bounds = np.array([c * t_len // splits for c in range(splits + 1)], np.int64)
     acc = np.empty((splits, lead, rows, e_len), np.float32)

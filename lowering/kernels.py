@@ -89,8 +89,8 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
     thread per block while the blocks run, so that BLAS's own threads do not
     oversubscribe the cores.
     """
-    n = min(threads or default_threads(), len(starts))
-    if n <= 1:
+    n = threads or default_threads()
+    if n == 1 or len(starts) <= 1:
         for i0 in starts:
             block(i0)
         return
@@ -102,7 +102,12 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
 
 
 def _share_blocks(block: Callable[[T], None], starts: Sequence[T], n: int) -> None:
-    """Blocks taken in order from one counter by the caller and ``n - 1`` helpers (:mod:`lowering.crew`); the first error is raised after all stop."""
+    """Blocks taken in order from one counter by the caller and ``n - 1`` helpers (:mod:`lowering.crew`); the first error is raised after all stop.
+
+    The crew is the one for ``n`` threads whatever the number of blocks (a
+    helper that finds none left returns at once), so a process keeps one
+    crew per thread count asked for, as it kept one pool.
+    """
     counter = itertools.count()
 
     def work() -> None:
