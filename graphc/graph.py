@@ -38,7 +38,7 @@ from .errors import (
     UndefinedValueError,
 )
 from .ops import Op, TensorType, check_dtype
-from .weights import check_mapped_files
+from .mapped import check_mapped_files
 
 __all__ = ["Value", "Node", "Graph", "ValueLike"]
 

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import struct
-import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 
 from .dims import MAX_SIZE
 from .errors import SerializationError, WeightError
+from .mapped import check_mapped_files, register_map
 from .ops import check_dtype
 
 __all__ = ["load_weights", "read_safetensors", "check_mapped_files", "SAFETENSORS_DTYPES", "bfloat16"]
@@ -57,7 +57,6 @@ SAFETENSORS_DTYPES: dict[str, Any] = {
 _MAX_HEADER = 100_000_000  # the safetensors library's limit
 _U64 = 2**64
 _INDEX = "model.safetensors.index.json"
-_MAPPED: dict[int, tuple[int, str, int, int, int]] = {}  # map address -> (end address, file, size, inode, mtime_ns) while mapped
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -163,42 +162,12 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     if st.st_size > base:
         raw = np.memmap(path, dtype=np.uint8, mode="r")
-        addr = raw.__array_interface__["data"][0]
-        _MAPPED[addr] = (addr + raw.size, str(path), st.st_size, st.st_ino, st.st_mtime_ns)
-        weakref.finalize(raw, _MAPPED.pop, addr, None)  # views keep `raw` alive; the entry goes with the map
+        register_map(raw, str(path), st)
     else:
         raw = np.zeros(0, np.uint8)
     for name, np_dtype, shape, start, stop in entries:
         out[name] = raw[base + start : base + stop].view(np.dtype(np_dtype).newbyteorder("<")).reshape(shape)
     return out
-
-
-def check_mapped_files(arrays: Iterable[Any]) -> None:
-    """Raise :class:`WeightError` if a file that ``arrays`` are memory-mapped from changed since it was read.
-
-    A memory map of a file that shrinks afterwards kills the process with SIGBUS on the first read past the new
-    end; graphc calls this where it starts reading weights in bulk (a graph copying an initializer, ``optimize``,
-    ``lower`` and so every backend and export), so such a checkpoint is an error instead.
-    """
-    if not _MAPPED:
-        return
-    seen: set[int] = set()
-    for arr in arrays:
-        if not isinstance(arr, np.ndarray) or not arr.size:
-            continue
-        addr = arr.__array_interface__["data"][0]
-        for start, (end, name, size, ino, mtime) in list(_MAPPED.items()):
-            if not start <= addr < end or start in seen:
-                continue
-            seen.add(start)
-            try:
-                st = os.stat(name)
-            except OSError as e:
-                raise WeightError(f"weights file {name!r} is gone since it was loaded ({e.strerror or e}); load the checkpoint again") from None
-            if st.st_size != size or st.st_ino != ino or st.st_mtime_ns != mtime:
-                raise WeightError(
-                    f"weights file {name!r} changed since it was loaded ({size} bytes then, {st.st_size} now); load the checkpoint again"
-                )
 
 
 def _inside(root: Path, path: Path) -> bool:

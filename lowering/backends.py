@@ -70,10 +70,10 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
     return Runner("numpy", provider, graph, interp.run)
 
 
-def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes) -> Any:
+def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None) -> Any:
     from .onnx_export import DEFAULT_OPSET, export
 
-    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}))
+    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), place_weights=place_weights)
 
 
 def _reference(graph: Graph, opset: int | None = None, attention: str = "decomposed", sizes: Sizes = None) -> Runner:
@@ -127,12 +127,16 @@ def _ort(provider: str) -> Callable[..., Runner]:
         sizes: Sizes = None,
         isolate: bool = False,
         spin: bool = False,
+        inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
     ) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        return build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin)
+        return build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin, inline_weights_max_bytes)
 
     return prepare_ort
+
+
+DEFAULT_INLINE_MAX_BYTES = 64 << 20  # lowering.ort_weights.DEFAULT_INLINE_MAX_BYTES (not imported: onnx stays a lazy import here)
 
 
 def _torch_missing() -> str | None:

@@ -45,9 +45,11 @@ def _serve_fds(read_fd: int, write_fd: int) -> None:  # pragma: no cover - runs 
         kind, key, payload = request
         try:
             if kind == "load":
-                model, providers, threads, basic = payload
+                model, providers, threads, basic, folder = payload
                 so = ort.SessionOptions()
                 so.log_severity_level = 3
+                if folder is not None:  # external data read from the checkpoint's files (lowering.ort_weights)
+                    so.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
                 if threads:
                     so.intra_op_num_threads = threads
                 if basic:
@@ -126,15 +128,23 @@ class IsolatedSession:
     """An onnxruntime ``InferenceSession`` living in the worker process.
 
     ``basic_optimizations`` limits onnxruntime's graph rewrites to the basic
-    level (see :mod:`lowering.ort_backend`).  ``outputs``, ``providers`` and ``version`` describe the session as the
-    worker built it.  :meth:`run` raises :class:`BackendError` when onnxruntime
+    level (see :mod:`lowering.ort_backend`); ``weights_folder`` is the folder of
+    the model's external data.  ``outputs``, ``providers`` and ``version``
+    describe the session as the worker built it.  :meth:`run` raises :class:`BackendError` when onnxruntime
     fails or the worker dies; a session whose worker died cannot run again.
     """
 
-    def __init__(self, model: bytes, providers: Sequence[str], threads: int | None = None, basic_optimizations: bool = False) -> None:
+    def __init__(
+        self,
+        model: bytes,
+        providers: Sequence[str],
+        threads: int | None = None,
+        basic_optimizations: bool = False,
+        weights_folder: str | None = None,
+    ) -> None:
         self._worker = _worker()
         self._key = next(_KEYS)
-        payload = (model, list(providers), threads, basic_optimizations)
+        payload = (model, list(providers), threads, basic_optimizations, weights_folder)
         self.outputs, self.providers, self.version = self._worker.request("load", self._key, payload)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, min_max_args, normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Graph
+from graphc.mapped import all_finite
 from graphc.ops import FLOAT_DTYPES
 
 __all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES"]
@@ -201,7 +202,7 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
     for name, arr in g.initializers.items():
         if id(arr) not in finite_arrays:
             floating = str(arr.dtype) in FLOAT_DTYPES  # bfloat16 included (its NumPy kind is "V")
-            finite_arrays[id(arr)] = not floating or bool(np.isfinite(arr.astype(np.float32, copy=False)).all())
+            finite_arrays[id(arr)] = not floating or all_finite(arr)
         from_any[name] = from_const[name] = not finite_arrays[id(arr)]
     for node in g.topological_order():
         flow = node.op.neg_inf_rows(len(node.inputs))  # the op says (graphc.ops.Op.neg_inf_rows)

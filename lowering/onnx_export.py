@@ -390,6 +390,7 @@ def export(
     sizes: dict[str, int] | None = None,
     external_data: bool = False,
     ctx: PassContext | None = None,
+    place_weights: Callable[[str, np.ndarray], onnx.TensorProto] | None = None,
 ) -> onnx.ModelProto:
     """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
 
@@ -410,6 +411,9 @@ def export(
     ``<path>.data`` beside the model, one array at a time, each distinct array
     once (tied weights share their bytes), so models past protobuf's 2 GiB
     limit export without copying every weight into one message.
+
+    ``place_weights(name, array) -> TensorProto`` decides how each initializer is carried instead (inline, or external
+    data that a session is pointed at; see :class:`lowering.ort_weights.SessionWeights`); it excludes ``external_data``.
     """
     if external_data and path is None:
         raise ExportError("external_data=True needs a path to write the weights next to")
@@ -429,11 +433,7 @@ def export(
     b = OnnxBuilder(lowered)
     for node in lowered.topological_order():
         _lower_node(b, node, attention)
-    if external_data:
-        b.initializers.extend(_write_external(lowered, Path(str(path))))
-    else:
-        for name, arr in lowered.initializers.items():
-            b.initializers.append(numpy_helper.from_array(contiguous(arr), name))
+    b.initializers.extend(_initializers(lowered, path, external_data, place_weights))
     onnx_graph = helper.make_graph(
         b.nodes,
         graph.name,
@@ -453,6 +453,18 @@ def export(
         except OSError as e:
             raise ExportError(f"cannot write {str(path)!r}: {e.strerror}") from None
     return model
+
+
+def _initializers(
+    lowered: Graph, path: str | Path | None, external_data: bool, place_weights: Callable[[str, np.ndarray], onnx.TensorProto] | None
+) -> list[onnx.TensorProto]:
+    """The model's initializers: inline, streamed into ``<path>.data``, or as ``place_weights`` decides."""
+    if external_data and place_weights is not None:
+        raise ExportError("external_data=True and place_weights both place the weights; pass one")
+    if external_data:
+        return _write_external(lowered, Path(str(path)))
+    place = place_weights or (lambda name, arr: numpy_helper.from_array(contiguous(arr), name))
+    return [place(name, arr) for name, arr in lowered.initializers.items()]
 
 
 _EXTERNAL_MIN_BYTES = 1024

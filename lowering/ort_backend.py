@@ -2,7 +2,11 @@
 
 A graph is exported once per runner (:func:`lowering.onnx_export.export`) and
 run by an ``InferenceSession``, in this process or, with ``isolate=True``, in
-the worker process of :mod:`lowering.isolated`.
+the worker process of :mod:`lowering.isolated`.  Weights past
+``inline_weights_max_bytes`` are not serialized into the model: the session
+reads them from the checkpoint's own files or receives them as ``OrtValue`` s
+(:mod:`lowering.ort_weights`), so models of any size load, in about the memory
+of their weights.
 
 onnxruntime's extended graph rewrites fuse a Transpose into ``MatMul``
 (``com.microsoft.FusedMatMul`` with ``transBatchA``), and some releases (1.30
@@ -26,9 +30,12 @@ from graphc.ops import Einsum
 from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
+from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, plan_session_weights
 from .runner import Runner
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction"]
+
+_PROTOBUF_LIMIT = 2**31 - 1
 
 
 def contraction_shapes(graph: Graph) -> list[Shape]:
@@ -53,8 +60,11 @@ def _check_provider(name: str, provider: str, used: list[str]) -> None:
 class _Sessions:
     """The runner's sessions: fully optimized, and (built on first need) basic rewrites only."""
 
-    def __init__(self, name: str, graph: Graph, model: bytes, provider: str, threads: int | None, isolate: bool, spin: bool = False) -> None:
+    def __init__(
+        self, name: str, graph: Graph, model: bytes, weights: SessionWeights, provider: str, threads: int | None, isolate: bool, spin: bool = False
+    ) -> None:
         self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
+        self.weights = weights
         self.spin = spin
         self.providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
@@ -69,7 +79,7 @@ class _Sessions:
         if self.isolate:
             from .isolated import IsolatedSession
 
-            isolated = IsolatedSession(self.model, self.providers, self.threads, basic_optimizations=basic)
+            isolated = IsolatedSession(self.model, self.providers, self.threads, basic_optimizations=basic, weights_folder=self.weights.folder)
             used, version, self.outputs = isolated.providers, isolated.version, isolated.outputs
             run: Callable[[Mapping[str, np.ndarray]], list[np.ndarray]] = isolated.run
         else:
@@ -83,10 +93,12 @@ class _Sessions:
                 so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             if basic:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            handed = self.weights.session_options(so)
             try:
                 sess = ort.InferenceSession(self.model, so, providers=self.providers)
             except Exception as e:  # noqa: BLE001
                 raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
+            del handed  # onnxruntime copied them
             used, version, self.outputs = sess.get_providers(), ort.__version__, [o.name for o in sess.get_outputs()]
             out_names = list(self.outputs)
             run = lambda inputs: sess.run(out_names, dict(inputs))  # noqa: E731
@@ -109,17 +121,32 @@ def prepare_ort(
     sizes: Mapping[str, int] | None = None,
     isolate: bool = False,
     spin: bool = False,
+    inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
 ) -> Runner:
     """Export ``graph`` and build its session: a :class:`~lowering.runner.Runner`, as every backend returns.
 
     ``spin=False`` (default) turns off onnxruntime's spinning intra-op threads, which otherwise
     compete with NumPy's and torch's thread pools in the same process (``compare`` runs them all).
+    ``inline_weights_max_bytes``: weights up to this many bytes in all are serialized into the model; larger ones
+    are read from the checkpoint's files or handed over (:mod:`lowering.ort_weights`); ``None`` inlines any size
+    (up to protobuf's 2 GiB).
     """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
+    limit = inline_weights_max_bytes
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {inline_weights_max_bytes!r}")
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
-    model = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes).SerializeToString()
-    sessions = _Sessions(name, graph, model, provider, threads, isolate, spin)
+    weights = plan_session_weights(graph.initializers, inline_weights_max_bytes, allow_handed=not isolate)
+    proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights)
+    if weights.inline_bytes >= _PROTOBUF_LIMIT:
+        raise BackendError(
+            f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "
+            "lower inline_weights_max_bytes (or leave isolate off, so computed weights are handed over)"
+        )
+    model = proto.SerializeToString()
+    del proto
+    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin)
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
@@ -131,4 +158,4 @@ def prepare_ort(
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
-    return Runner(name, sessions.description, graph, run, session=native)
+    return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe())

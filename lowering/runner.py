@@ -27,6 +27,8 @@ class Runner:
     session: Any = field(default=None, repr=False)
     """The backend's own session where callers may keep tensors on the backend between runs
     (onnxruntime's ``InferenceSession`` in this process, with the graph's own interface dtypes); else None."""
+    weights: str = field(default="", repr=False)
+    """Where the backend keeps the weights, when it says (onnxruntime: inline, read from the checkpoint files, handed over)."""
     _check: InputChecker = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from graphc.attention_op import Attention
 from graphc.dims import check_sizes
 from graphc.graph import Graph, Node
-from graphc.weights import check_mapped_files
+from graphc.mapped import check_mapped_files
 from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 from graphc.dims import check_sizes
 from graphc.errors import UnknownNameError
 from graphc.graph import Graph
-from graphc.weights import check_mapped_files
+from graphc.mapped import check_mapped_files
 
 from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .cost import GraphCost, format_comparison, graph_cost

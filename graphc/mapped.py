@@ -1,0 +1,173 @@
+"""Memory-mapped weight files: which file an array's bytes live in, whether that file changed, and releasing its pages.
+
+:func:`graphc.weights.read_safetensors` maps each file once and registers the
+map here.  Every tensor of the file is a view of that map, so for any array
+graphc can tell which file holds its bytes and at which offset
+(:func:`mapped_location`): the onnxruntime backends hand such weights to
+onnxruntime as external data that points into the checkpoint's own files, so
+the weights are neither serialized into a protobuf nor copied by graphc.
+
+This module is a leaf (it imports nothing of graphc but the error types), so
+the IR, the optimizer and the backends can all use it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import WeightError
+
+__all__ = ["register_map", "check_mapped_files", "mapped_location", "MappedLocation", "release_mapped_pages", "distinct_nbytes", "all_finite"]
+
+
+@dataclass(frozen=True)
+class _Map:
+    end: int
+    path: str
+    size: int
+    inode: int
+    mtime_ns: int
+    owner: Any  # weakref to the np.memmap
+
+
+@dataclass(frozen=True)
+class MappedLocation:
+    """Where an array's bytes lie: ``path`` (a real path, links resolved) at byte ``offset``, ``length`` bytes."""
+
+    path: str
+    offset: int
+    length: int
+
+
+_MAPPED: dict[int, _Map] = {}  # map start address -> the mapping, while mapped
+
+
+def register_map(raw: np.memmap, path: str, st: os.stat_result) -> None:
+    """Record ``raw``, the whole-file map of ``path`` (stat ``st``), until it is garbage-collected."""
+    addr = raw.__array_interface__["data"][0]
+    _MAPPED[addr] = _Map(addr + raw.size, os.path.realpath(path), st.st_size, st.st_ino, st.st_mtime_ns, weakref.ref(raw))
+    weakref.finalize(raw, _MAPPED.pop, addr, None)  # views keep `raw` alive; the entry goes with the map
+
+
+def _find(addr: int) -> tuple[int, _Map] | None:
+    for start, m in list(_MAPPED.items()):
+        if start <= addr < m.end:
+            return start, m
+    return None
+
+
+def check_mapped_files(arrays: Iterable[Any]) -> None:
+    """Raise :class:`WeightError` if a file that ``arrays`` are memory-mapped from changed since it was read.
+
+    A memory map of a file that shrinks afterwards kills the process with SIGBUS on the first read past the new
+    end; graphc calls this where it starts reading weights in bulk (a graph copying an initializer, ``optimize``,
+    ``lower`` and so every backend and export), so such a checkpoint is an error instead.
+    """
+    if not _MAPPED:
+        return
+    seen: set[int] = set()
+    for arr in arrays:
+        if not isinstance(arr, np.ndarray) or not arr.size:
+            continue
+        found = _find(arr.__array_interface__["data"][0])
+        if found is None or found[0] in seen:
+            continue
+        seen.add(found[0])
+        m = found[1]
+        try:
+            st = os.stat(m.path)
+        except OSError as e:
+            raise WeightError(f"weights file {m.path!r} is gone since it was loaded ({e.strerror or e}); load the checkpoint again") from None
+        if st.st_size != m.size or st.st_ino != m.inode or st.st_mtime_ns != m.mtime_ns:
+            raise WeightError(
+                f"weights file {m.path!r} changed since it was loaded ({m.size} bytes then, {st.st_size} now); load the checkpoint again"
+            )
+
+
+def mapped_location(arr: np.ndarray) -> MappedLocation | None:
+    """The file and byte range holding ``arr``, when ``arr`` is a C-contiguous little-endian view of a mapped file; else None."""
+    if not isinstance(arr, np.ndarray) or not arr.size or not arr.flags.c_contiguous or arr.dtype.byteorder == ">":
+        return None
+    addr = arr.__array_interface__["data"][0]
+    found = _find(addr)
+    if found is None or addr + arr.nbytes > found[1].end:
+        return None
+    start, m = found
+    return MappedLocation(m.path, addr - start, arr.nbytes)
+
+
+def distinct_nbytes(arrays: Iterable[np.ndarray]) -> int:
+    """Bytes of the distinct arrays among ``arrays`` (tied weights once): what a model's weights occupy."""
+    seen: dict[tuple[int, int], int] = {}
+    for a in arrays:
+        if isinstance(a, np.ndarray):
+            seen[(a.__array_interface__["data"][0], a.nbytes)] = a.nbytes
+    return sum(seen.values())
+
+
+def release_mapped_pages() -> int:
+    """Drop every mapped weight file's pages from this process's resident set; returns the bytes of the maps advised.
+
+    The data stays in the operating system's page cache and is read back on the next touch, so this changes no
+    number: it only stops pages one backend read from counting in the resident memory of the next (Linux
+    ``MADV_DONTNEED`` on a read-only file map).  A no-op where the platform has no ``madvise``.
+    """
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    total = 0
+    for m in list(_MAPPED.values()):
+        raw = m.owner()
+        handle = getattr(raw, "_mmap", None)
+        if advice is None or handle is None:
+            continue
+        try:
+            handle.madvise(advice)
+        except (OSError, ValueError):  # pragma: no cover - a closed map
+            continue
+        total += m.size
+    return total
+
+
+_FINITE: dict[tuple[str, int, int, int], bool] = {}  # (file, offset, length, mtime_ns) -> all finite
+_CHUNK = 64 << 20
+
+
+def all_finite(arr: np.ndarray) -> bool:
+    """True when every element of the floating array ``arr`` is finite (bfloat16 included).
+
+    A view of a mapped checkpoint file is read in 64 MiB chunks whose pages are dropped from the resident set
+    after each (as :func:`release_mapped_pages`), and the answer is kept per file range, so scanning a model's
+    weights neither doubles its resident memory nor repeats for each backend.
+    """
+    where = mapped_location(arr)
+    if where is None:
+        return bool(np.isfinite(arr.astype(np.float32, copy=False)).all())
+    found = _find(arr.__array_interface__["data"][0])
+    assert found is not None
+    key = (where.path, where.offset, where.length, found[1].mtime_ns)
+    if key not in _FINITE:
+        flat = arr.reshape(-1)
+        step = max(1, _CHUNK // arr.itemsize)
+        _FINITE[key] = all(_finite_chunk(flat[i : i + step], found) for i in range(0, flat.size, step))
+    return _FINITE[key]
+
+
+def _finite_chunk(chunk: np.ndarray, found: tuple[int, _Map]) -> bool:
+    ok = bool(np.isfinite(chunk.astype(np.float32, copy=False)).all())
+    start, m = found
+    handle = getattr(m.owner(), "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if handle is not None and advice is not None:
+        first = (chunk.__array_interface__["data"][0] - start) // mmap.PAGESIZE * mmap.PAGESIZE
+        last = min(m.size, chunk.__array_interface__["data"][0] - start + chunk.nbytes)
+        try:
+            handle.madvise(advice, first, last - first)
+        except (OSError, ValueError):  # pragma: no cover - a closed map
+            pass
+    return ok

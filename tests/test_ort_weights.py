@@ -1,0 +1,181 @@
+"""Weights reach onnxruntime without a protobuf holding them: read from the checkpoint's own files, or handed over.
+
+Every test lowers ``inline_weights_max_bytes`` to 0, so small models take the path that
+models past protobuf's 2 GiB limit take, and compares with the weights serialized
+into the model (the same onnxruntime kernels: equal to the bit) and with the NumPy
+backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import graphc
+from graphc.errors import BackendError, ExportError
+from graphc.mapped import all_finite, mapped_location, release_mapped_pages
+from graphc.weights import load_weights
+from lowering import export, prepare
+from lowering.ort_weights import plan_session_weights
+
+from conftest import installed
+
+pytestmark = pytest.mark.skipif(not installed("ort-cpu"), reason="onnxruntime is not installed")
+
+CFG = graphc.gqa(64, 8, 2)
+
+
+def _mapped_layer(folder: Path, dtype: str = "float32", seed: int = 0) -> graphc.Graph:
+    """An attention layer whose weights are views of a safetensors file in ``folder``."""
+    built = graphc.attention_layer_graph(CFG, seed=seed, dtype=dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in built.initializers.items()}, str(folder / "model.safetensors"))
+    return graphc.attention_layer_graph(CFG, weights=load_weights(folder), dtype=dtype)
+
+
+def _inputs(g: graphc.Graph, dtype: str = "float32") -> dict[str, np.ndarray]:
+    x = np.random.default_rng(1).standard_normal((2, 5, 64)).astype(np.float32)
+    return {g.inputs[0]: x.astype(dtype)}
+
+
+def _same_as_inline(g: graphc.Graph, inputs: dict[str, np.ndarray], **options) -> str:
+    placed = prepare(g, "ort-cpu", inline_weights_max_bytes=0, **options)
+    inline = prepare(g, "ort-cpu", inline_weights_max_bytes=None, **options)
+    got, want = placed.run(inputs), inline.run(inputs)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    ref = prepare(g, "numpy").run(inputs)
+    for name in ref:
+        np.testing.assert_allclose(got[name].astype(np.float32), ref[name].astype(np.float32), atol=2e-2 if "16" in str(ref[name].dtype) else 1e-5)
+    return placed.weights
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_mapped_weights_are_read_from_the_checkpoint_file(tmp_path, dtype):
+    g = _mapped_layer(tmp_path / "ckpt", dtype)
+    assert all(mapped_location(a) is not None for a in g.initializers.values())
+    where = _same_as_inline(g, _inputs(g, dtype))
+    assert "read from the checkpoint files in " + str((tmp_path / "ckpt").resolve()) in where
+    assert "handed" not in where
+
+
+def test_the_model_carries_no_weight_bytes(tmp_path):
+    g = _mapped_layer(tmp_path / "ckpt")
+    plan = plan_session_weights(g.initializers, 0)
+    model = export(g, place_weights=plan)
+    weight_bytes = sum(a.nbytes for a in g.initializers.values())
+    assert plan.file_bytes == weight_bytes and plan.inline_bytes == 0
+    assert model.ByteSize() < weight_bytes / 4
+    external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer if t.external_data}
+    where = mapped_location(g.initializers["q_proj.weight"])
+    assert external["q_proj.weight"] == {"location": "model.safetensors", "offset": str(where.offset), "length": str(64 * 64 * 4)}
+
+
+def test_weights_not_in_any_file_are_handed_over(tmp_path):
+    g = graphc.attention_layer_graph(CFG, seed=3)  # seeded weights: in memory, not mapped
+    where = _same_as_inline(g, _inputs(g))
+    assert "handed over as OrtValues" in where and "checkpoint files" not in where
+
+
+def test_weights_of_a_second_folder_are_handed_over(tmp_path):
+    first = _mapped_layer(tmp_path / "a")
+    second = _mapped_layer(tmp_path / "b", seed=5)
+    g = graphc.attention_layer_graph(CFG, weights={**first.initializers, "o_proj.weight": second.initializers["o_proj.weight"]})
+    plan = plan_session_weights(g.initializers, 0)
+    assert plan.folder == str((tmp_path / "a").resolve())
+    where = _same_as_inline(g, _inputs(g))
+    assert "handed over" in where and "checkpoint files" in where
+
+
+def test_a_worker_process_session_reads_the_files_and_inlines_the_rest(tmp_path):
+    g = _mapped_layer(tmp_path / "ckpt")
+    where = _same_as_inline(g, _inputs(g), isolate=True)
+    assert "checkpoint files" in where
+    computed = graphc.attention_layer_graph(CFG, seed=3)
+    assert "handed" not in _same_as_inline(computed, _inputs(computed), isolate=True)
+
+
+def test_below_the_threshold_everything_is_inline(tmp_path):
+    g = _mapped_layer(tmp_path / "ckpt")
+    runner = prepare(g, "ort-cpu", inline_weights_max_bytes=1 << 20)
+    assert runner.weights.endswith("in the model")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
+def test_a_bad_threshold_is_named(tmp_path, bad):
+    g = graphc.attention_layer_graph(CFG)
+    with pytest.raises(BackendError, match="inline_weights_max_bytes must be a non-negative int or None"):
+        prepare(g, "ort-cpu", inline_weights_max_bytes=bad)
+
+
+def test_export_takes_one_placement(tmp_path):
+    g = graphc.attention_layer_graph(CFG)
+    with pytest.raises(ExportError, match="pass one"):
+        export(g, tmp_path / "m.onnx", external_data=True, place_weights=plan_session_weights(g.initializers, 0))
+
+
+def test_finiteness_of_mapped_weights_is_read_in_chunks_and_remembered(tmp_path, monkeypatch):
+    import graphc.mapped as mapped
+
+    w = np.ones((300, 100), np.float32)
+    w[299, 99] = -np.inf
+    save_file({"w": w, "ok": np.ones((300, 100), np.float32)}, str(tmp_path / "m.safetensors"))
+    arrays = load_weights(tmp_path)
+    monkeypatch.setattr(mapped, "_CHUNK", 4096)  # many chunks: the last one holds the -inf
+    assert not all_finite(arrays["w"]) and all_finite(arrays["ok"])
+    assert all_finite(np.ones(3, np.float32)) and not all_finite(np.array([np.nan], np.float32))
+    calls = []
+    monkeypatch.setattr(mapped, "_finite_chunk", lambda chunk, found: calls.append(1) or True)
+    assert not all_finite(arrays["w"])  # remembered, not read again
+    assert calls == []
+    assert release_mapped_pages() >= 2 * w.nbytes
+    np.testing.assert_array_equal(arrays["w"], w)  # released pages read back from the file
+
+
+def test_a_causal_lm_checkpoint_generates_the_same_tokens_from_its_files(tmp_path):
+    """A save_pretrained folder: ort-cpu with the weights read from the folder gives the NumPy backend's tokens."""
+    from lowering import generate
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    g = graphc.causal_lm_from_hf(tmp_path / "config.json", load_weights(tmp_path))
+    prompts = [[5, 17, 33], [7, 1, 90, 44, 12, 60]]
+    runner = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    assert "checkpoint files" in runner.weights
+    got = generate(g, prompts, 6, runner=runner).new_tokens
+    np.testing.assert_array_equal(got, generate(g, prompts, 6).new_tokens)
+    from lowering import left_pad
+
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+        out = model.generate(input_ids=ids_t, attention_mask=mask_t, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    np.testing.assert_array_equal(got, out[:, ids.shape[1] :].numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_torch_backend_shares_the_mapped_weights(tmp_path, dtype):
+    """On the CPU the torch backend's weight tensors are the mapped file's bytes (no copy), and compute as the NumPy backend."""
+    torch = pytest.importorskip("torch")
+    from lowering.torch_backend import _weight
+
+    g = _mapped_layer(tmp_path / "ckpt", dtype)
+    w = g.initializers["q_proj.weight"]
+    t = _weight(torch, w, torch.device("cpu"))
+    assert t.data_ptr() == w.__array_interface__["data"][0]
+    inputs = _inputs(g, dtype)
+    got, want = prepare(g, "torch", device="cpu").run(inputs), prepare(g, "numpy").run(inputs)
+    for name in want:
+        np.testing.assert_allclose(got[name].astype(np.float32), want[name].astype(np.float32), atol=2e-2 if dtype == "bfloat16" else 1e-5)
