@@ -2,18 +2,24 @@
 
 The model is built once (:func:`graphc.causal_lm_from_hf`; seeded random weights
 without ``--weights``), optimized for the decode step, and generated on every
-backend in turn.  Every backend must produce the same tokens: the command exits 1
+backend in turn, one at a time: each backend's row says how long it took to
+prepare and its peak resident memory (the weights' bytes are in the header).  Every backend must produce the same tokens: the command exits 1
 when they differ (after printing them all), 2 on a user error.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from .cli_common import Progress, UsageError, at_least
 from .graph import Graph
+from .mapped import distinct_nbytes, release_mapped_pages
+from .memory import format_bytes, reset_resident_peak, resident_peak_bytes
 
 __all__ = ["add_generate", "cmd_generate"]
 
@@ -53,24 +59,40 @@ def _options(backend: str, args: argparse.Namespace, sizes: dict[str, int]) -> d
     return options
 
 
-def _table(rows: list[tuple[str, Any]], graph: Graph, prompts: list[list[int]], new: int) -> str:
+@dataclass(frozen=True)
+class _Row:
+    """One backend's generation with what it cost: seconds to prepare, peak resident bytes while it ran."""
+
+    generation: Any
+    prepare_seconds: float
+    peak_bytes: int | None
+
+
+def _table(rows: list[tuple[str, _Row | str]], graph: Graph, prompts: list[list[int]], new: int) -> str:
     layers = sum(1 for n in graph.inputs if n.endswith(".key"))
+    weights = distinct_nbytes(graph.initializers.values())
     lines = [
-        f"model {graph.name}: {layers} layers, vocab {graph.types['logits'].shape[-1]}, {graph.types['present.0.key'].dtype}; "
-        f"{len(prompts)} prompt(s), up to {new} new tokens, greedy",
-        f"{'backend':<14}  {'prefill ms':>10}  {'ms/token':>8}  {'tokens/s':>8}  provider / reason",
-        f"{'-' * 14}  {'-' * 10}  {'-' * 8}  {'-' * 8}  {'-' * 17}",
+        f"model {graph.name}: {layers} layers, vocab {graph.types['logits'].shape[-1]}, {graph.types['present.0.key'].dtype}, "
+        f"weights {format_bytes(weights)}; {len(prompts)} prompt(s), up to {new} new tokens, greedy",
+        f"{'backend':<14}  {'prepare s':>9}  {'prefill ms':>10}  {'ms/token':>8}  {'tokens/s':>8}  {'peak RSS':>10}  provider / reason",
+        f"{'':<14}  {'':>9}  {'':>10}  {'(median)':>8}  {'(mean)':>8}  {'(x weights)':>10}",
+        f"{'-' * 14}  {'-' * 9}  {'-' * 10}  {'-' * 8}  {'-' * 8}  {'-' * 10}  {'-' * 17}",
     ]
     for backend, r in rows:
         if isinstance(r, str):
-            lines.append(f"{backend:<14}  {'-':>10}  {'-':>8}  {'-':>8}  {r}")
-        else:
-            lines.append(f"{backend:<14}  {r.prefill_seconds * 1e3:10.2f}  {r.ms_per_token:8.2f}  {r.tokens_per_second:8.1f}  {r.provider}")
+            lines.append(f"{backend:<14}  {'-':>9}  {'-':>10}  {'-':>8}  {'-':>8}  {'-':>10}  {r}")
+            continue
+        g = r.generation
+        peak = "-" if r.peak_bytes is None else f"{format_bytes(r.peak_bytes)}" + (f" {r.peak_bytes / weights:.2f}x" if weights else "")
+        lines.append(
+            f"{backend:<14}  {r.prepare_seconds:9.2f}  {g.prefill_seconds * 1e3:10.2f}  {g.ms_per_token:8.2f}  {g.tokens_per_second:8.1f}  "
+            f"{peak:>10}  {g.provider}"
+        )
     return "\n".join(lines)
 
 
-def _tokens(rows: list[tuple[str, Any]], prompts: list[list[int]]) -> tuple[str, bool]:
-    runs = [(b, r) for b, r in rows if not isinstance(r, str)]
+def _tokens(rows: list[tuple[str, _Row | str]], prompts: list[list[int]]) -> tuple[str, bool]:
+    runs = [(b, r.generation) for b, r in rows if not isinstance(r, str)]
     distinct = {tuple(map(tuple, r.new_tokens.tolist())) for _, r in runs}
     lines = []
     if len(distinct) <= 1:
@@ -100,7 +122,7 @@ def _warm_and_generate(graph: Graph, prompts: list[list[int]], args: argparse.Na
     return generate(graph, prompts, args.max_new_tokens, progress=report, **options)
 
 
-def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, progress: Progress) -> tuple[str, Any]:
+def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, progress: Progress) -> tuple[str, _Row | str]:
     """The ``--shards N`` row: the model split by KV-head group on N Dask workers (each keeping its part of the cache)."""
     from lowering.dask_shards import sharded_runner
 
@@ -109,15 +131,35 @@ def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespac
     label = f"sharded x{args.shards}"
     progress(f"{label}: starting {args.shards} Dask workers")
     try:
+        start = time.perf_counter()
         with sharded_runner(graph, args.shards, args.shard_backend) as runner:
-            return label, _warm_and_generate(graph, prompts, args, runner, progress, label)
+            prepared = time.perf_counter() - start
+            return label, _Row(_warm_and_generate(graph, prompts, args, runner, progress, label), prepared, None)  # workers' memory is theirs
     except BackendUnavailableError as e:
         return label, f"skipped: {e}"
 
 
+def _backend_row(
+    graph: Graph, prompts: list[list[int]], args: argparse.Namespace, backend: str, sizes: dict[str, int], progress: Progress, tag: str
+) -> _Row:
+    """Prepare ``backend``, generate, and measure: the peak resident memory counts this backend alone (the pages of the
+    mapped checkpoint that an earlier backend read are dropped first, and its runner is gone)."""
+    from lowering import prepare
+
+    gc.collect()
+    release_mapped_pages()
+    reset_resident_peak()
+    start = time.perf_counter()
+    runner = prepare(graph, backend, **_options(backend, args, sizes))
+    prepared = time.perf_counter() - start
+    generation = _warm_and_generate(graph, prompts, args, runner, progress, tag)
+    peak = resident_peak_bytes()
+    del runner
+    return _Row(generation, prepared, peak)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate greedily on every backend; print tokens/s per backend and the tokens."""
-    from lowering import prepare
     from lowering.backends import unavailable_reason
 
     from .optimizer import optimize
@@ -137,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.no_optimize:
         progress("optimizing for the decode step")
         graph = optimize(graph, hints=sizes).graph
-    rows: list[tuple[str, Any]] = []
+    rows: list[tuple[str, _Row | str]] = []
     try:
         for k, backend in enumerate(backends, 1):
             reason = unavailable_reason(backend)
@@ -146,8 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 continue
             tag = f"[{k}/{len(backends)}] {backend}"
             progress(f"{tag}: preparing and warming up")
-            runner = prepare(graph, backend, **_options(backend, args, sizes))
-            rows.append((backend, _warm_and_generate(graph, prompts, args, runner, progress, tag)))
+            rows.append((backend, _backend_row(graph, prompts, args, backend, sizes, progress, tag)))
         if args.shards is not None:
             rows.append(_sharded_row(graph, prompts, args, progress))
     finally:

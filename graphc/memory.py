@@ -31,6 +31,9 @@ __all__ = [
     "graph_run_bytes",
     "live_bytes",
     "DEFAULT_FRACTION",
+    "resident_bytes",
+    "resident_peak_bytes",
+    "reset_resident_peak",
 ]
 
 DEFAULT_FRACTION = 0.5
@@ -165,3 +168,46 @@ def graph_run_bytes(graph: Any, sizes: Mapping[str, int], upcast: bool = False) 
     weights = sum(int(a.nbytes) for a in graph.initializers.values())
     total = weights + live_bytes(graph, nbytes)[0]
     return total * 2 if upcast else total
+
+
+def _status_field(name: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux ``VmRSS``), or None where the OS does not say."""
+    return _status_field("VmRSS")
+
+
+def resident_peak_bytes() -> int | None:
+    """This process's peak resident memory since it started or since :func:`reset_resident_peak` (``VmHWM``; elsewhere
+    ``ru_maxrss``, which cannot be reset), or None where the OS does not say."""
+    peak = _status_field("VmHWM")
+    if peak is not None:
+        return peak
+    try:
+        import resource
+        import sys
+
+        scale = 1 if sys.platform == "darwin" else 1024
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+    except (ImportError, OSError):  # pragma: no cover - no resource module
+        return None
+
+
+def reset_resident_peak() -> bool:
+    """Start the peak of :func:`resident_peak_bytes` again from the resident memory now (Linux ``clear_refs``);
+    False where the OS cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -9,6 +9,8 @@ that is entirely masked gives zeros, as in every graphc backend.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,12 +128,22 @@ def _attention(torch: Any, op: Attention, a: list[Any], env: dict[str, int]) -> 
 def _to_torch(torch: Any, arr: np.ndarray) -> Any:
     """``torch.from_numpy``, plus bfloat16 (ml_dtypes), which torch cannot take directly: same bits, viewed.
 
-    A read-only array (memory-mapped weights) is copied: torch tensors are writable."""
+    A read-only array is copied: torch tensors are writable (weights go through :func:`_weight`)."""
     if not arr.flags.writeable:
         arr = arr.copy()
     if str(arr.dtype) == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
+
+
+def _weight(torch: Any, arr: np.ndarray, dev: Any) -> Any:
+    """A weight as a tensor on ``dev`` that shares memory with ``arr`` on the CPU (memory-mapped weights included: the
+    interpreter's kernels never write their operands in place, so torch's writable-tensor warning does not apply)."""
+    arr = contiguous(arr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if str(arr.dtype) == "bfloat16" else torch.from_numpy(arr)
+    return t.to(dev)
 
 
 def _to_numpy(torch: Any, t: Any) -> np.ndarray:
@@ -150,7 +162,7 @@ def prepare_torch(graph: Graph, device: str | None = None, threads: int | None =
         torch.set_num_threads(threads)
     kernels = _kernels(torch)
     order = lowered.topological_order()
-    weights = {k: _to_torch(torch, np.array(v)).to(dev) for k, v in lowered.initializers.items()}
+    weights = {k: _weight(torch, v, dev) for k, v in lowered.initializers.items()}
 
     def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         env_dims = check_inputs(graph, inputs)
