@@ -29,6 +29,8 @@ from graphc.dims import Dim, dim_add, dim_prod, normalize_dim
 from graphc.einsum_spec import EinsumSpec, label_sizes, parse_einsum
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
+from graphc.mapped import distinct_nbytes
+from graphc.memory import format_bytes
 from graphc.numerics import contiguous, hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, op_registrar
 from graphc.optimizer import PassContext, lower
@@ -412,8 +414,12 @@ def export(
     once (tied weights share their bytes), so models past protobuf's 2 GiB
     limit export without copying every weight into one message.
 
-    ``place_weights(name, array) -> TensorProto`` decides how each initializer is carried instead (inline, or external
-    data that a session is pointed at; see :class:`lowering.ort_weights.SessionWeights`); it excludes ``external_data``.
+    Weights past protobuf's 2 GiB limit are written as external data even
+    without ``external_data`` (with no ``path``, :class:`ExportError`).
+    ``place_weights(name, array) -> TensorProto`` decides how each initializer
+    is carried instead (inline, or external data that a session is pointed at;
+    see :class:`lowering.ort_weights.SessionWeights`); it excludes
+    ``external_data``.
     """
     if external_data and path is None:
         raise ExportError("external_data=True needs a path to write the weights next to")
@@ -458,15 +464,28 @@ def export(
 def _initializers(
     lowered: Graph, path: str | Path | None, external_data: bool, place_weights: Callable[[str, np.ndarray], onnx.TensorProto] | None
 ) -> list[onnx.TensorProto]:
-    """The model's initializers: inline, streamed into ``<path>.data``, or as ``place_weights`` decides."""
+    """The model's initializers: inline, streamed into ``<path>.data``, or as ``place_weights`` decides.
+
+    Weights too large for one protobuf (:data:`INLINE_LIMIT`) go to ``<path>.data`` even without ``external_data``."""
     if external_data and place_weights is not None:
         raise ExportError("external_data=True and place_weights both place the weights; pass one")
+    if place_weights is None and not external_data:
+        total = distinct_nbytes(lowered.initializers.values())
+        if total > INLINE_LIMIT:
+            if path is None:
+                raise ExportError(
+                    f"graph {lowered.name!r} has {format_bytes(total)} of weights, past what one protobuf holds (2 GiB); "
+                    "export to a path (the weights go to <path>.data) or run it with lowering.prepare, which reads them from the checkpoint"
+                )
+            external_data = True
     if external_data:
         return _write_external(lowered, Path(str(path)))
     place = place_weights or (lambda name, arr: numpy_helper.from_array(contiguous(arr), name))
     return [place(name, arr) for name, arr in lowered.initializers.items()]
 
 
+INLINE_LIMIT = 2**31 - (64 << 20)
+"""Initializer bytes above which an export writes external data whatever it was asked (protobuf's 2 GiB, less room for the graph)."""
 _EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 

@@ -229,7 +229,7 @@ def test_cli_generate_prints_transformers_tokens_per_backend(tmp_path, capsys):
     assert main(["generate", "--hf-config", str(tmp_path / "config.json"), "--prompt-ids", "1,2", "--layers", "1", "--quiet"]) == 0  # random weights
     assert "1 layers, vocab 96" in capsys.readouterr().out
     assert main([*argv, "--dtype", "bfloat16", "--backends", "numpy", "--quiet"]) == 0  # a float32 checkpoint converted on load
-    assert "bfloat16;" in capsys.readouterr().out
+    assert "bfloat16, weights" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

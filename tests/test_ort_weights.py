@@ -179,3 +179,22 @@ def test_the_torch_backend_shares_the_mapped_weights(tmp_path, dtype):
     got, want = prepare(g, "torch", device="cpu").run(inputs), prepare(g, "numpy").run(inputs)
     for name in want:
         np.testing.assert_allclose(got[name].astype(np.float32), want[name].astype(np.float32), atol=2e-2 if dtype == "bfloat16" else 1e-5)
+
+
+def test_an_export_past_protobufs_limit_writes_external_data(tmp_path, monkeypatch):
+    """A model too large for one protobuf (the limit lowered to a few KiB here) goes to <path>.data; in memory it is refused."""
+    import onnxruntime as ort
+
+    import lowering.onnx_export as onnx_export
+
+    monkeypatch.setattr(onnx_export, "INLINE_LIMIT", 4096)
+    g = graphc.attention_layer_graph(CFG, seed=2)
+    with pytest.raises(ExportError, match=r"past what one protobuf holds \(2 GiB\); export to a path"):
+        export(g)
+    path = tmp_path / "layer.onnx"
+    export(g, path)
+    assert (tmp_path / "layer.onnx.data").stat().st_size >= sum(a.nbytes for a in g.initializers.values())
+    inputs = _inputs(g)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)
+    want = prepare(g, "numpy").run(inputs)
+    np.testing.assert_allclose(got[0], want[g.outputs[0]], atol=1e-5)
