@@ -24,7 +24,16 @@ import numpy as np
 
 from .errors import WeightError
 
-__all__ = ["register_map", "check_mapped_files", "mapped_location", "MappedLocation", "release_mapped_pages", "distinct_nbytes", "all_finite"]
+__all__ = [
+    "register_map",
+    "check_mapped_files",
+    "mapped_location",
+    "MappedLocation",
+    "release_mapped_pages",
+    "release_pages",
+    "distinct_nbytes",
+    "all_finite",
+]
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,20 @@ def all_finite(arr: np.ndarray) -> bool:
 
 def _finite_chunk(chunk: np.ndarray, found: tuple[int, _Map]) -> bool:
     ok = bool(np.isfinite(chunk.astype(np.float32, copy=False)).all())
+    _release(chunk, found)
+    return ok
+
+
+def release_pages(arr: np.ndarray) -> None:
+    """Drop the pages holding ``arr`` from the resident set when it is a view of a mapped file (see
+    :func:`release_mapped_pages`); a no-op otherwise."""
+    if isinstance(arr, np.ndarray) and arr.size:
+        found = _find(arr.__array_interface__["data"][0])
+        if found is not None:
+            _release(arr, found)
+
+
+def _release(chunk: np.ndarray, found: tuple[int, _Map]) -> None:
     start, m = found
     handle = getattr(m.owner(), "_mmap", None)
     advice = getattr(mmap, "MADV_DONTNEED", None)
@@ -170,4 +193,3 @@ def _finite_chunk(chunk: np.ndarray, found: tuple[int, _Map]) -> bool:
             handle.madvise(advice, first, last - first)
         except (OSError, ValueError):  # pragma: no cover - a closed map
             pass
-    return ok

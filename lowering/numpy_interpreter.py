@@ -5,7 +5,8 @@ the interpreter has one (``Einsum`` as batched GEMMs, a last-axis ``Softmax``
 blocked on a thread pool, ``Attention`` as the row-blocked kernel), and every
 other op falls back to its own reference semantics (``op.evaluate_all``).
 Nodes that read only weights (the float32 casts a low-precision graph's
-weights get) run once when the interpreter is built.  Values are dropped
+weights get) run once when the interpreter is built, and weights nothing else
+reads are dropped then (a memory-mapped checkpoint's pages with them).  Values are dropped
 after their last reader, and a failing node is re-raised as
 :class:`~graphc.errors.ExecutionError` naming the node and its op, with the
 original exception as ``__cause__``.
@@ -27,6 +28,7 @@ import numpy as np
 from graphc.attention_op import Attention
 from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
+from graphc.mapped import release_pages
 from graphc.ops import FLOAT_DTYPES, Cast, Einsum, Op, Softmax
 
 from .attention_kernel import attention_kernel
@@ -95,8 +97,13 @@ class NumpyInterpreter:
                     rest.append(node)
                     continue
                 self._weights.update(zip(node.outputs, results))
+                for i in node.inputs:  # read once: its pages need not stay resident (a later reader faults them back)
+                    release_pages(self._weights[i])
             else:
                 rest.append(node)
+        still_read = {i for node in rest for i in node.inputs} | set(self.graph.outputs)
+        for name in [n for n in self._weights if n not in still_read]:  # e.g. bfloat16 weights now held as float32
+            del self._weights[name]
         return rest
 
     def _cast(self, arr: np.ndarray) -> np.ndarray:

@@ -137,8 +137,10 @@ def prepare_ort(
         raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {inline_weights_max_bytes!r}")
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
-    weights = plan_session_weights(graph.initializers, inline_weights_max_bytes, allow_handed=not isolate)
+    weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights)
+    if weights.widen:
+        weights.widen_casts(proto)
     if weights.inline_bytes >= _PROTOBUF_LIMIT:
         raise BackendError(
             f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "

@@ -18,12 +18,27 @@ copies of them, so a model whose weights pass ``inline_max_bytes`` (default
 - small arrays (under 1 KiB: scalars, norms' epsilons, shape constants) stay in
   the model.
 
+onnxruntime's CPU kernels have no bfloat16 (nor, on most CPUs, float16) MatMul,
+so a low-precision graph reads each weight through a ``Cast`` to float32, which
+onnxruntime would fold into float32 copies while the low-precision ones are
+still mapped, then transpose and pack.  With ``widen=True`` (the CPU provider)
+graphc converts such weights itself instead, streaming, into float32 files in
+a cache folder (``GRAPHC_WEIGHT_CACHE`` or the system's temporary folder,
+removed with the session), drops the ``Cast`` nodes, and points the session
+there: onnxruntime then holds only its packed float32 copy, twice the
+checkpoint's bytes (the float32 weights it computes with), and the conversion
+(exact: every bfloat16 or float16 value is a float32 value) gives the same
+numbers.
+
 Below ``inline_max_bytes`` every weight is inlined, as before.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphc.mapped import distinct_nbytes, mapped_location
+from graphc.mapped import distinct_nbytes, mapped_location, release_pages
 from graphc.memory import format_bytes
 from graphc.numerics import contiguous
 
@@ -43,6 +58,9 @@ DEFAULT_INLINE_MAX_BYTES = 64 << 20
 """Weights up to this many bytes in all are serialized into the model; above it, :class:`SessionWeights` places them."""
 _SMALL = 1024
 _HANDED = "graphc-handed-initializer"  # the placeholder location of a handed weight: never read (the OrtValue replaces it)
+_LOW = ("float16", "bfloat16")
+_ALIGN = 4096
+_CHUNK = 16 << 20  # elements converted at a time
 
 
 def _external(name: str, arr: np.ndarray, location: str, offset: int) -> onnx.TensorProto:
@@ -66,24 +84,60 @@ class SessionWeights:
     inline_max_bytes: int | None
     allow_handed: bool = True
     folder: str | None = None
+    widen: bool = False
     handed: dict[str, np.ndarray] = field(default_factory=dict)
+    low: dict[str, np.ndarray] = field(default_factory=dict)
     inline_bytes: int = 0
     file_bytes: int = 0
     handed_bytes: int = 0
+    widened_bytes: int = 0
 
     def __call__(self, name: str, arr: np.ndarray) -> onnx.TensorProto:
         """The initializer ``name`` as the model will carry it."""
         if self.inline_max_bytes is None or arr.nbytes < _SMALL:
             return self._inline(name, arr)
+        if self.widen and str(arr.dtype) in _LOW:
+            self.low[name] = arr  # placed by widen_casts once the model's nodes are known
+            return _external(name, arr, _HANDED, 0)
         where = mapped_location(arr)
         if where is not None and os.path.dirname(where.path) == self.folder:
             self.file_bytes += arr.nbytes
             return _external(name, arr, os.path.basename(where.path), where.offset)
         if not self.allow_handed:
             return self._inline(name, arr)
+        self._hand(name, arr)
+        return _external(name, arr, _HANDED, 0)
+
+    def widen_casts(self, model: onnx.ModelProto) -> None:
+        """Store each low-precision weight read only through ``Cast`` to float32 as float32 data in the cache folder and drop
+        those casts (their readers read the weight); any other low-precision weight is handed over as it is."""
+        graph = model.graph
+        readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in graph.node:
+            for i in node.input:
+                readers.setdefault(i, []).append(node)
+        outputs = {o.name for o in graph.output}
+        tensors = {t.name: t for t in graph.initializer}
+        renames: dict[str, str] = {}
+        with open(os.path.join(str(self.folder), "weights.f32"), "ab") as f:
+            for name, arr in self.low.items():
+                casts = readers.get(name, [])
+                if not casts or any(n.op_type != "Cast" or _to(n) != onnx.TensorProto.FLOAT or n.output[0] in outputs for n in casts):
+                    self._hand(name, arr)
+                    continue
+                offset = _append_float32(f, arr)
+                tensors[name].CopyFrom(_external(name, np.empty(arr.shape, np.float32), "weights.f32", offset))
+                self.widened_bytes += arr.nbytes * 2
+                renames.update({n.output[0]: name for n in casts})
+        keep = [n for n in graph.node if not (n.op_type == "Cast" and n.output[0] in renames)]
+        for node in keep:
+            node.input[:] = [renames.get(i, i) for i in node.input]
+        del graph.node[:]
+        graph.node.extend(keep)
+
+    def _hand(self, name: str, arr: np.ndarray) -> None:
         self.handed[name] = arr
         self.handed_bytes += arr.nbytes
-        return _external(name, arr, _HANDED, 0)
 
     def _inline(self, name: str, arr: np.ndarray) -> onnx.TensorProto:
         self.inline_bytes += arr.nbytes
@@ -107,9 +161,35 @@ class SessionWeights:
         parts = [f"{format_bytes(self.inline_bytes)} in the model"]
         if self.file_bytes:
             parts.append(f"{format_bytes(self.file_bytes)} read from the checkpoint files in {self.folder}")
+        if self.widened_bytes:
+            parts.append(f"{format_bytes(self.widened_bytes)} converted to float32 files in {self.folder}")
         if self.handed_bytes:
             parts.append(f"{format_bytes(self.handed_bytes)} handed over as OrtValues")
         return "; ".join(parts)
+
+
+def _to(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "to"), -1)
+
+
+def _append_float32(f: Any, arr: np.ndarray) -> int:
+    """Append ``arr`` as little-endian float32 at the next aligned offset of ``f``, a chunk at a time (a mapped
+    source's pages are dropped after each chunk); returns the offset."""
+    offset = -f.tell() % _ALIGN + f.tell()
+    f.seek(offset)
+    flat = contiguous(arr).reshape(-1)
+    for i in range(0, flat.size, _CHUNK):
+        chunk = flat[i : i + _CHUNK]
+        f.write(memoryview(chunk.astype("<f4")).cast("B"))
+        release_pages(chunk)
+    return offset
+
+
+def _cache_folder() -> str:
+    root = os.environ.get("GRAPHC_WEIGHT_CACHE") or None
+    if root is not None:
+        os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix="graphc-weights-", dir=root)
 
 
 
@@ -119,16 +199,24 @@ def _ortvalue(ort: Any, arr: np.ndarray) -> Any:
     return ort.OrtValue.ortvalue_from_numpy(arr)
 
 
-def plan_session_weights(initializers: dict[str, np.ndarray], inline_max_bytes: int | None, allow_handed: bool = True) -> SessionWeights:
+def plan_session_weights(
+    initializers: dict[str, np.ndarray], inline_max_bytes: int | None, allow_handed: bool = True, widen: bool = False
+) -> SessionWeights:
     """The placement for a graph with these ``initializers`` (the lowered graph's, or the graph's: the mapped ones are the same arrays).
 
     ``inline_max_bytes=None`` or weights of at most that many bytes in all: everything inline.  Otherwise the
     checkpoint folder holding most of the mapped bytes is the model's external-data folder; weights in other folders,
     and arrays that are not mapped, are handed over (``allow_handed=False``, for a session in a worker process: inlined).
+    ``widen=True`` with low-precision weights: a new cache folder is the external-data folder (see the module doc);
+    call :meth:`SessionWeights.widen_casts` after the export.
     """
     total = distinct_nbytes(initializers.values())
     if inline_max_bytes is None or total <= inline_max_bytes:
         return SessionWeights(None, allow_handed)
+    if widen and any(str(a.dtype) in _LOW and a.nbytes >= _SMALL for a in initializers.values()):
+        plan = SessionWeights(inline_max_bytes, allow_handed, _cache_folder(), widen=True)
+        weakref.finalize(plan, shutil.rmtree, plan.folder, True)
+        return plan
     by_folder: dict[str, int] = {}
     for arr in initializers.values():
         where = mapped_location(arr)

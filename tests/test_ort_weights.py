@@ -53,13 +53,35 @@ def _same_as_inline(g: graphc.Graph, inputs: dict[str, np.ndarray], **options) -
     return placed.weights
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_mapped_weights_are_read_from_the_checkpoint_file(tmp_path, dtype):
-    g = _mapped_layer(tmp_path / "ckpt", dtype)
+def test_mapped_weights_are_read_from_the_checkpoint_file(tmp_path):
+    g = _mapped_layer(tmp_path / "ckpt")
     assert all(mapped_location(a) is not None for a in g.initializers.values())
-    where = _same_as_inline(g, _inputs(g, dtype))
+    where = _same_as_inline(g, _inputs(g))
     assert "read from the checkpoint files in " + str((tmp_path / "ckpt").resolve()) in where
     assert "handed" not in where
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_weights_reach_the_cpu_provider_as_float32_files(tmp_path, monkeypatch, dtype):
+    """onnxruntime's CPU kernels compute in float32: graphc converts the weights into a cache folder (no Cast left for
+    onnxruntime to fold), with the numbers of the weights serialized as they are, and removes the folder with the runner."""
+    import gc
+
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    g = _mapped_layer(tmp_path / "ckpt", dtype)
+    where = _same_as_inline(g, _inputs(g, dtype))
+    weight_bytes = sum(a.nbytes for a in g.initializers.values())
+    assert f"{weight_bytes * 2 / 1024:.1f} KiB converted to float32 files in {tmp_path / 'cache'}" in where, where
+    plan = plan_session_weights(g.initializers, 0, widen=True)
+    model = export(g, place_weights=plan)
+    plan.widen_casts(model)
+    assert not [n for n in model.graph.node if n.op_type == "Cast" and n.input[0] in g.initializers]
+    assert {t.data_type for t in model.graph.initializer if t.name in g.initializers} == {1}  # float32
+    folder = Path(plan.folder)
+    assert (folder / "weights.f32").stat().st_size >= 2 * weight_bytes
+    del plan
+    gc.collect()
+    assert not folder.exists()
 
 
 def test_the_model_carries_no_weight_bytes(tmp_path):
