@@ -95,7 +95,8 @@ for line in sys.stdin:
         times.append(time.perf_counter() - t0)
         tokens.append(int(gen.get_next_tokens()[0]))
         t0 = time.perf_counter()
-    print(json.dumps({"times": times, "tokens": tokens}), flush=True)
+    peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    print(json.dumps({"times": times, "tokens": tokens, "peak_rss": peak}), flush=True)
 """
 
 Run = Callable[[list[int], int], tuple[list[float], list[int]]]
@@ -196,14 +197,15 @@ def graphc_runs(hf: Path, sizes: dict[str, int], work: Path, model: str) -> dict
     return {"graphc numpy": numpy_run, "graphc ort-cpu": ort_loop(path)}
 
 
-def transformers_runs(hf: Path) -> dict[str, Run]:
-    """transformers' ``generate`` (eager and sdpa attention); a logits processor stamps each token."""
+def transformers_runs(hf: Path, impls: tuple[str, ...] = ("eager", "sdpa"), model: object = None) -> dict[str, Run]:
+    """transformers' ``generate`` (eager and sdpa attention, or ``impls``; ``model`` already loaded); a logits processor stamps each token."""
     import torch
     import transformers
 
     runs: dict[str, Run] = {}
-    for impl in ("eager", "sdpa"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation=impl, dtype=torch.float32).eval()
+    for impl in impls:
+        if model is None or len(impls) > 1:
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf, attn_implementation=impl, dtype=torch.float32).eval()
 
         def run(prompt: list[int], new: int, model=model) -> tuple[list[float], list[int]]:  # noqa: ANN001
             stamps: list[float] = []
@@ -245,6 +247,7 @@ def genai_run(work: Path, folder: Path) -> Run:
         proc.stdin.write(json.dumps({"prompt": prompt, "new": new}) + "\n")  # type: ignore[union-attr]
         proc.stdin.flush()  # type: ignore[union-attr]
         reply = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        run.peak_rss = reply.get("peak_rss", 0)  # type: ignore[attr-defined]
         return reply["times"], reply["tokens"]
 
     return run

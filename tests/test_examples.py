@@ -47,3 +47,12 @@ def test_generate_example_runs_and_its_onnx_export_decodes_in_a_plain_loop():
     proc = subprocess.run([sys.executable, str(EXAMPLES / "generate.py")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "in a plain onnxruntime loop: the same 16 tokens" in proc.stdout
+
+
+def test_checkpoint_memory_example_reads_the_weights_from_the_files_on_onnxruntime():
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "checkpoint_memory.py")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    tokens = {line.split("tokens ")[1] for line in lines if "prepared in" in line}
+    assert len(tokens) == 1 and len([line for line in lines if "prepared in" in line]) >= 2, proc.stdout
+    assert "MiB read from the checkpoint files in" in proc.stdout

@@ -220,3 +220,17 @@ def test_an_export_past_protobufs_limit_writes_external_data(tmp_path, monkeypat
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)
     want = prepare(g, "numpy").run(inputs)
     np.testing.assert_allclose(got[0], want[g.outputs[0]], atol=1e-5)
+
+
+def test_optimizing_a_mapped_checkpoint_copies_no_weight(tmp_path):
+    """The attention scale is not folded into a mapped projection weight (a copy of it): it goes onto the projection's input."""
+    g = _mapped_layer(tmp_path / "ckpt")
+    seeded = graphc.attention_layer_graph(CFG, seed=0)
+    opt, report = graphc.optimize(g, hints={"batch": 2, "seq": 5})
+    assert all(mapped_location(a) is not None for a in opt.initializers.values() if a.nbytes >= 1024)
+    assert any(n.endswith("_scaled") for n in graphc.optimize(seeded, hints={"batch": 2, "seq": 5}).graph.initializers)  # in memory: folded
+    assert not any(n.endswith("_scaled") for n in opt.initializers)
+    assert "scale moved onto operand" in report.explain()
+    inputs = _inputs(g)
+    got, want = prepare(opt, "numpy").run(inputs), prepare(g, "numpy", reference=True).run(inputs)
+    np.testing.assert_allclose(got[g.outputs[0]], want[g.outputs[0]], atol=1e-5, rtol=1e-4)

@@ -5,13 +5,17 @@ initializer operand when there is one (constant folding then bakes the scale
 into the weight), else the smallest operand, and only when that is smaller
 than the einsum's result.  Together with the layout hoisting rule this carries
 the scale from the scores to ``q_proj.weight`` (and ``q_proj.bias``), through
-a rotary embedding too (it is linear in the rotated tensor).
+a rotary embedding too (it is linear in the rotated tensor).  A weight that is a
+view of a memory-mapped checkpoint is never scaled (that would copy it): the
+scale goes onto the einsum's other operand (the projection's input
+activations, a cheap pass) when that is smaller than the result.
 """
 
 from __future__ import annotations
 
 from graphc.dims import dim_is_nonnegative, dim_prod, dim_sub
 from graphc.graph import Graph, Node
+from graphc.mapped import mapped_location
 from graphc.ops import Binary, Einsum, Scale
 from graphc.rotary import Rotary
 
@@ -40,16 +44,18 @@ def _match_scale_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> obje
         return None
     if not only_reader(graph, e.name, node.name):
         return Miss(f"einsum {e.name!r} has other readers")
-    consts = [i for i, v in enumerate(e.inputs) if graph.is_constant(v)]
+    mapped = {i for i, v in enumerate(e.inputs) if v in graph.initializers and mapped_location(graph.initializers[v]) is not None}
+    consts = [i for i, v in enumerate(e.inputs) if graph.is_constant(v) and i not in mapped]
     if consts:
         return node, e, consts[0]
+    candidates = [i for i in range(len(e.inputs)) if i not in mapped]  # a checkpoint's mapped weight is never copied to scale it
     shapes = [graph.types[v].shape for v in e.inputs]
     if all(ctx.known_size(d) is not None for shape in shapes for d in shape):
-        sizes = [ctx.numel(shape) for shape in shapes]  # every size is known: compare them
-        pos = sizes.index(min(sizes))
+        sizes = [ctx.numel(shapes[i]) for i in candidates]  # every size is known: compare them
+        pos = candidates[sizes.index(min(sizes))]
     else:  # guessed sizes must never put the scale on the larger operand (a pass over a KV cache)
-        numels = [dim_prod(shape) for shape in shapes]
-        smallest = [i for i, n in enumerate(numels) if all(dim_is_nonnegative(dim_sub(m, n)) for m in numels)]
+        numels = {i: dim_prod(shapes[i]) for i in candidates}
+        smallest = [i for i, n in numels.items() if all(dim_is_nonnegative(dim_sub(m, n)) for m in numels.values())]
         if not smallest:
             return Miss(
                 f"which operand of {e.name!r} is smaller depends on unhinted sizes ({', '.join(map(str, numels))}); "
