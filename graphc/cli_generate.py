@@ -35,6 +35,9 @@ def _prompts(items: list[str]) -> list[list[int]]:
             raise UsageError(f"--prompt-ids takes comma-separated token ids such as 1,2,3, got {item!r}") from None
         if not ids:
             raise UsageError(f"--prompt-ids {item!r} holds no token id")
+        out_of_range = [t for t in ids if not 0 <= t < 2**63]
+        if out_of_range:
+            raise UsageError(f"--prompt-ids: token id {out_of_range[0]} is out of range (ids are 0 .. the vocabulary size - 1)")
         prompts.append(ids)
     return prompts
 
@@ -168,6 +171,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     at_least("--layers", args.layers, 1)
     at_least("--threads", args.threads, 1, 4096)
     at_least("--shards", args.shards, 1, 1024)
+    if args.shards is not None:
+        from lowering.backends import get_backend
+
+        get_backend(args.shard_backend)  # an unknown name is refused before any worker starts
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends:
         raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")

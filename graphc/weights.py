@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -35,7 +36,7 @@ from .errors import SerializationError, WeightError
 from .mapped import check_mapped_files, register_map
 from .ops import check_dtype
 
-__all__ = ["load_weights", "read_safetensors", "check_mapped_files", "SAFETENSORS_DTYPES", "bfloat16"]
+__all__ = ["load_weights", "read_safetensors", "check_mapped_files", "require_regular_file", "SAFETENSORS_DTYPES", "bfloat16"]
 
 try:  # ml_dtypes comes with onnx
     from ml_dtypes import bfloat16
@@ -139,6 +140,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     and the tensor.
     """
     path = Path(path)
+    require_regular_file(path, "weights file")
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -170,6 +172,18 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def require_regular_file(path: str | Path, what: str) -> None:
+    """Raise :class:`SerializationError` unless ``path`` is a regular file (links followed): opening a FIFO or a device
+    to read it would block or never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise SerializationError(f"cannot read {what} {str(path)!r}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise SerializationError(f"{what} {str(path)!r} is {kind}, not a regular file; graphc reads regular files only")
+
+
 def _inside(root: Path, path: Path) -> bool:
     return os.path.commonpath([str(root), str(path)]) == str(root)
 
@@ -199,6 +213,7 @@ def _confined(folder: Path, entry: Any, where: str) -> Path:
 
 
 def _read_index(index: Path) -> dict[str, str]:
+    require_regular_file(index, "safetensors index")
     try:
         doc = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
     except OSError as e:

@@ -31,7 +31,7 @@ from types import ModuleType
 
 import numpy as np
 
-from graphc.errors import GraphcError
+from graphc.errors import ExecutionError, GraphcError
 
 from .crew import use_spin
 from .kernels import default_threads, run_blocks
@@ -146,6 +146,21 @@ def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
     return totals.reshape(*s.shape[:-1], 1)
 
 
+def _check_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: int | None) -> None:
+    """The compiled kernel's contract, checked before it runs (it reads raw float32 memory)."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 3 or not a.flags.c_contiguous:
+            got = f"{a.dtype}{list(a.shape)}{'' if a.flags.c_contiguous else ' strided'}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ExecutionError(f"decode_attention: {name} must be a C-contiguous float32 array [L, rows or keys, D], got {got}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] and k.shape[1] == v.shape[1]):
+        raise ExecutionError(
+            f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit "
+            "(q [L, R, D], k [L, T, D], v [L, T, E])"
+        )
+    if keys is not None and not 0 <= keys <= k.shape[1]:
+        raise ExecutionError(f"decode_attention: keys must be in 0..{k.shape[1]} (the buffer's length), got {keys}")
+
+
 def decode_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offset: int | None, window: int | None, threads: int | None, keys: int | None = None
 ) -> np.ndarray:
@@ -158,6 +173,7 @@ def decode_attention(
     when there are fewer heads than threads (flash-decoding: each key slice
     returns its row maxima, sums and accumulators, merged here).
     """
+    _check_operands(q, k, v, keys)
     kern = _loaded_kernels()
     lead, rows, _ = q.shape
     t_len, e_len = k.shape[1] if keys is None else keys, v.shape[2]

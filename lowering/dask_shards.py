@@ -22,6 +22,7 @@ from graphc.graph import Graph
 
 from graphc.sharding import ShardPlan, Stage, shard, sum_addends
 
+from .backends import get_backend
 from .sharded import RunStats, ShardedRunner, timed_run
 
 __all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
@@ -95,14 +96,19 @@ class DaskExecutor:
         self._graphs: list[Any] = []  # the scattered graphs: held, or Dask may drop them before the prepare tasks read them
         self.setup_bytes = 0
 
+    def _open(self) -> Any:
+        if self.client.status in ("closed", "closing"):
+            raise BackendError("the Dask client of this sharded runner is closed; make a new runner (lowering.dask_shards.sharded_runner)")
+        return self.client
+
     def _submit(self, shard: int, fn: Any, *args: Any) -> Any:
-        return self.client.submit(fn, *args, workers=[self.workers[shard]], allow_other_workers=False, pure=False)
+        return self._open().submit(fn, *args, workers=[self.workers[shard]], allow_other_workers=False, pure=False)
 
     def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
         """Send each shard's graph (with its weight slices) to its worker and prepare it there."""
         for i, g in enumerate(stage.graphs):
             self.setup_bytes += sum(a.nbytes for a in g.initializers.values())
-            [graph_future] = self.client.scatter([g], workers=[self.workers[i]], hash=False)
+            [graph_future] = self._open().scatter([g], workers=[self.workers[i]], hash=False)
             self._graphs.append(graph_future)
             self._runners[(stage.index, i)] = self._submit(i, _prepare_on_worker, graph_future, backend, dict(options))
 
@@ -115,7 +121,7 @@ class DaskExecutor:
         """Small arrays travel inside the task that reads them (no extra round trip); large ones are scattered to the shard's worker."""
         if array.nbytes <= EMBED_BYTES:
             return array
-        [future] = self.client.scatter(
+        [future] = self._open().scatter(
             [array], workers=[self.workers[shard]], hash=False
         )  # a unique key per send: the same array goes to several workers
         return self._submit(shard, _aligned, future)
@@ -129,7 +135,7 @@ class DaskExecutor:
 
     def _gather(self, handles: list[Any]) -> list[Any]:
         try:
-            return list(self.client.gather(handles))
+            return list(self._open().gather(handles))
         except GraphcError:
             raise
         except Exception as e:  # a worker's failure arrives here, re-raised by Dask
@@ -146,6 +152,7 @@ class DaskExecutor:
 
 def sharded_runner(graph: Graph | ShardPlan, n: int | None = None, backend: str = "numpy", client: Any = None, **options: Any) -> ShardedRunner:
     """A :class:`ShardedRunner` for ``graph`` split ``n`` ways (or a ready plan) on ``client`` (a new LocalCluster of ``n`` workers if None)."""
+    get_backend(backend)  # an unknown name is refused before any worker starts
     plan = graph if isinstance(graph, ShardPlan) else shard(graph, n if n is not None else 2)
     own = client is None
     if own:

@@ -14,7 +14,9 @@ backends the arrays a step returns are the next step's inputs.
 
 A sequence that emits ``eos_token_id`` is finished: it is fed ``pad_token_id``
 afterwards and generation stops when every sequence is finished, as
-transformers does.
+transformers does.  NaN logits (weights holding NaN or inf) raise
+:class:`~graphc.errors.ExecutionError`: transformers emits token 0 for them,
+graphc refuses to choose.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from graphc.errors import InputError
+from graphc.errors import ExecutionError, InputError
 from graphc.graph import Graph
 
 from . import kv_buffers
@@ -35,6 +37,10 @@ from .runner import Runner
 from .sharded import ShardedRunner
 
 __all__ = ["Generation", "generate", "left_pad", "lm_interface", "LMInterface"]
+
+_FIRST_ROOM = 256
+"""New positions a NumPy cache buffer has room for at first; it doubles as tokens come (nothing is allocated for tokens
+an ``eos_token_id`` may never let come)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,8 @@ def lm_interface(graph: Graph) -> LMInterface:
 def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``input_ids`` and ``attention_mask`` ``[batch, longest]`` (int64) for prompts of any lengths, padded on the left."""
     if isinstance(prompts, np.ndarray):
-        if prompts.ndim != 2 or prompts.dtype.kind not in "iu":
-            raise InputError(f"prompts as an array must be 2-d integers [batch, seq], got {prompts.dtype}{list(prompts.shape)}")
+        if prompts.ndim != 2 or prompts.dtype.kind not in "iu" or 0 in prompts.shape:
+            raise InputError(f"prompts as an array must be 2-d integers [batch, seq], both at least 1, got {prompts.dtype}{list(prompts.shape)}")
         return prompts.astype(np.int64), np.ones(prompts.shape, np.int64)
     rows = [list(p) for p in prompts]
     if not rows or not all(rows):
@@ -134,7 +140,8 @@ class _Steps:
         self.cache: dict[str, Any] = {}
 
     def start(self, lm: LMInterface, batch: int, capacity: int) -> None:
-        """Empty caches: onnxruntime tensors, buffers with room for ``capacity`` positions on NumPy, else empty arrays."""
+        """Empty caches: onnxruntime tensors, buffers with room for ``capacity`` positions on NumPy (they grow past it as
+        tokens come), else empty arrays."""
         shapes = {name: (batch, lm.kv_heads[i // 2], lm.head_dims[i // 2]) for i, (name, _) in enumerate(self.cache_names)}
         if self.session is not None:
             import onnxruntime as ort
@@ -164,6 +171,17 @@ def _last_logits(logits: np.ndarray) -> np.ndarray:
     return np.asarray(logits[:, -1, :], dtype=np.float32)
 
 
+def _check_finite(logits: np.ndarray, done: np.ndarray, step: int) -> None:
+    """NaN logits have no argmax: refuse them rather than emit token 0 (what an argmax over NaN gives, and transformers emits)."""
+    bad = np.isnan(logits).any(axis=-1) & ~done
+    if bad.any():
+        rows = np.flatnonzero(bad).tolist()
+        raise ExecutionError(
+            f"step {step + 1}: the logits of sequence(s) {rows} are NaN, so no token can be chosen; "
+            "the model's weights or the prompt's values hold NaN or inf (check the checkpoint)"
+        )
+
+
 def generate(
     graph: Graph,
     prompts: Sequence[Sequence[int]] | np.ndarray,
@@ -171,7 +189,7 @@ def generate(
     backend: str = "numpy",
     attention_mask: np.ndarray | None = None,
     pad_token_id: int = 0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     keep_logits: bool = False,
     runner: Runner | ShardedRunner | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -184,7 +202,9 @@ def generate(
     ``prompts``: lists of token ids (any lengths; left-padded with ``pad_token_id``) or an int array
     ``[batch, seq]`` with its ``attention_mask`` (1 token, 0 padding). ``runner``: a runner already
     prepared for ``graph`` (else :func:`~lowering.prepare` with ``backend`` and ``prepare_options``).
-    ``progress(step, total)`` is called after each step.  ``shards=N`` splits the model by KV-head group
+    ``eos_token_id``: one id or several (as transformers takes them); a sequence that emits any of them is finished.
+    A ``runner`` must have been prepared for a graph of ``graph``'s structure (names, shapes, dtypes; the weights are
+    not compared).  ``progress(step, total)`` is called after each step.  ``shards=N`` splits the model by KV-head group
     (:func:`graphc.sharding.shard`) and runs it on ``N`` Dask workers (``client``, or a LocalCluster closed at the
     end), each keeping its part of the KV cache between steps; ``backend`` is then each shard's backend.
     """
@@ -199,13 +219,45 @@ def generate(
         mask = mask.astype(np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= lm.vocab_size):
         raise InputError(f"token ids must be in 0..{lm.vocab_size - 1} (the vocabulary), got {int(ids.min())}..{int(ids.max())}")
+    eos = _eos_ids(eos_token_id)
+    if runner is not None:
+        _check_runner(graph, runner)
     if runner is None and shards is not None:
         from .dask_shards import sharded_runner
 
         with sharded_runner(graph, shards, backend, client, **prepare_options) as own:
-            return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos_token_id, keep_logits, progress)
+            return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos, keep_logits, progress)
     runner = runner or prepare(graph, backend, **prepare_options)
-    return _generate(lm, ids, mask, max_new_tokens, runner, pad_token_id, eos_token_id, keep_logits, progress)
+    return _generate(lm, ids, mask, max_new_tokens, runner, pad_token_id, eos, keep_logits, progress)
+
+
+def _eos_ids(eos_token_id: Any) -> np.ndarray:
+    """``eos_token_id`` (None, an int or ints) as an int64 array of ids."""
+    if eos_token_id is None:
+        return np.zeros(0, np.int64)
+    items = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else eos_token_id
+    try:
+        ids = list(items)
+    except TypeError:
+        ids = [items]
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < 2**63 for t in ids):
+        raise InputError(f"eos_token_id must be a token id or a list of them (non-negative ints), got {eos_token_id!r}")
+    return np.array(ids, np.int64)
+
+
+def _check_runner(graph: Graph, runner: Any) -> None:
+    """A runner prepared for another model would compute that model's tokens: refuse it."""
+    if isinstance(runner, ShardedRunner):
+        plan = runner.plan
+        same = plan.name == graph.name and all(plan.types.get(n) == graph.types[n] for n in (*graph.inputs, *graph.outputs))
+        what = f"a sharded plan of graph {plan.name!r}"
+    elif isinstance(runner, Runner):
+        same = runner.graph is graph or str(runner.graph) == str(graph)
+        what = f"graph {runner.graph.name!r}"
+    else:
+        raise InputError(f"runner must be a lowering Runner or ShardedRunner, got {type(runner).__name__}")
+    if not same:
+        raise InputError(f"the runner was prepared for {what}, not for graph {graph.name!r} (a different structure); prepare it for this graph")
 
 
 def _generate(
@@ -215,13 +267,13 @@ def _generate(
     max_new_tokens: int,
     runner: Runner | ShardedRunner,
     pad_token_id: int,
-    eos_token_id: int | None,
+    eos: np.ndarray,
     keep_logits: bool,
     progress: Callable[[int, int], None] | None,
 ) -> Generation:
     batch = ids.shape[0]
     steps = _Steps(runner, lm.n_layers)
-    steps.start(lm, batch, ids.shape[1] + max_new_tokens)
+    steps.start(lm, batch, ids.shape[1] + min(max_new_tokens, _FIRST_ROOM))
     done = np.zeros(batch, bool)
     new: list[np.ndarray] = []
     kept: list[np.ndarray] = []
@@ -231,14 +283,15 @@ def _generate(
         start = time.perf_counter()
         logits = _last_logits(steps(feeds))
         times.append(time.perf_counter() - start)
+        _check_finite(logits, done, step)
         token = np.where(done, pad_token_id, logits.argmax(-1)).astype(np.int64)
         new.append(token)
         if keep_logits:
             kept.append(logits)
         if progress is not None:
             progress(step + 1, max_new_tokens)
-        if eos_token_id is not None:
-            done |= token == eos_token_id
+        if eos.size:
+            done |= np.isin(token, eos)
         if done.all() or step + 1 == max_new_tokens:
             break
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)

@@ -4,7 +4,8 @@
 ``buffer[:, :, :0]`` to feed as ``past_key``; the NumPy attention kernel's
 :func:`append` then writes a step's new keys into the buffer right after the past
 and returns the longer prefix as ``present_key``, which the next step feeds back.
-Only buffers made here grow in place, and only at their frontier: appending twice
+A full buffer moves to one twice its size (so a cache costs the positions it
+holds, not the ones a caller said it might need).  Only buffers made here grow in place, and only at their frontier: appending twice
 to the same past (a caller re-running a step, or branching) copies, as a plain
 ``concatenate`` would, so no step ever overwrites keys another step still sees.
 :func:`prefix_buffer` lets a kernel read such a prefix through its C-contiguous
@@ -18,6 +19,8 @@ import weakref
 
 import numpy as np
 
+from graphc.memory import check_allocation
+
 __all__ = ["allocate", "append", "prefix_buffer"]
 
 _frontier: dict[int, int] = {}
@@ -26,11 +29,18 @@ _lock = threading.Lock()
 
 
 def allocate(batch: int, heads: int, capacity: int, head_dim: int, dtype: np.dtype | str) -> np.ndarray:
-    """An empty KV cache ``[batch, heads, 0, head_dim]`` with room for ``capacity`` positions, appended to in place."""
+    """An empty KV cache ``[batch, heads, 0, head_dim]`` with room for ``capacity`` positions, appended to in place.
+
+    Raises :class:`~graphc.errors.ResourceLimitError` past graphc's memory cap (:mod:`graphc.memory`)."""
+    return _buffer(batch, heads, capacity, head_dim, np.dtype(dtype), 0)[:, :, :0]
+
+
+def _buffer(batch: int, heads: int, capacity: int, head_dim: int, dtype: np.dtype, frontier: int) -> np.ndarray:
+    check_allocation(batch * heads * capacity * head_dim * dtype.itemsize, f"a KV cache buffer [{batch}, {heads}, {capacity}, {head_dim}]")
     buffer = np.empty((batch, heads, capacity, head_dim), dtype)
-    _frontier[id(buffer)] = 0
+    _frontier[id(buffer)] = frontier
     weakref.finalize(buffer, _frontier.pop, id(buffer), None)
-    return buffer[:, :, :0]
+    return buffer
 
 
 def prefix_buffer(a: np.ndarray) -> np.ndarray | None:
@@ -52,10 +62,19 @@ def append(past: np.ndarray, new: np.ndarray) -> np.ndarray:
     if buffer is not None and buffer.dtype == new.dtype and new.shape[:2] == past.shape[:2] and new.shape[3:] == past.shape[3:]:
         start, stop = past.shape[2], past.shape[2] + new.shape[2]
         with _lock:
-            grows = _frontier.get(id(buffer)) == start and stop <= buffer.shape[2]
+            at_frontier = _frontier.get(id(buffer)) == start
+            grows = at_frontier and stop <= buffer.shape[2]
             if grows:
                 _frontier[id(buffer)] = stop
+            elif at_frontier:  # full: the frontier moves to a buffer twice the size (each position copied once on average)
+                _frontier[id(buffer)] = -1  # no later append writes into the old one
         if grows:
             buffer[:, :, start:stop] = new
             return buffer[:, :, :stop]
+        if at_frontier:
+            b, h, cap, d = buffer.shape
+            bigger = _buffer(b, h, max(stop, 2 * cap), d, buffer.dtype, stop)
+            bigger[:, :, :start] = buffer[:, :, :start]
+            bigger[:, :, start:stop] = new
+            return bigger[:, :, :stop]
     return np.concatenate([past, new], axis=2)

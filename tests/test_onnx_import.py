@@ -554,3 +554,15 @@ def test_cli_compare_imported_model_on_given_inputs(tmp_path: Path, capsys: pyte
     assert "inputs x[5, 6]" in out and out.count("PASS") == 2
     assert main(["compare", str(path), "--inputs", str(tmp_path / "missing.npz"), "--quiet"]) == 2
     assert "--inputs" in capsys.readouterr().err
+
+
+def test_group_query_attention_with_a_float_seqlens_k_is_refused_as_onnxruntime_refuses_it() -> None:
+    b, heads, kv, d = 1, 4, 2, 16
+    ins = ["q", "k", "v", "", "", "seqlens", "total"]
+    node = helper.make_node("GroupQueryAttention", ins, ["y", "pk", "pv"], domain="com.microsoft", num_heads=heads, kv_num_heads=kv)
+    inputs = [helper.make_tensor_value_info("q", F, [b, 3, heads * d]), helper.make_tensor_value_info("k", F, [b, 3, kv * d]),
+              helper.make_tensor_value_info("v", F, [b, 3, kv * d]), helper.make_tensor_value_info("seqlens", F, [b]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]  # fmt: skip
+    model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "pk", "pv")], ms=True)
+    with pytest.raises(OnnxImportError, match="seqlens_k must be int32 .* got float32"):
+        from_onnx(model, strict=True)

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError
+from graphc.errors import AttentionConfigError, SerializationError, UnknownNameError, WeightError
+from graphc.weights import require_regular_file
 
 from .config import AttentionConfig, RopeConfig
 from .decoder import DecoderConfig
@@ -39,6 +40,7 @@ HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "falcon", "phi3",
 def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
     """A transformers config as a plain dict: from a dict, a ``config.json`` path, or a ``PretrainedConfig``."""
     if isinstance(config, (str, Path)):
+        require_regular_file(config, "config")
         try:
             doc = json.loads(Path(config).read_text(encoding="utf-8"))
         except OSError as e:
@@ -302,6 +304,11 @@ def decoder_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, Any
     their fused tensors split (:mod:`graphc.attention.hf_weights`)."""
     cfg = read_hf_config(config)
     family = cfg.get("model_type")
+    bad = [k for k in weights if not isinstance(k, str)]
+    if bad:
+        raise WeightError(f"weight names must be strings, got {type(bad[0]).__name__} {bad[0]!r}")
+    # rotary tables older checkpoints saved as buffers: recomputed from the config, as transformers does
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if family not in ("falcon", "phi3", "gpt_neox", "gpt2"):
         return dict(weights)
     a = attention_config_from_hf(cfg)

@@ -79,6 +79,16 @@ def _checkpoint_dtype(weights: Mapping[str, Any]) -> str:
     return str(getattr(table, "dtype", np.asarray(table).dtype))
 
 
+def _layer_index(name: str) -> int:
+    """The layer a ``model.layers.{i}.*`` tensor belongs to; -1 for tensors outside the layers."""
+    if not name.startswith("model.layers."):
+        return -1
+    index = name.split(".")[2]
+    if not index.isdigit():
+        raise WeightError(f"tensor {name!r}: {index!r} is not a layer number (expected model.layers.<int>.<name>)")
+    return int(index)
+
+
 def causal_lm_from_hf(
     config: Mapping[str, Any] | str | Path | Any,
     weights: Mapping[str, Any],
@@ -103,5 +113,5 @@ def causal_lm_from_hf(
         named = load_weights(named, dtype=dtype)  # every floating tensor converted (a copy)
     dtype = dtype or stored
     wanted = lm.n_layers
-    kept = {n: a for n, a in named.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < wanted}
+    kept = {n: a for n, a in named.items() if _layer_index(n) < wanted}
     return causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits)

@@ -65,7 +65,9 @@ def _layers(
             if name.endswith(("inv_freq", "masked_bias")):
                 continue  # buffers some checkpoints carry
             raise WeightError(f"tensor {name!r}: no graphc name for it in a {family} checkpoint")
-        layer, rest = name[len(layer_prefix) :].split(".", 1)
+        layer, _, rest = name[len(layer_prefix) :].partition(".")
+        if not layer.isdigit() or "." not in rest:
+            raise WeightError(f"tensor {name!r}: expected {layer_prefix}<layer number>.<module>.<weight or bias> in a {family} checkpoint")
         module, kind = rest.rsplit(".", 1)
         if kind == "inv_freq":
             continue  # a rotary buffer: graphc computes the frequencies from the config
@@ -80,6 +82,12 @@ def rename_falcon(weights: Mapping[str, Any], heads: int, kv: int, hd: int, new_
 
     def rename(module: str, kind: str, arr: Any) -> dict[str, Any]:
         if module == "self_attention.query_key_value":
+            rows = (heads + 2 * kv) * hd  # every layout: the query heads, then one K and one V per KV head
+            if heads % kv or np.shape(arr)[0] != rows:
+                raise WeightError(
+                    f"Falcon {module}.{kind} has {np.shape(arr)[0]} rows; {heads} query heads and {kv} KV heads of {hd} take {rows}"
+                    + (f" (and {heads} query heads are not a multiple of {kv} KV heads)" if heads % kv else "")
+                )
             if new_arch:
                 slots = arr.reshape(kv, group + 2, hd, *arr.shape[1:])
                 parts = (slots[:, :group], slots[:, group], slots[:, group + 1])

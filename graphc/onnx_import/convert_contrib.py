@@ -121,7 +121,10 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
         q = ctx.add(Slice(2, 0, heads * d), [q], "query_packed")
     else:
         k, v = ctx.tensor(ins[1], "key"), ctx.tensor(ins[2], "value")
-    lengths = ctx.add(Binary("add"), [_as_int64(ctx, ctx.tensor(ins[5], "seqlens_k")), ctx.constant(np.array(1, np.int64), "one")], "total_lengths")
+    seqlens = ctx.tensor(ins[5], "seqlens_k")
+    if ctx.graph.types[seqlens].dtype != "int32":
+        raise ctx.error(f"GroupQueryAttention: seqlens_k must be int32 (as onnxruntime's kernel takes it), got {ctx.graph.types[seqlens].dtype}")
+    lengths = ctx.add(Binary("add"), [_as_int64(ctx, seqlens), ctx.constant(np.array(1, np.int64), "one")], "total_lengths")
     new_len = ctx.add(ShapeValues((ctx.graph.types[q].shape[1],), scalar=True), [], "new_len")
     zero = ctx.constant(np.array(0, np.int64), "zero")
     row_past = ctx.add(Binary("max"), [ctx.add(Binary("sub"), [lengths, new_len], "row_past_signed"), zero], "row_past")
