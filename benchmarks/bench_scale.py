@@ -27,8 +27,8 @@ timed apart, in "export s"), **prefill ms** (a ``--prompt``-token prompt in, fir
 token** (load + prefill), **ms/token** (median decode step over ``--blocks`` generations of ``--new`` tokens,
 back to back), **peak RSS** (the child's ``VmHWM``) against the weights' bytes, and decode **GB/s** with its
 **% of the read bandwidth** (``torch.sum`` over 1 GiB, measured in the same process just before the decode
-blocks; a step reads every weight but the input embedding, in the dtype the runtime computes with:
-onnxruntime's CPU kernels hold bfloat16 weights as float32). Tokens: every runtime's greedy tokens for the
+blocks; a step reads every weight but the input embedding, in the dtype the runtime computes with: graphc
+holds bfloat16 weights as float32 on NumPy and onnxruntime, transformers computes in bfloat16). Tokens: every runtime's greedy tokens for the
 timed prompt and, on graphc and transformers, for a left-padded batch of two prompts, compared with
 transformers'.
 
@@ -84,12 +84,15 @@ with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
 model = model.to_empty(device="cpu").to(getattr(torch, dtype)).eval()
 model.tie_weights()  # to_empty gives every parameter its own storage
-with torch.no_grad():  # unit-scale embeddings, layers adding a little each: greedy tokens vary (the default init repeats one token)
-    for name, p in model.named_parameters():
+tied = cfg.tie_word_embeddings
+with torch.no_grad():  # greedy tokens vary (with the default init every token is the same): unit-scale embeddings and layers adding
+    for name, p in model.named_parameters():  # a little each; a tied head needs small embeddings (else it names the input token)
         if "norm" in name:
             p.copy_(1.0 + 0.1 * torch.randn_like(p, dtype=torch.float32))
+        elif "embed" in name:
+            p.normal_(0.0, 0.05 if tied else 1.0)
         else:
-            p.normal_(0.0, 1.0 if "embed" in name else (0.3 if "o_proj" in name or "down_proj" in name else 1.0) * p.shape[-1] ** -0.5)
+            p.normal_(0.0, (1.0 if tied else 0.3 if "o_proj" in name or "down_proj" in name else 1.0) * p.shape[-1] ** -0.5)
 model.generation_config.eos_token_id = None
 model.save_pretrained(out)
 """
@@ -290,7 +293,7 @@ def table(results: dict[str, dict[str, Any]], header: str) -> str:
             if "error" in r or "skipped" in r:
                 lines.append(f"| {model} | {name} | {r.get('skipped') or 'failed: ' + r['error']} | | | | | | | | |")
                 continue
-            reads = m["read_bytes_f32"] if ("ort" in name or name == "genai") else m["read_bytes"]
+            reads = m["read_bytes_f32"] if name.startswith(("graphc", "optimum", "genai")) else m["read_bytes"]  # they compute on float32 weights
             gbs = reads / (r["ms_per_token"] / 1e3) / 1e9
             same = "-" if name == "transformers sdpa" or "tokens" not in want else ("yes" if r["tokens"] == want["tokens"] else "no")
             if "batch_tokens" in r and "batch_tokens" in want and name != "transformers sdpa":
