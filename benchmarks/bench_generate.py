@@ -99,6 +99,8 @@ for line in sys.stdin:
     print(json.dumps({"times": times, "tokens": tokens, "peak_rss": peak}), flush=True)
 """
 
+EXPORT_SECONDS = "export_seconds.txt"
+"""Written beside an export when it is made: its wall time (the venv's creation excluded)."""
 Run = Callable[[list[int], int], tuple[list[float], list[int]]]
 """A runtime: (prompt, new tokens) -> (seconds per token, the first including the prompt, tokens)."""
 
@@ -124,7 +126,10 @@ def optimum_export(work: Path, model: str, hf: Path) -> Path:
     out = work / "models" / model / "optimum"
     if not (out / "model.onnx").exists():
         print(f"optimum: exporting {model} ...", file=sys.stderr, flush=True)
-        subprocess.run([str(tool_python(work, "optimum")), str(_script(work, "optimum_export.py", OPTIMUM)), str(hf), str(out)], check=True)
+        python = tool_python(work, "optimum")
+        t0 = time.perf_counter()
+        subprocess.run([str(python), str(_script(work, "optimum_export.py", OPTIMUM)), str(hf), str(out)], check=True)
+        (out / EXPORT_SECONDS).write_text(f"{time.perf_counter() - t0:.2f}\n")
     return out / "model.onnx"
 
 
@@ -135,8 +140,16 @@ def genai_build(work: Path, model: str, hf: Path) -> Path:
         print(f"onnxruntime-genai: building {model} ...", file=sys.stderr, flush=True)
         python = tool_python(work, "genai")
         cmd = [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "fp32", "-e", "cpu"]
+        t0 = time.perf_counter()
         subprocess.run([*cmd, "-c", str(work / "genai-cache")], check=True, capture_output=True)
+        (out / EXPORT_SECONDS).write_text(f"{time.perf_counter() - t0:.2f}\n")
     return out
+
+
+def export_seconds(folder: Path) -> float | None:
+    """How long the export in ``folder`` took when it was made (exports are made once and reused), if recorded."""
+    path = folder / EXPORT_SECONDS
+    return float(path.read_text()) if path.exists() else None
 
 
 def ort_loop(path: Path) -> Run:

@@ -22,15 +22,16 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
 - ``genai``: onnxruntime-genai's model builder (``-p fp32 -e cpu``) and its own runtime (float32
   checkpoints only, as optimum).
 
-Per runtime: **load s** (folder in, ready to run: build, optimize, session; exports by optimum and genai are
-timed apart, in "export s"), **prefill ms** (a ``--prompt``-token prompt in, first token out), **time to first
-token** (load + prefill), **ms/token** (median decode step over ``--blocks`` generations of ``--new`` tokens,
-back to back), **peak RSS** (the child's ``VmHWM``) against the weights' bytes, and decode **GB/s** with its
-**% of the read bandwidth** (``torch.sum`` over 1 GiB, measured in the same process just before the decode
-blocks; a step reads every weight but the input embedding, in the dtype the runtime computes with: graphc
-holds bfloat16 weights as float32 on NumPy and onnxruntime, transformers computes in bfloat16). Tokens: every runtime's greedy tokens for the
-timed prompt and, on graphc and transformers, for a left-padded batch of two prompts, compared with
-transformers'.
+Per runtime: **load s** (folder in, ready to run: build, optimize, session; exports by optimum and
+genai are timed apart when they are made, in "export s", and reused by later runs), **prefill ms** (a
+``--prompt``-token prompt in, first token out), **time to first token** (load + prefill), **ms/token**
+(median decode step over ``--blocks`` generations of ``--new`` tokens, back to back), **peak RSS** (the
+child's ``VmHWM``) against the weights' bytes, and decode **GB/s** with its **% of the read bandwidth**
+(``torch.sum`` over 1 GiB, measured in the same process just before the decode blocks; a step reads every
+weight but the input embedding, in the dtype the runtime computes with: graphc holds bfloat16 weights as
+float32 on NumPy and onnxruntime, transformers computes in bfloat16).  Tokens: every runtime's greedy
+tokens for the timed prompt and, on graphc and transformers, for a left-padded batch of two prompts,
+compared with transformers'.
 
     python benchmarks/bench_scale.py [--models tinyllama-f32,...] [--work DIR] [--prompt 512] [--new 16] [--blocks 3]
 
@@ -184,7 +185,6 @@ def _graphc(hf: Path, backend: str, prompt: list[int], new: int, blocks: int) ->
 
 
 def _transformers(hf: Path, dtype: str, prompt: list[int], new: int, blocks: int) -> dict[str, Any]:
-    import numpy as np
     import torch
     import transformers
     from bench_generate import transformers_runs
@@ -198,24 +198,13 @@ def _transformers(hf: Path, dtype: str, prompt: list[int], new: int, blocks: int
     with torch.no_grad():
         out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=new, do_sample=False,
                              pad_token_id=0)  # fmt: skip
-    batch = out[:, ids.shape[1] :].tolist()
     run = transformers_runs(hf, impls=("sdpa",), model=model)["transformers sdpa"]
-    run(prompt, 2)
-    bandwidth = _bandwidth()
-    times = [run(prompt, new) for _ in range(blocks)]
-    del np
-    return {
-        "load_s": load,
-        "prefill_ms": 1e3 * statistics.median(t[0][0] for t in times),
-        "ms_per_token": 1e3 * statistics.median(statistics.median(t[0][1:]) for t in times),
-        "tokens": times[-1][1],
-        "batch_tokens": batch,
-        "bandwidth_gbs": bandwidth,
-        "provider": f"transformers {transformers.__version__}, torch {torch.__version__}, sdpa, {dtype}",
-    }
+    provider = f"transformers {transformers.__version__}, torch {torch.__version__}, sdpa, {dtype}"
+    return {**_tool(run, load, 0.0, provider, prompt, new, blocks), "batch_tokens": out[:, ids.shape[1] :].tolist()}
 
 
 def _tool(run_fn: Any, load: float, export: float, provider: str, prompt: list[int], new: int, blocks: int) -> dict[str, Any]:
+    """Warm ``run_fn`` up, measure the read bandwidth, then time ``blocks`` generations of ``new`` tokens."""
     run_fn(prompt, 2)
     bandwidth = _bandwidth()
     times = [run_fn(prompt, new) for _ in range(blocks)]
@@ -240,18 +229,16 @@ def worker(runtime: str, hf: Path, work: Path, model: str, prompt: list[int], ne
     elif runtime == "transformers sdpa":
         out = _transformers(hf, dtype, prompt, new, blocks)
     elif runtime == "optimum ort-cpu":
-        t0 = time.perf_counter()
         path = peers.optimum_export(work, model, hf)
-        export = time.perf_counter() - t0
+        export = peers.export_seconds(path.parent) or 0.0  # timed when it was made (exports are reused)
         t0 = time.perf_counter()
         run = peers.ort_loop(path)
         import onnxruntime
 
         out = _tool(run, time.perf_counter() - t0, export, f"optimum-onnx 0.1.0 export, onnxruntime {onnxruntime.__version__}", prompt, new, blocks)
     else:
-        t0 = time.perf_counter()
         folder = peers.genai_build(work, model, hf)
-        export = time.perf_counter() - t0
+        export = peers.export_seconds(folder) or 0.0
         t0 = time.perf_counter()
         run = peers.genai_run(work, folder)
         out = _tool(run, time.perf_counter() - t0, export, "onnxruntime-genai 0.18.0 (fp32, cpu)", prompt, new, blocks)

@@ -119,7 +119,7 @@ class SessionWeights:
         outputs = {o.name for o in graph.output}
         tensors = {t.name: t for t in graph.initializer}
         renames: dict[str, str] = {}
-        with open(os.path.join(str(self.folder), "weights.f32"), "ab") as f:
+        with open(os.path.join(str(self.folder), "weights.f32"), "wb") as f:  # not "ab": appends ignore the aligning seek
             for name, arr in self.low.items():
                 casts = readers.get(name, [])
                 if not casts or any(n.op_type != "Cast" or _to(n) != onnx.TensorProto.FLOAT or n.output[0] in outputs for n in casts):

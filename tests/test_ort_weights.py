@@ -28,16 +28,17 @@ pytestmark = pytest.mark.skipif(not installed("ort-cpu"), reason="onnxruntime is
 CFG = graphc.gqa(64, 8, 2)
 
 
-def _mapped_layer(folder: Path, dtype: str = "float32", seed: int = 0) -> graphc.Graph:
+def _mapped_layer(folder: Path, dtype: str = "float32", seed: int = 0, cfg: graphc.AttentionConfig = CFG) -> graphc.Graph:
     """An attention layer whose weights are views of a safetensors file in ``folder``."""
-    built = graphc.attention_layer_graph(CFG, seed=seed, dtype=dtype)
+    built = graphc.attention_layer_graph(cfg, seed=seed, dtype=dtype)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: np.ascontiguousarray(v) for k, v in built.initializers.items()}, str(folder / "model.safetensors"))
-    return graphc.attention_layer_graph(CFG, weights=load_weights(folder), dtype=dtype)
+    return graphc.attention_layer_graph(cfg, weights=load_weights(folder), dtype=dtype)
 
 
 def _inputs(g: graphc.Graph, dtype: str = "float32") -> dict[str, np.ndarray]:
-    x = np.random.default_rng(1).standard_normal((2, 5, 64)).astype(np.float32)
+    d_model = g.types[g.inputs[0]].shape[-1]
+    x = np.random.default_rng(1).standard_normal((2, 5, d_model)).astype(np.float32)
     return {g.inputs[0]: x.astype(dtype)}
 
 
@@ -62,13 +63,14 @@ def test_mapped_weights_are_read_from_the_checkpoint_file(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_low_precision_weights_reach_the_cpu_provider_as_float32_files(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("d_model", [64, 48])  # 48: float32 tensors of 9216 and 3072 bytes, so later ones start at padded offsets
+def test_low_precision_weights_reach_the_cpu_provider_as_float32_files(tmp_path, monkeypatch, dtype, d_model):
     """onnxruntime's CPU kernels compute in float32: graphc converts the weights into a cache folder (no Cast left for
     onnxruntime to fold), with the numbers of the weights serialized as they are, and removes the folder with the runner."""
     import gc
 
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
-    g = _mapped_layer(tmp_path / "ckpt", dtype)
+    g = _mapped_layer(tmp_path / "ckpt", dtype, cfg=graphc.gqa(d_model, 8, 2))
     where = _same_as_inline(g, _inputs(g, dtype))
     weight_bytes = sum(a.nbytes for a in g.initializers.values())
     assert f"{weight_bytes * 2 / 1024:.1f} KiB converted to float32 files in {tmp_path / 'cache'}" in where, where
