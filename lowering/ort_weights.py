@@ -123,7 +123,10 @@ class SessionWeights:
             for name, arr in self.low.items():
                 casts = readers.get(name, [])
                 if not casts or any(n.op_type != "Cast" or _to(n) != onnx.TensorProto.FLOAT or n.output[0] in outputs for n in casts):
-                    self._hand(name, arr)
+                    if self.allow_handed:
+                        self._hand(name, arr)
+                    else:  # a worker process's session: no OrtValue reaches it
+                        tensors[name].CopyFrom(self._inline(name, arr))
                     continue
                 offset = _append_float32(f, arr)
                 tensors[name].CopyFrom(_external(name, np.empty(arr.shape, np.float32), "weights.f32", offset))

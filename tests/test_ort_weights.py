@@ -236,3 +236,10 @@ def test_optimizing_a_mapped_checkpoint_copies_no_weight(tmp_path):
     inputs = _inputs(g)
     got, want = prepare(opt, "numpy").run(inputs), prepare(g, "numpy", reference=True).run(inputs)
     np.testing.assert_allclose(got[g.outputs[0]], want[g.outputs[0]], atol=1e-5, rtol=1e-4)
+
+
+def test_a_worker_process_session_reads_the_float32_cache_of_low_precision_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    g = _mapped_layer(tmp_path / "ckpt", "bfloat16")
+    where = _same_as_inline(g, _inputs(g, "bfloat16"), isolate=True)
+    assert "converted to float32 files" in where and "handed" not in where
