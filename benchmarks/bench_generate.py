@@ -303,6 +303,13 @@ def table(results: dict[str, dict[str, dict[str, object]]], header: str) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: str, header: str, text: str, results: object) -> None:
+    """Print the table ``text`` and write it to ``OUT.md``, with ``header`` and ``results`` to ``OUT.json``."""
+    print(text)
+    Path(out + ".md").write_text(text + "\n")
+    Path(out + ".json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -337,10 +344,7 @@ def main() -> None:
         f"torch {torch.__version__}, transformers {transformers.__version__}; optimum-onnx 0.1.0 and onnxruntime-genai 0.18.0 in their "
         f"own venvs; batch 1, prompt {args.prompt} tokens, {args.new} new tokens, float32, {args.blocks} alternating blocks"
     )
-    text = table(results, header)
-    print(text)
-    Path(args.out + ".md").write_text(text + "\n")
-    Path(args.out + ".json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    write_results(args.out, header, table(results, header), results)
 
 
 if __name__ == "__main__":

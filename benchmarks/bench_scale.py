@@ -334,10 +334,9 @@ def main() -> None:
         f"onnxruntime {onnxruntime.__version__}; batch 1, prompt {args.prompt} tokens, {args.new} new tokens, {args.blocks} generations per runtime, "
         "each runtime alone in its own process"
     )
-    text = table(results, header)
-    print(text)
-    Path(args.out + ".md").write_text(text + "\n")
-    Path(args.out + ".json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    from bench_generate import write_results
+
+    write_results(args.out, header, table(results, header), results)
 
 
 if __name__ == "__main__":

@@ -235,11 +235,7 @@ def _eos_ids(eos_token_id: Any) -> np.ndarray:
     """``eos_token_id`` (None, an int or ints) as an int64 array of ids."""
     if eos_token_id is None:
         return np.zeros(0, np.int64)
-    items = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else eos_token_id
-    try:
-        ids = list(items)
-    except TypeError:
-        ids = [items]
+    ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple, np.ndarray)) else [eos_token_id]
     if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < 2**63 for t in ids):
         raise InputError(f"eos_token_id must be a token id or a list of them (non-negative ints), got {eos_token_id!r}")
     return np.array(ids, np.int64)
