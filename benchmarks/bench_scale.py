@@ -280,7 +280,7 @@ def table(results: dict[str, dict[str, Any]], header: str) -> str:
             if "error" in r or "skipped" in r:
                 lines.append(f"| {model} | {name} | {r.get('skipped') or 'failed: ' + r['error']} | | | | | | | | |")
                 continue
-            reads = m["read_bytes_f32"] if name.startswith(("graphc", "optimum", "genai")) else m["read_bytes"]  # they compute on float32 weights
+            reads = m["read_bytes_f32"] if name.startswith(("graphc ort", "optimum", "genai")) else m["read_bytes"]  # they compute on float32 weights
             gbs = reads / (r["ms_per_token"] / 1e3) / 1e9
             same = "-" if name == "transformers sdpa" or "tokens" not in want else ("yes" if r["tokens"] == want["tokens"] else "no")
             if "batch_tokens" in r and "batch_tokens" in want and name != "transformers sdpa":

@@ -8,7 +8,11 @@
   near the machine's read bandwidth, where NumPy's GEMV + exp + GEMV reach
   about 60% of it;
 - the softmax rows of prefill with :func:`exp_rows_compiled` (one pass after
-  the row max instead of five).
+  the row max instead of five);
+- linear layers over bfloat16 weights with :func:`bf16_matmul` (a few rows
+  of activations: decode), widening each weight element in a register, so
+  the weight is read in its own 2 bytes and never copied to float32
+  (:mod:`lowering.low_precision`).
 
 numba is an extra, not a core dependency, because each numba release supports
 a bounded range of NumPy versions: a core dependency would hold back the NumPy
@@ -44,6 +48,7 @@ __all__ = [
     "use_compiled",
     "decode_attention",
     "exp_rows_compiled",
+    "bf16_matmul",
     "spin_until",
     "warm_up",
 ]
@@ -97,11 +102,22 @@ def use_compiled() -> bool:
     return compiled_reason() is None and _kernels() is not None
 
 
+_KERNEL_MODULES = ("lowering._numba_attention", "lowering._numba_linear")
+
+
 def _kernels() -> ModuleType | None:
-    """The kernel module, imported once; None (with the reason kept for :func:`compiled_reason`) when it cannot be imported."""
+    """The kernel modules' public functions as one module, imported once.
+
+    None (with the reason kept for :func:`compiled_reason`) when one cannot be imported.
+    """
     if not _MODULE and not _LOAD_ERROR:
         try:
-            _MODULE.append(importlib.import_module("lowering._numba_attention"))
+            merged = ModuleType("lowering._numba_kernels")
+            for name in _KERNEL_MODULES:
+                module = importlib.import_module(name)
+                for attr in module.__all__:
+                    setattr(merged, attr, getattr(module, attr))
+            _MODULE.append(merged)
         except Exception as e:  # noqa: BLE001 - a broken numba/llvmlite install or no writable cache: NumPy kernels, and say why
             _LOAD_ERROR.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     return _MODULE[0] if _MODULE else None
@@ -123,6 +139,7 @@ def warm_up() -> float:
     q = np.zeros((1, 2, 16), np.float32)
     decode_attention(q, np.zeros((1, 5, 16), np.float32), np.zeros((1, 5, 8), np.float32), 1, 0, None, 1)
     exp_rows_compiled(np.zeros((2, 3), np.float32))
+    bf16_matmul(np.zeros((1, 4), np.float32), np.zeros((5, 4), np.uint16), 1)
     return time.perf_counter() - t0
 
 
@@ -144,6 +161,34 @@ def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
     kern = _loaded_kernels()
     kern.exp_rows(flat, totals)
     return totals.reshape(*s.shape[:-1], 1)
+
+
+def bf16_matmul(x: np.ndarray, w_bits: np.ndarray, threads: int | None) -> np.ndarray:
+    """``x @ float32(w).T`` for ``x [M, K]`` float32 and a bfloat16 weight ``w [N, K]`` given as its ``uint16`` bits, without a float32 copy of ``w``.
+
+    Each element of ``w`` is widened in a register as it is read
+    (:mod:`lowering._numba_linear`), so a decode step reads the weight's own 2 bytes an element.
+    Rows of ``w`` are shared among ``threads`` threads.
+    """
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous):
+        raise ExecutionError(f"bf16_matmul: x must be a C-contiguous float32 array [M, K], got {_describe(x)}")
+    if not (isinstance(w_bits, np.ndarray) and w_bits.dtype == np.uint16 and w_bits.ndim == 2 and w_bits.flags.c_contiguous):
+        raise ExecutionError(f"bf16_matmul: w must be the C-contiguous uint16 bits of a bfloat16 array [N, K], got {_describe(w_bits)}")
+    if x.shape[1] != w_bits.shape[1]:
+        raise ExecutionError(f"bf16_matmul: x {list(x.shape)} and w {list(w_bits.shape)} do not fit (x [M, K], w [N, K])")
+    kern = _loaded_kernels()
+    rows = w_bits.shape[0]
+    out = np.empty((x.shape[0], rows), np.float32)
+    n = min(threads or default_threads(), 1 + w_bits.nbytes // DECODE_BYTES_PER_THREAD)
+    step = max(4, -(-rows // (4 * n)) // 4 * 4)  # about four shares a thread, whole groups of four rows
+    run_blocks(lambda n0: kern.bf16_rows(x, w_bits, n0, min(rows, n0 + step), out), range(0, rows, step), n)
+    return out
+
+
+def _describe(a: object) -> str:
+    if not isinstance(a, np.ndarray):
+        return type(a).__name__
+    return f"{a.dtype}{list(a.shape)}{'' if a.flags.c_contiguous else ' strided'}"
 
 
 def _check_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: int | None) -> None:

@@ -30,11 +30,13 @@ from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 from graphc.mapped import release_pages
 from graphc.ops import FLOAT_DTYPES, Cast, Einsum, Op, Softmax
+from graphc.tensor_ops import Gather
 
 from .attention_kernel import attention_kernel
 from .contraction import contract
 from .inputs import InputChecker
 from .kernels import masked_softmax
+from .low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
 
 __all__ = ["NumpyInterpreter", "FAST_KERNELS", "REFERENCE_KERNELS", "run_numpy", "Kernel"]
 
@@ -43,7 +45,15 @@ Kernel = Callable[[Any, Sequence[np.ndarray], Mapping[str, int], "int | None"], 
 
 
 def _einsum(op: Einsum, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
+    if any(isinstance(x, StoredWeight) for x in a):
+        return (contract_stored(op.parsed, list(a), threads),)
     return (contract(op.parsed, *a),)
+
+
+def _gather(op: Gather, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
+    if isinstance(a[0], StoredWeight):
+        return (a[0].take(np.asarray(a[1])),)
+    return (op.evaluate(a, dims),)
 
 
 def _softmax(op: Softmax, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
@@ -56,7 +66,7 @@ def _softmax(op: Softmax, a: Sequence[np.ndarray], dims: Mapping[str, int], thre
 REFERENCE_KERNELS: dict[type[Op], Kernel] = {Einsum: _einsum}  # type: ignore[dict-item]
 """Reference mode: contractions as GEMMs, everything else the ops' own semantics."""
 
-FAST_KERNELS: dict[type[Op], Kernel] = {**REFERENCE_KERNELS, Softmax: _softmax, Attention: attention_kernel}  # type: ignore[dict-item]
+FAST_KERNELS: dict[type[Op], Kernel] = {**REFERENCE_KERNELS, Softmax: _softmax, Attention: attention_kernel, Gather: _gather}  # type: ignore[dict-item]
 """The fast kernels; an op without one runs its reference semantics."""
 
 
@@ -74,7 +84,8 @@ class NumpyInterpreter:
         self.compute_dtype = compute_dtype
         self.threads = threads
         self.kernels = REFERENCE_KERNELS if reference else FAST_KERNELS
-        self._weights = {k: self._cast(v) for k, v in graph.initializers.items()}
+        self._keep_stored = not reference and compute_dtype is None
+        self._weights: dict[str, Any] = {k: self._cast(v) for k, v in graph.initializers.items()}  # arrays, and StoredWeight for low-precision matrices
         self._check = InputChecker(graph)
         self.order = self._precompute_constants(graph.topological_order())
         last: dict[str, int] = {}
@@ -89,8 +100,15 @@ class NumpyInterpreter:
     def _precompute_constants(self, order: list[Any]) -> list[Any]:
         """Run once, here, the nodes that read only weights (the float32 casts of low-precision weights); return the rest."""
         rest = []
+        readers: dict[str, list[Any]] = {}
+        for node in order:
+            for i in node.inputs:
+                readers.setdefault(i, []).append(node)
         for node in order:
             if node.inputs and all(i in self._weights for i in node.inputs) and not any(self.graph.is_output(o) for o in node.outputs):
+                if self._keep_stored and self._stays_stored(node, readers):
+                    self._weights[node.outputs[0]] = StoredWeight(self._weights[node.inputs[0]])
+                    continue
                 try:
                     results = self._run_node(node.op, [self._weights[i] for i in node.inputs], {})
                 except Exception:  # noqa: BLE001 - e.g. a symbol bound only at run time: run it then, with the usual error
@@ -105,6 +123,18 @@ class NumpyInterpreter:
         for name in [n for n in self._weights if n not in still_read]:  # e.g. bfloat16 weights now held as float32
             del self._weights[name]
         return rest
+
+    def _stays_stored(self, node: Any, readers: Mapping[str, list[Any]]) -> bool:
+        """True for the float32 cast of a large low-precision matrix that only linear einsums and Gathers read (see :mod:`lowering.low_precision`)."""
+        if not (isinstance(node.op, Cast) and node.op.dtype == "float32"):
+            return False
+        w = self._weights[node.inputs[0]]
+        if not (isinstance(w, np.ndarray) and w.dtype.name in LOW_PRECISION and w.ndim == 2 and w.flags.c_contiguous):
+            return False
+        if w.nbytes < MIN_STORED_BYTES:
+            return False
+        users = readers.get(node.outputs[0], [])
+        return bool(users) and all(keeps_stored(user, node.outputs[0]) for user in users)
 
     def _cast(self, arr: np.ndarray) -> np.ndarray:
         if self.compute_dtype and str(arr.dtype) in FLOAT_DTYPES:
