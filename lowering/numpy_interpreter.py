@@ -85,7 +85,8 @@ class NumpyInterpreter:
         self.threads = threads
         self.kernels = REFERENCE_KERNELS if reference else FAST_KERNELS
         self._keep_stored = not reference and compute_dtype is None
-        self._weights: dict[str, Any] = {k: self._cast(v) for k, v in graph.initializers.items()}  # arrays, and StoredWeight for low-precision matrices
+        # arrays, and a StoredWeight for each low-precision matrix kept as stored (see _stays_stored)
+        self._weights: dict[str, Any] = {k: self._cast(v) for k, v in graph.initializers.items()}
         self._check = InputChecker(graph)
         self.order = self._precompute_constants(graph.topological_order())
         last: dict[str, int] = {}
