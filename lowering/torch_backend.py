@@ -33,6 +33,11 @@ from .targets import TORCH_TARGET
 __all__ = ["prepare_torch"]
 
 
+def _from_end(index: Any, n: int) -> Any:
+    """ONNX's index rule: ``-n <= i < 0`` counts from the end; anything outside ``[-n, n)`` stays out of range, for torch to refuse."""
+    return index.where(index >= 0, index + n)
+
+
 def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
     dtypes = {
         "float16": torch.float16,
@@ -97,8 +102,8 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         CausalMask: causal,
         Reduce: reduce,
         Slice: lambda op, a, env: a[0][(slice(None),) * (op.axis % a[0].dim()) + (slice(eval_dim(op.start, env), eval_dim(op.stop, env), op.step),)],
-        GatherElements: lambda op, a, env: torch.gather(a[0], op.axis, a[1] % a[0].shape[op.axis]),
-        Gather: lambda op, a, env: torch.index_select(a[0], op.axis, (a[1] % a[0].shape[op.axis]).reshape(-1)).reshape(
+        GatherElements: lambda op, a, env: torch.gather(a[0], op.axis, _from_end(a[1], a[0].shape[op.axis])),
+        Gather: lambda op, a, env: torch.index_select(a[0], op.axis, _from_end(a[1], a[0].shape[op.axis]).reshape(-1)).reshape(
             a[0].shape[: op.axis % a[0].dim()] + a[1].shape + a[0].shape[op.axis % a[0].dim() + 1 :]
         ),
         Positions: lambda op, a, env: torch.arange(a[0].shape[op.axis], device=a[0].device) + eval_dim(op.offset, env),

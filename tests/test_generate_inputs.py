@@ -14,7 +14,7 @@ import graphc
 from graphc.attention.hf_lm import causal_lm_config_from_hf
 from graphc.errors import InputError, SerializationError
 from graphc.weights import load_weights
-from lowering import generate, kv_buffers, prepare
+from lowering import export, generate, kv_buffers, prepare, run
 
 from conftest import installed
 
@@ -196,3 +196,39 @@ def test_nan_weights_stop_generation_with_an_error_instead_of_token_0(lm):
     for backend in installed("numpy", "ort-cpu"):
         with pytest.raises(ExecutionError, match=r"step 1: the logits of sequence\(s\) \[0, 1\] are NaN"):
             generate(broken, PROMPTS, 3, backend=backend)
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 16}
+
+
+def _step_feeds(g: graphc.Graph, ids: list[int], positions: list[int]) -> dict[str, np.ndarray]:
+    feeds = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64), "position_ids": np.array([positions])}
+    for name in g.inputs:
+        if name.startswith("past_key_values."):
+            t = g.types[name]
+            feeds[name] = np.zeros((1, t.shape[1], 0, t.shape[3]), np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("which", ["input_ids", "position_ids"])
+def test_a_negative_token_or_position_is_an_error_on_every_backend_and_in_the_export(which, tmp_path):
+    """A table lookup counts a negative index from the end (ONNX Gather): token -1 would read the last row without a word."""
+    from graphc.errors import ExecutionError
+
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(GPT2), seed=0)
+    good = _step_feeds(g, [3, 4], [0, 1])
+    bad = {**good, which: np.array([[3, -1]]) if which == "input_ids" else np.array([[0, -1]])}
+    table = "model.embed_tokens.weight" if which == "input_ids" else "model.embed_positions.weight"
+    rows = g.initializers[table].shape[0]
+    for backend in installed("numpy", "ort-cpu", "torch"):
+        run(g, good, backend)
+        with pytest.raises(ExecutionError, match=f"out of range|out of data bounds|{rows}"):
+            run(g, bad, backend)
+    if installed("ort-cpu"):
+        import onnxruntime as ort
+
+        path = tmp_path / "step.onnx"
+        export(g, str(path))
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        with pytest.raises(Exception, match="out of data bounds"):
+            session.run(None, bad)

@@ -160,6 +160,18 @@ def _stack(cfg: CausalLMConfig, weights: Mapping[str, np.ndarray], batch: Dim, s
     )
 
 
+def _no_wrap(g: Graph, index: Value, table: Value, name: str) -> Value:
+    """``index`` with every negative entry replaced by the table's row count.
+
+    A table lookup (ONNX ``Gather``) counts a negative index from the end: token
+    ``-1`` would silently read the last row.  Made out of range instead, it fails on
+    every backend and in the exported model (onnxruntime: "indices element out of data bounds").
+    """
+    rows = g.types[table.name].shape[0]
+    negative = g.compare("less", index, _constant(g, f"{name}_min", 0, "int64"), name=f"{name}_negative")
+    return g.where(negative, _constant(g, f"{name}_out_of_range", rows, "int64"), index, name=f"{name}_checked")
+
+
 def causal_lm_graph(
     cfg: CausalLMConfig,
     weights: Mapping[str, np.ndarray] | None = None,
@@ -188,12 +200,12 @@ def causal_lm_graph(
     mask = g.input("attention_mask", [batch, total], "int64")
     positions = g.input("position_ids", [batch, seq], "int64")
     table = g.add_initializer("model.embed_tokens.weight", weights["model.embed_tokens.weight"], copy=False)
-    x = g.add_node(Gather(0), [table, ids], "inputs_embeds_BSM")
+    x = g.add_node(Gather(0), [table, _no_wrap(g, ids, table, "input_ids")], "inputs_embeds_BSM")
     if cfg.embedding_scale is not None:
         x = g.mul(x, _constant(g, "embedding_scale", cfg.embedding_scale, dtype), name="scaled_embeds_BSM")
     if cfg.position_embeddings is not None:
         table = g.add_initializer("model.embed_positions.weight", weights["model.embed_positions.weight"], copy=False)
-        x = g.add(x, g.add_node(Gather(0), [table, positions], "position_embeds_BSM"), name="embeds_BSM")
+        x = g.add(x, g.add_node(Gather(0), [table, _no_wrap(g, positions, table, "position_ids")], "position_embeds_BSM"), name="embeds_BSM")
     keep = g.compare("greater", mask, _constant(g, "zero", 0, "int64"), name="key_kept_BT")
     bindings: dict[str, Value | str] = {
         "x_BSM": x,
