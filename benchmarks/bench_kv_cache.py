@@ -42,16 +42,13 @@ def main() -> None:
     new = rng.standard_normal((1, kv, 1, dim), dtype=np.float32)
     plain_k, plain_v = (rng.standard_normal((1, kv, past, dim), dtype=np.float32) for _ in range(2))
     grown = [append(allocate(1, kv, past + 1, dim, np.float32), a) for a in (plain_k, plain_v)]
-    frontier = [np.asarray(g.base) for g in grown]
 
     def concatenated(feeds: dict) -> object:
         return attention_kernel(op, [q, new, new, plain_k, plain_v], {"past": past}, None)
 
     def in_place(feeds: dict) -> object:
-        from lowering import kv_buffers
-
-        for buffer in frontier:  # one step at a time: the frontier sits at the past's end before every call
-            kv_buffers._frontier[id(buffer)] = past
+        for prefix in grown:  # one step at a time: the frontier sits at the past's end before every call
+            prefix.owner.frontier = past
         return attention_kernel(op, [q, new, new, *grown], {"past": past}, None)
 
     a, b = concatenated({})[0], in_place({})[0]

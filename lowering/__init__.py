@@ -21,6 +21,7 @@ from .compare import BackendResult, ComparisonReport, compare
 from .contraction import contract, contract_pair, plan_matmul
 from .generate import Generation, generate, left_pad
 from .inputs import check_inputs, random_inputs
+from .kv_cache import ArrayKVCache, KVCache, LMInterface
 from .numpy_interpreter import NumpyInterpreter, run_numpy
 from .onnx_export import DEFAULT_OPSET, export
 from .targets import ATTENTION_MODES, NUMPY_TARGET, TORCH_TARGET, onnx_target
@@ -31,6 +32,9 @@ __all__ = [
     "generate",
     "Generation",
     "left_pad",
+    "KVCache",
+    "ArrayKVCache",
+    "LMInterface",
     "ComparisonReport",
     "BackendResult",
     "BackendSpec",

@@ -44,8 +44,10 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     q, k, v = args[:3]
     rest = list(args[3:])
     mask = rest.pop(0) if op.has_mask else None
+    present: tuple[np.ndarray, ...] = ()
     if op.kv_cache:  # in place when the past is a growing buffer (lowering.kv_buffers), else a new array
-        k, v = append(rest[0], k), append(rest[1], v)
+        present = (append(rest[0], k), append(rest[1], v))
+        k, v = (p.view(np.ndarray) for p in present)  # read as plain arrays; the prefixes (which know their buffers) are the outputs
     offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
     q_scale = op.scale / op.softcap if op.softcap is not None else op.scale
     if q_scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
@@ -59,7 +61,7 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
         shifted = [None if offset is None else offset - lo for lo, _ in runs]  # key j of row b is key j - lo of its run
         parts = [_attend(op, q[b : b + 1], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], shifted[b], threads) for b, (lo, hi) in enumerate(runs)]
         out = np.concatenate(parts)
-    return (out, k, v) if op.kv_cache else (out,)
+    return (out, *present)
 
 
 def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None, threads: int | None) -> np.ndarray:

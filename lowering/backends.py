@@ -29,6 +29,7 @@ from .compiled import kernels_description
 from .kernels import blas_description
 
 from .inputs import check_inputs
+from .kv_buffers import numpy_cache
 from .numpy_interpreter import NumpyInterpreter
 from .runner import Runner
 from .targets import NUMPY_TARGET, REFERENCE_TARGET
@@ -67,7 +68,7 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
     provider += "" if reference else f", {kernels_description()}, {blas_description()}"
     if reference:
         provider += ", reference mode: attention decomposed, no fused kernels"
-    return Runner("numpy", provider, graph, interp.run)
+    return Runner("numpy", provider, graph, interp.run, caches=numpy_cache)
 
 
 def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None) -> Any:

@@ -6,11 +6,14 @@ interface of :func:`graphc.causal_lm_graph` (and of optimum's
 left-padded into one batch, ``attention_mask`` marks the padding, positions
 count real tokens only (``cumsum(mask) - 1``, as transformers' ``generate``),
 and each step feeds the last token of every sequence with the previous step's
-``present.*`` as ``past_key_values.*``.  On onnxruntime the cache stays in
-onnxruntime's own tensors between steps (``OrtValue``s, never copied to NumPy);
-on NumPy it is a buffer per layer with room for the whole generation, which the
-attention kernel appends to in place (:mod:`lowering.kv_buffers`); on the other
-backends the arrays a step returns are the next step's inputs.
+``present.*`` as ``past_key_values.*``.  Where the cache lives between steps is the runner's
+business (:mod:`lowering.kv_cache`): the loop asks the runner for a cache
+(``runner.new_cache``), runs each step through ``runner.step`` and hands the
+step's outputs to the cache.  On onnxruntime the cache stays in onnxruntime's
+own tensors (``OrtValue`` s, never copied to NumPy); on NumPy it is a buffer per
+layer that the attention kernel appends to in place (:mod:`lowering.kv_buffers`);
+sharded, each shard keeps its part; elsewhere the arrays a step returns are the
+next step's inputs.
 
 A sequence that emits ``eos_token_id`` is finished: it is fed ``pad_token_id``
 afterwards and generation stops when every sequence is finished, as
@@ -22,7 +25,7 @@ graphc refuses to choose.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,27 +34,15 @@ import numpy as np
 from graphc.errors import ExecutionError, InputError
 from graphc.graph import Graph
 
-from . import kv_buffers
 from .backends import prepare
-from .runner import Runner
-from .sharded import ShardedRunner
+from .kv_cache import LMInterface
+from .runner import DecodeRunner
 
 __all__ = ["Generation", "generate", "left_pad", "lm_interface", "LMInterface"]
 
 _FIRST_ROOM = 256
-"""New positions a NumPy cache buffer has room for at first; it doubles as tokens come (nothing is allocated for tokens
-an ``eos_token_id`` may never let come)."""
-
-
-@dataclass(frozen=True)
-class LMInterface:
-    """What a decode loop needs to know of a causal LM graph: its layers' cache shapes, dtype and vocabulary."""
-
-    n_layers: int
-    kv_heads: tuple[int, ...]
-    head_dims: tuple[int, ...]
-    cache_dtype: str
-    vocab_size: int
+"""New positions a cache is asked to make room for at first (a NumPy buffer doubles as tokens come: nothing is allocated
+for tokens an ``eos_token_id`` may never let come)."""
 
 
 def lm_interface(graph: Graph) -> LMInterface:
@@ -129,46 +120,8 @@ class Generation:
         return [[int(t) for t, m in zip(row, mask) if m] for row, mask in zip(self.sequences, self.attention_mask)]
 
 
-class _Steps:
-    """Runs one step after another, keeping the cache where the backend keeps it."""
-
-    def __init__(self, runner: Runner | ShardedRunner, layers: int) -> None:
-        self.runner = runner
-        self.cache_names = [(f"past_key_values.{i}.{k}", f"present.{i}.{k}") for i in range(layers) for k in ("key", "value")]
-        self.sharded = isinstance(runner, ShardedRunner)
-        self.session = runner.session if isinstance(runner, Runner) and runner.backend.startswith("ort-") else None
-        self.cache: dict[str, Any] = {}
-
-    def start(self, lm: LMInterface, batch: int, capacity: int) -> None:
-        """Empty caches: onnxruntime tensors, buffers with room for ``capacity`` positions on NumPy (they grow past it as
-        tokens come), else empty arrays."""
-        shapes = {name: (batch, lm.kv_heads[i // 2], lm.head_dims[i // 2]) for i, (name, _) in enumerate(self.cache_names)}
-        if self.session is not None:
-            import onnxruntime as ort
-
-            self.cache = {n: ort.OrtValue.ortvalue_from_numpy(np.zeros((b, h, 0, d), lm.cache_dtype)) for n, (b, h, d) in shapes.items()}
-        elif self.runner.backend == "numpy" and not self.sharded:  # the attention kernel appends each step's keys in place
-            self.cache = {n: kv_buffers.allocate(b, h, capacity, d, lm.cache_dtype) for n, (b, h, d) in shapes.items()}
-        else:
-            self.cache = {n: np.zeros((b, h, 0, d), lm.cache_dtype) for n, (b, h, d) in shapes.items()}
-
-    def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
-        if self.session is None:  # sharded, each shard keeps its part of the cache between steps
-            resident = {"resident": [present for _, present in self.cache_names]} if self.sharded else {}
-            outs = self.runner.run({**feeds, **self.cache}, **resident)
-            self.cache = {past: outs[present] for past, present in self.cache_names}
-            return outs["logits"]
-        import onnxruntime as ort
-
-        names = ["logits"] + [present for _, present in self.cache_names]
-        inputs = {**{n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in feeds.items()}, **self.cache}
-        outs = self.session.run_with_ort_values(names, inputs)
-        self.cache = {past: value for (past, _), value in zip(self.cache_names, outs[1:])}
-        return outs[0].numpy()
-
-
-def _last_logits(logits: np.ndarray) -> np.ndarray:
-    return np.asarray(logits[:, -1, :], dtype=np.float32)
+def _last_logits(logits: Any) -> np.ndarray:
+    return np.asarray(np.asarray(logits)[:, -1, :], dtype=np.float32)
 
 
 def _check_finite(logits: np.ndarray, done: np.ndarray, step: int) -> None:
@@ -191,7 +144,7 @@ def generate(
     pad_token_id: int = 0,
     eos_token_id: int | Sequence[int] | None = None,
     keep_logits: bool = False,
-    runner: Runner | ShardedRunner | None = None,
+    runner: DecodeRunner | None = None,
     progress: Callable[[int, int], None] | None = None,
     shards: int | None = None,
     client: Any = None,
@@ -243,17 +196,13 @@ def _eos_ids(eos_token_id: Any) -> np.ndarray:
 
 def _check_runner(graph: Graph, runner: Any) -> None:
     """A runner prepared for another model would compute that model's tokens: refuse it."""
-    if isinstance(runner, ShardedRunner):
-        plan = runner.plan
-        same = plan.name == graph.name and all(plan.types.get(n) == graph.types[n] for n in (*graph.inputs, *graph.outputs))
-        what = f"a sharded plan of graph {plan.name!r}"
-    elif isinstance(runner, Runner):
-        same = runner.graph is graph or str(runner.graph) == str(graph)
-        what = f"graph {runner.graph.name!r}"
-    else:
-        raise InputError(f"runner must be a lowering Runner or ShardedRunner, got {type(runner).__name__}")
-    if not same:
-        raise InputError(f"the runner was prepared for {what}, not for graph {graph.name!r} (a different structure); prepare it for this graph")
+    if not all(callable(getattr(runner, m, None)) for m in ("new_cache", "step", "prepared_for")):
+        raise InputError(f"runner must be a lowering Runner or ShardedRunner (new_cache, step, prepared_for), got {type(runner).__name__}")
+    if not runner.prepared_for(graph):
+        made_for = getattr(getattr(runner, "graph", None), "name", None) or getattr(getattr(runner, "plan", None), "name", "?")
+        raise InputError(
+            f"the runner was prepared for graph {made_for!r}, not for graph {graph.name!r} (a different structure); prepare it for this graph"
+        )
 
 
 def _generate(
@@ -261,38 +210,43 @@ def _generate(
     ids: np.ndarray,
     mask: np.ndarray,
     max_new_tokens: int,
-    runner: Runner | ShardedRunner,
+    runner: DecodeRunner,
     pad_token_id: int,
     eos: np.ndarray,
     keep_logits: bool,
     progress: Callable[[int, int], None] | None,
 ) -> Generation:
     batch = ids.shape[0]
-    steps = _Steps(runner, lm.n_layers)
-    steps.start(lm, batch, ids.shape[1] + min(max_new_tokens, _FIRST_ROOM))
+    cache = runner.new_cache(lm, batch, ids.shape[1] + min(max_new_tokens, _FIRST_ROOM))
     done = np.zeros(batch, bool)
     new: list[np.ndarray] = []
     kept: list[np.ndarray] = []
     times: list[float] = []
     feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.maximum(mask.cumsum(1) - 1, 0)}
-    for step in range(max_new_tokens):
-        start = time.perf_counter()
-        logits = _last_logits(steps(feeds))
-        times.append(time.perf_counter() - start)
-        _check_finite(logits, done, step)
-        token = np.where(done, pad_token_id, logits.argmax(-1)).astype(np.int64)
-        new.append(token)
-        if keep_logits:
-            kept.append(logits)
-        if progress is not None:
-            progress(step + 1, max_new_tokens)
-        if eos.size:
-            done |= np.isin(token, eos)
-        if done.all() or step + 1 == max_new_tokens:
-            break
-        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-        feeds = {"input_ids": token[:, None], "attention_mask": mask, "position_ids": feeds["position_ids"][:, -1:] + 1}
+    try:
+        for step in range(max_new_tokens):
+            start = time.perf_counter()
+            outputs = runner.step({**feeds, **cache.feeds()}, cache.outputs)
+            cache.advance(outputs)
+            logits = _last_logits(outputs["logits"])
+            times.append(time.perf_counter() - start)
+            _check_finite(logits, done, step)
+            token = np.where(done, pad_token_id, logits.argmax(-1)).astype(np.int64)
+            new.append(token)
+            if keep_logits:
+                kept.append(logits)
+            if progress is not None:
+                progress(step + 1, max_new_tokens)
+            if eos.size:
+                done |= np.isin(token, eos)
+            if done.all() or step + 1 == max_new_tokens:
+                break
+            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+            feeds = {"input_ids": token[:, None], "attention_mask": mask, "position_ids": feeds["position_ids"][:, -1:] + 1}
+    finally:
+        cache.close()
     tokens = np.stack(new, axis=1)
     full_mask = np.concatenate([mask[:, : ids.shape[1]], np.ones_like(tokens)], axis=1)
-    provider = runner.provider if isinstance(runner, Runner) else f"sharded x{runner.plan.n}, {runner.backend} per shard"
-    return Generation(np.concatenate([ids, tokens], axis=1), tokens, full_mask, tuple(kept), times[0], tuple(times[1:]), runner.backend, provider)
+    return Generation(
+        np.concatenate([ids, tokens], axis=1), tokens, full_mask, tuple(kept), times[0], tuple(times[1:]), runner.backend, runner.provider
+    )

@@ -154,7 +154,7 @@ class NumpyInterpreter:
         """Run the graph on ``feeds`` (checked first) and return its outputs by name."""
         dims = self._check(feeds)
         env: dict[str, np.ndarray] = dict(self._weights)
-        env.update({k: self._cast(np.asarray(v)) for k, v in feeds.items()})
+        env.update({k: self._cast(v if isinstance(v, np.ndarray) else np.asarray(v)) for k, v in feeds.items()})  # a KV prefix stays one
         for idx, node in enumerate(self.order):
             try:
                 results = self._run_node(node.op, [env[i] for i in node.inputs], dims)
@@ -165,7 +165,7 @@ class NumpyInterpreter:
                 env[name] = value
             for name in self._free_after[idx]:
                 env.pop(name, None)
-        return {o: np.asarray(env[o]) for o in self.graph.outputs}
+        return {o: env[o] if isinstance(env[o], np.ndarray) else np.asarray(env[o]) for o in self.graph.outputs}  # a KV prefix stays one
 
 
 def run_numpy(

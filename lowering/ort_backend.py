@@ -18,7 +18,7 @@ with the basic rewrites only; every other run uses the fully optimized one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,10 @@ from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
 from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, plan_session_weights
-from .runner import Runner
+from .kv_cache import ArrayKVCache, LMInterface, zeros_cache
+from .runner import Runner, StepFn
 
-__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction"]
+__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache"]
 
 _PROTOBUF_LIMIT = 2**31 - 1
 
@@ -160,4 +161,41 @@ def prepare_ort(
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
-    return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe())
+    if native is None:  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
+        return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe())
+    return Runner(
+        name, sessions.description, graph, run, session=native, weights=weights.describe(),
+        caches=OrtKVCache, stepper=_ort_step(native, list(sessions.outputs)),
+    )  # fmt: skip
+
+
+class OrtKVCache(ArrayKVCache):
+    """onnxruntime's decode cache: ``OrtValue`` s that go from one step's outputs to the next step's inputs, never through NumPy."""
+
+    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0) -> None:
+        import onnxruntime as ort
+
+        super().__init__(lm, batch, lambda b, h, d, dtype: ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, d, dtype)))
+
+    @property
+    def length(self) -> int:
+        """Positions held (axis 2 of the first ``OrtValue``)."""
+        first = next(iter(self.feeds().values()), None)
+        return 0 if first is None else int(first.shape()[2])
+
+    @property
+    def capacity(self) -> int:
+        """onnxruntime returns new tensors each step: no room beyond the length."""
+        return self.length
+
+
+def _ort_step(session: Any, names: list[str]) -> StepFn:
+    """A decode step on ``session``: NumPy inputs wrapped as ``OrtValue`` s (no copy), the cache's ``OrtValue`` s as they are."""
+    import onnxruntime as ort
+
+    def step(inputs: Mapping[str, Any], keep: Sequence[str]) -> dict[str, Any]:
+        feeds = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
+        outs = session.run_with_ort_values(names, feeds)
+        return {n: (o if n in keep else o.numpy()) for n, o in zip(names, outs)}
+
+    return step

@@ -26,9 +26,11 @@ import numpy as np
 
 from graphc.dims import dim_symbols, eval_shape
 from graphc.errors import InputError, ShardingError
+from graphc.graph import Graph
 from graphc.sharding import ShardPlan, Stage, sum_addends
 
 from .inputs import check_arrays, check_assumptions
+from .kv_cache import ArrayKVCache, KVCache, LMInterface
 
 __all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run"]
 
@@ -144,6 +146,24 @@ class ShardedRunner:
                 self._local[st.index] = prepare(st.graphs[0], backend, **options)
         if getattr(executor, "places_weights", False):  # the shard graphs (and their weight slices) now live on the workers
             self.plan = replace(plan, stages=tuple(replace(st, graphs=()) if st.sharded else st for st in plan.stages))
+
+    @property
+    def provider(self) -> str:
+        """What runs the shards, in words."""
+        return f"sharded x{self.plan.n}, {self.backend} per shard"
+
+    def new_cache(self, lm: LMInterface, batch: int, capacity: int) -> KVCache:
+        """A decode cache whose values, after the first step, are :class:`Resident` parts each shard keeps (``capacity`` is not used)."""
+        return ArrayKVCache(lm, batch)
+
+    def step(self, inputs: Mapping[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
+        """One decode step: :meth:`run` with the outputs in ``keep`` left on the shards."""
+        return self.run(inputs, resident=list(keep))
+
+    def prepared_for(self, graph: Graph) -> bool:
+        """True when the plan was made from ``graph`` or a graph of the same name and interface."""
+        plan = self.plan
+        return plan.name == graph.name and all(plan.types.get(n) == graph.types[n] for n in (*graph.inputs, *graph.outputs))
 
     def close(self) -> None:
         """Release the executor (a LocalCluster that :func:`~lowering.dask_shards.sharded_runner` started is shut down)."""
