@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .dims import Dim, normalize_shape
+from .dims import Dim, dim_symbols, eval_dim, normalize_shape
 from .errors import OpError
 from .ops import Dims, Op, TensorType, check_dtype, register_op
 
@@ -56,6 +56,22 @@ class Opaque(Op):
         object.__setattr__(self, "slots", tuple(int(s) for s in self.slots))
         if len(self.output_shapes) != len(self.output_dtypes) or not self.output_dtypes:
             raise OpError(f"Opaque {self.qualified_name}: needs one dtype per output shape and at least one output")
+        self._check_proto()
+
+    def _check_proto(self) -> None:
+        """The serialized node must be the op this node names: what ``str(graph)`` prints is what runs and is exported."""
+        import onnx
+
+        node = onnx.NodeProto()
+        try:
+            node.ParseFromString(base64.b64decode(self.proto, validate=True))
+        except Exception as e:  # noqa: BLE001 - bad base64 or protobuf: the attribute is at fault
+            raise OpError(f"Opaque {self.qualified_name}: attribute 'proto' is not a base64 ONNX NodeProto ({type(e).__name__})") from None
+        if node.op_type != self.op_type or (node.domain or "ai.onnx") != (self.domain or "ai.onnx"):
+            raise OpError(
+                f"Opaque {self.qualified_name}: attribute 'proto' holds a {(node.domain or 'ai.onnx')}::{node.op_type} node; "
+                "op_type and domain must name the node the proto holds"
+            )
 
     @property
     def qualified_name(self) -> str:
@@ -117,7 +133,21 @@ class Opaque(Op):
             results = ReferenceEvaluator(model).run(None, {n: np.array(a, copy=True, order="C") for n, a in zip(in_names, args)})  # owned, contiguous
         except Exception as e:  # noqa: BLE001 - onnx's evaluator raises anything; report it on the op
             raise OpError(f"Opaque {self.qualified_name}: ONNX's reference evaluator failed: {type(e).__name__}: {e}") from None
-        return tuple(np.asarray(r).astype(d, copy=False) for r, d in zip(results, self.output_dtypes))
+        outs = tuple(np.asarray(r).astype(d, copy=False) for r, d in zip(results, self.output_dtypes))
+        self._check_results(outs, dims)
+        return outs
+
+    def _check_results(self, outs: Sequence[np.ndarray], dims: Dims) -> None:
+        """The node must return the outputs it declares (their number, and every dim that is known here)."""
+        if len(outs) != self.num_outputs:
+            raise OpError(f"Opaque {self.qualified_name}: declares {self.num_outputs} output(s), the node returned {len(outs)}")
+        for i, (out, shape) in enumerate(zip(outs, self.output_shapes)):
+            known = [eval_dim(d, dims) if dim_symbols(d) <= dims.keys() else None for d in shape]
+            if out.ndim != len(shape) or any(k is not None and k != n for k, n in zip(known, out.shape)):
+                raise OpError(
+                    f"Opaque {self.qualified_name}: output {i} is declared {list(shape)}{' with ' + str(dict(dims)) if dims else ''}, "
+                    f"the node returned {list(out.shape)}"
+                )
 
     def __str__(self) -> str:
         outs = ", ".join(str(TensorType(s, d)) for s, d in zip(self.output_shapes, self.output_dtypes))

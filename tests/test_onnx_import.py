@@ -566,3 +566,42 @@ def test_group_query_attention_with_a_float_seqlens_k_is_refused_as_onnxruntime_
     model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "pk", "pv")], ms=True)
     with pytest.raises(OnnxImportError, match="seqlens_k must be int32 .* got float32"):
         from_onnx(model, strict=True)
+
+
+def _opaque_doc() -> dict:
+    from graphc.serialize import graph_to_dict
+
+    return graph_to_dict(from_onnx(_cumsum_model()))
+
+
+def _opaque_entry(doc: dict) -> dict:
+    return next(n["op"] for n in doc["nodes"] if n["op"]["kind"] == "Opaque")
+
+
+def test_a_graph_json_whose_opaque_node_names_one_op_and_holds_another_is_refused() -> None:
+    """``str(graph)`` prints the op_type; the proto is what runs and is exported: they must agree."""
+    import base64
+
+    from graphc.serialize import graph_from_dict
+
+    doc = _opaque_doc()
+    entry = _opaque_entry(doc)
+    neg = helper.make_node("Neg", ["a"], ["b"])
+    entry["attrs"]["proto"] = base64.b64encode(neg.SerializeToString()).decode()
+    with pytest.raises(GraphcError, match=r"ai.onnx::CumSum: attribute 'proto' holds a ai.onnx::Neg node"):
+        graph_from_dict(doc)
+    entry["attrs"]["proto"] = "not base64!"
+    with pytest.raises(GraphcError, match=r"attribute 'proto' is not a base64 ONNX NodeProto"):
+        graph_from_dict(doc)
+
+
+def test_an_opaque_node_that_returns_another_shape_than_it_declares_is_an_error() -> None:
+    from graphc.serialize import graph_from_dict
+
+    doc = _opaque_doc()
+    _opaque_entry(doc)["attrs"]["output_shapes"] = [["batch", 7]]  # CumSum returns [batch, 4]
+    for node in doc["nodes"][1:]:  # the opaque node and the softmax after it, consistently
+        node["type"]["shape"] = ["batch", 7]
+    g = graph_from_dict(doc)
+    with pytest.raises(ExecutionError, match=r"output 0 is declared \['batch', 7\].*returned \[3, 4\]"):
+        run(g, {"x": _w(3, 6)}, backend="numpy")
