@@ -11,6 +11,7 @@ worker: what crosses is what the driver sends (``scatter``) or fetches.
 from __future__ import annotations
 
 import atexit
+import copy
 
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +24,7 @@ from graphc.graph import Graph
 from graphc.sharding import ShardPlan, Stage, shard, sum_addends
 
 from .backends import get_backend
-from .sharded import RunStats, ShardedRunner, timed_run
+from .sharded import RunStats, ShardedRunner, extend_last_axis, timed_run
 
 __all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
 
@@ -60,10 +61,20 @@ def close_cluster(client: Any) -> None:
         cluster.close()
 
 
-def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any]) -> Any:
+def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any], weights: Mapping[str, np.ndarray] | None = None) -> Any:
     from .backends import prepare
 
+    if weights:  # the weights sent apart (once per worker, however many stages read them) go back in
+        graph = copy.copy(graph)
+        graph.initializers = {**graph.initializers, **weights}
     return prepare(graph, backend, **dict(options))
+
+
+def _without(graph: Graph, names: set[str]) -> Graph:
+    """A shallow copy of ``graph`` without the initializers ``names`` (sent to the worker apart)."""
+    light = copy.copy(graph)
+    light.initializers = {k: v for k, v in graph.initializers.items() if k not in names}
+    return light
 
 
 def _run_on_worker(runner: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -94,6 +105,7 @@ class DaskExecutor:
         self.workers = [workers[i % len(workers)] for i in range(n)]
         self._runners: dict[tuple[int, int], Any] = {}
         self._graphs: list[Any] = []  # the scattered graphs: held, or Dask may drop them before the prepare tasks read them
+        self._weights: dict[tuple[int, int], tuple[np.ndarray | None, Any]] = {}  # (shard, id(array)) -> (array, its future on the worker)
         self.setup_bytes = 0
 
     def _open(self) -> Any:
@@ -105,12 +117,27 @@ class DaskExecutor:
         return self._open().submit(fn, *args, workers=[self.workers[shard]], allow_other_workers=False, pure=False)
 
     def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
-        """Send each shard's graph (with its weight slices) to its worker and prepare it there."""
+        """Send each shard's graph and weight slices to its worker and prepare it there.
+
+        Weights of ``EMBED_BYTES`` or more travel apart from the graph, once per worker: a
+        table that several stages read (a tied embedding: the lookup and the LM head) is sent once.
+        """
         for i, g in enumerate(stage.graphs):
-            self.setup_bytes += sum(a.nbytes for a in g.initializers.values())
-            [graph_future] = self._open().scatter([g], workers=[self.workers[i]], hash=False)
+            big = {k: a for k, a in g.initializers.items() if a.nbytes >= EMBED_BYTES}
+            new = {k: a for k, a in big.items() if (i, id(a)) not in self._weights}
+            if new:
+                futures = self._open().scatter(list(new.values()), workers=[self.workers[i]], hash=False)
+                for a, f in zip(new.values(), futures):
+                    self._weights[(i, id(a))] = (a, f)  # the array is held too, so its id is not reused while the entry lives
+            self.setup_bytes += sum(a.nbytes for k, a in g.initializers.items() if k not in big or k in new)
+            [graph_future] = self._open().scatter([_without(g, set(big))], workers=[self.workers[i]], hash=False)
             self._graphs.append(graph_future)
-            self._runners[(stage.index, i)] = self._submit(i, _prepare_on_worker, graph_future, backend, dict(options))
+            weights = {k: self._weights[(i, id(a))][1] for k, a in big.items()}
+            self._runners[(stage.index, i)] = self._submit(i, _prepare_on_worker, graph_future, backend, dict(options), weights)
+
+    def placed(self) -> None:
+        """Every stage is prepared: let go of the driver's references to the weights sent (the workers hold them)."""
+        self._weights = {key: (None, future) for key, (_, future) in self._weights.items()}
 
     def close(self) -> None:
         """Shut down the cluster if this executor's runner made it (a client you passed in stays open)."""
@@ -125,6 +152,14 @@ class DaskExecutor:
             [array], workers=[self.workers[shard]], hash=False
         )  # a unique key per send: the same array goes to several workers
         return self._submit(shard, _aligned, future)
+
+    def hold(self, shard: int, array: np.ndarray) -> Any:
+        """Send ``array`` to the shard's worker and keep it there (a future), however small."""
+        return self._submit(shard, _aligned, array)
+
+    def extend(self, shard: int, held: Any, tail: np.ndarray) -> Any:
+        """What the shard holds, with ``tail`` appended along the last axis on the worker: only ``tail`` crosses."""
+        return self._submit(shard, extend_last_axis, held, tail)
 
     def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """Submit the shard's run; a future per output, on the same worker."""

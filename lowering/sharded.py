@@ -32,7 +32,7 @@ from graphc.sharding import ShardPlan, Stage, sum_addends
 from .inputs import check_arrays, check_assumptions
 from .kv_cache import ArrayKVCache, KVCache, LMInterface
 
-__all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run"]
+__all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run", "extend_last_axis", "GROWING_MAX_BYTES"]
 
 
 def timed_run(runner: Any, feeds: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,6 +59,26 @@ class Executor(Protocol):
 
     def fetch(self, handles: list[Any]) -> list[Any]:
         """The arrays (and the ``"__seconds__"`` floats) behind ``handles``, in the driver, in one round trip."""
+
+
+GROWING_MAX_BYTES = 1 << 20
+"""Inputs up to this size are checked for growth (a decode loop's ``attention_mask``): larger ones are sent whole."""
+
+
+def _extends(old: np.ndarray, new: np.ndarray) -> bool:
+    """True when ``new`` is ``old`` with more entries along the last axis."""
+    return (
+        old.ndim == new.ndim >= 1
+        and old.dtype == new.dtype
+        and old.shape[:-1] == new.shape[:-1]
+        and new.shape[-1] > old.shape[-1]
+        and np.array_equal(new[..., : old.shape[-1]], old)
+    )
+
+
+def extend_last_axis(held: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """``held`` with ``tail`` appended along the last axis (run where ``held`` lives)."""
+    return np.concatenate([held, tail], axis=-1)
 
 
 @dataclass
@@ -108,6 +128,14 @@ class LocalExecutor:
         """The array itself."""
         return array
 
+    def hold(self, shard: int, array: np.ndarray) -> Any:
+        """The array itself (held by the caller)."""
+        return array
+
+    def extend(self, shard: int, held: Any, tail: np.ndarray) -> Any:
+        """``held`` with ``tail`` appended along its last axis."""
+        return extend_last_axis(held, tail)
+
     def run(self, stage: Stage, shard: int, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """Run the prepared shard."""
         return timed_run(self._runners[(stage.index, shard)], feeds)
@@ -136,6 +164,7 @@ class ShardedRunner:
         self.plan, self.executor, self.backend = plan, executor, backend
         self.last = RunStats()
         self._fetched: dict[tuple[str, int], np.ndarray] = {}
+        self._held: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}  # (input, shard) -> last value sent, its handle if kept there
         self._local: dict[int, Any] = {}
         from .backends import prepare
 
@@ -144,6 +173,9 @@ class ShardedRunner:
                 executor.prepare(st, backend, options)
             else:
                 self._local[st.index] = prepare(st.graphs[0], backend, **options)
+        placed = getattr(executor, "placed", None)
+        if placed is not None:
+            placed()
         if getattr(executor, "places_weights", False):  # the shard graphs (and their weight slices) now live on the workers
             self.plan = replace(plan, stages=tuple(replace(st, graphs=()) if st.sharded else st for st in plan.stages))
 
@@ -228,9 +260,29 @@ class ShardedRunner:
             return val[shard]  # made on this shard (its part, its own copy of a replicated value, or the all-reduced sum)
         if (name, shard) not in sent:
             part = self.plan.split(name, self._whole(name, where), shard)
-            self.last.bytes_sent += part.nbytes
-            sent[(name, shard)] = self.executor.put(shard, part)
+            sent[(name, shard)] = self._send(name, shard, part)
         return sent[(name, shard)]
+
+    def _send(self, name: str, shard: int, part: np.ndarray) -> Any:
+        """Put ``part`` on ``shard``.  A small input that extends the last call's value along its last axis (a decode loop's
+        ``attention_mask``) is kept on the shard from then on and sent as its new entries only, where the executor can extend
+        what it holds."""
+        extend = getattr(self.executor, "extend", None)
+        if extend is None or part.nbytes > GROWING_MAX_BYTES:
+            self.last.bytes_sent += part.nbytes
+            return self.executor.put(shard, part)
+        last = self._held.get((name, shard))
+        grows = last is not None and _extends(last[0], part)
+        if grows and last is not None and last[1] is not None:
+            tail = np.ascontiguousarray(part[..., last[0].shape[-1] :])
+            self.last.bytes_sent += tail.nbytes
+            handle = kept = extend(shard, last[1], tail)
+        else:
+            self.last.bytes_sent += part.nbytes
+            handle = self.executor.hold(shard, part) if grows else self.executor.put(shard, part)  # type: ignore[attr-defined]
+            kept = handle if grows else None  # held on the shard once it has grown; other inputs travel as before
+        self._held[(name, shard)] = (np.array(part, copy=True), kept)  # a copy: the caller may change its array in place
+        return handle
 
     def run(self, inputs: Mapping[str, Any], resident: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
         """Run every stage on ``inputs`` (arrays, or :class:`Resident` parts from an earlier call); gather the outputs."""

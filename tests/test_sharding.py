@@ -11,7 +11,7 @@ from graphc import AttentionConfig
 from graphc.errors import BackendUnavailableError, InputError, ShardingError
 from graphc.sharding import shard
 from lowering.sharded import LocalExecutor, Resident, ShardedRunner
-from lowering import NumpyInterpreter, prepare, random_inputs
+from lowering import NumpyInterpreter, prepare, random_inputs, run
 from lowering.onnx_export import export
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -381,6 +381,27 @@ def test_generate_on_dask_gives_the_single_process_tokens(client):
         np.testing.assert_array_equal(generate(g, prompts, 6, runner=runner).new_tokens, want.new_tokens)
 
 
+def test_a_tied_table_goes_to_each_worker_once_and_the_mask_stays_there(client, monkeypatch):
+    """The embedding lookup (first stage) and the LM head (last stage) read one table: each worker receives it once."""
+    from graphc.attention import causal_lm_config_from_hf
+    from lowering import dask_shards, generate
+
+    monkeypatch.setattr(dask_shards, "EMBED_BYTES", 1024)  # the tiny model's weights count as large ones
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 96,
+              "num_hidden_layers": 2, "vocab_size": 50, "tie_word_embeddings": True}  # fmt: skip
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(config), seed=1)
+    plan = shard(g, 2)
+    holders = [st for st in plan.stages if any("model.embed_tokens.weight" in sg.initializers for sg in st.graphs)]
+    assert len(holders) == 2  # the table is read in two stages
+    once = sum(sum(a.nbytes for a in {id(a): a for st in plan.stages for a in st.graphs[i].initializers.values()}.values()) for i in range(2))
+    with dask_shards.sharded_runner(plan, client=client) as runner:
+        assert runner.executor.setup_bytes == once  # type: ignore[attr-defined]
+        sent: list[int] = []
+        got = generate(g, [[1, 2, 3], [4, 5]], 8, runner=runner, progress=lambda step, total: sent.append(runner.last.bytes_sent))
+    np.testing.assert_array_equal(got.new_tokens, generate(g, [[1, 2, 3], [4, 5]], 8).new_tokens)
+    assert len(set(sent[2:])) == 1, sent
+
+
 def test_cli_generate_adds_a_sharded_row(tmp_path, capsys):
     import json
 
@@ -411,5 +432,23 @@ def test_a_decode_step_moves_what_the_design_note_predicts(n):
     last = runner.last  # the last decode step: one token over a past of 4
     assert last.all_reduces == 2 * layers and last.driver_waits == 1
     assert last.bytes_between_shards == 2 * layers * n * (n - 1) * 1 * width * 4
-    step_inputs = 8 + 8 * (out.sequences.shape[1] - 1) + 8  # input_ids, attention_mask over all but the newest token, position_ids
+    step_inputs = 8 + 8 + 8  # input_ids, the attention_mask's new column (the rest is held on the shards), position_ids
     assert last.bytes_sent == n * step_inputs and last.bytes_received == 50 * 4  # logits from one shard
+    assert out.sequences.shape[1] == 6
+
+
+def test_the_bytes_a_decode_step_sends_do_not_grow_with_the_context():
+    """The attention_mask grows by a column a token: the shards keep it and receive the new column only."""
+    from lowering import generate
+
+    g = _lm()
+    runner = ShardedRunner(shard(g, 2), LocalExecutor(2))
+    sent: list[int] = []
+    generate(g, [[1, 2, 3], [4, 5]], 12, runner=runner, progress=lambda step, total: sent.append(runner.last.bytes_sent))
+    assert len(set(sent[2:])) == 1, sent  # from the third step on, every step sends the same bytes
+    assert sent[-1] == 2 * 3 * (2 * 8)  # per shard: input_ids, the mask's new column, position_ids, for 2 sequences
+    feeds = {"input_ids": np.array([[7], [8]]), "attention_mask": np.array([[0, 1, 1], [1, 1, 1]]), "position_ids": np.array([[1], [2]]),
+             **{n: np.zeros((2, 4, 2, 8), np.float32) + 0.5 for n in g.inputs if n.startswith("past_key_values.")}}  # fmt: skip
+    again = runner.run(feeds)  # a mask that does not extend the last one: sent whole, and the numbers are the unsharded graph's
+    assert runner.last.bytes_sent > sent[-1]
+    np.testing.assert_allclose(again["logits"], run(g, feeds, "numpy")["logits"], **TOL)
