@@ -156,7 +156,9 @@ class Attention(Op):
         hidden = np.zeros(s.shape, bool)
         if self.causal_offset is not None:
             hidden |= hidden_keys(0, s.shape[2], s.shape[3], eval_dim(self.causal_offset, dims), self.window)
-        if self.mask == "bool":
+        if mask is None:
+            pass
+        elif self.mask == "bool":
             hidden |= ~mask
         elif self.mask == "additive":
             s = s + mask

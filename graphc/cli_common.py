@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from .errors import GraphcError
 
@@ -18,7 +18,7 @@ class UsageError(GraphcError):
 class Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are :class:`UsageError` (one line, exit 2) instead of usage text and ``sys.exit``."""
 
-    def error(self, message: str) -> None:  # argparse would print usage and exit itself
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit itself
         """Raise the message as a :class:`UsageError`."""
         raise UsageError(message)
 

@@ -420,10 +420,10 @@ class Graph(GraphBuilder):
 
     def _walk(self) -> Iterator[Node]:
         node = self._head._next
-        while node is not self._head:
+        while node is not None and node is not self._head:  # a linked node always has a next (the circle closes at the head)
             nxt = node._next  # read first: the caller may unlink ``node``
             yield node
-            node = nxt  # type: ignore[assignment]
+            node = nxt
 
     def topological_order(self) -> list[Node]:
         """Nodes in topological order (the maintained list; no sort)."""

@@ -68,7 +68,7 @@ def _node_to_dict(graph: Graph, node: Node) -> dict[str, Any]:
     return d
 
 
-_JSON_NAMES = {str: "string", list: "array", dict: "object"}
+_JSON_NAMES: dict[type, str] = {str: "string", list: "array", dict: "object"}
 
 
 def _req(d: Any, key: str, typ: type, where: str) -> Any:
@@ -128,7 +128,7 @@ def graph_from_dict(doc: Any) -> Graph:
                 raise SerializationError(f"{where}: no 'data' (the graph was saved without weights)")
             try:
                 raw = base64.b64decode(_req(d, "data", str, where), validate=True)
-                arr = np.frombuffer(raw, dtype=np.dtype(t.dtype).newbyteorder("<")).astype(t.dtype).reshape(t.shape)
+                arr = np.frombuffer(raw, dtype=np.dtype(t.dtype).newbyteorder("<")).astype(t.dtype).reshape(tuple(int(d) for d in t.shape))
             except (ValueError, TypeError) as e:
                 raise SerializationError(f"{where}: data does not decode to {t}: {e}") from None
             g.add_initializer(_req(d, "name", str, where), arr)

@@ -15,9 +15,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -73,7 +73,8 @@ class Reduce(Op):
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         x = args[0]
         axes = self.normalized_axes(x.ndim)
-        fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[self.fn]
+        reducers: dict[str, Callable[..., Any]] = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}
+        fn = reducers[self.fn]
         if self.fn in ("max", "min") and any(x.shape[a] == 0 for a in axes):
             raise OpError(f"Reduce {self.fn}: cannot reduce an empty axis (shape {list(x.shape)})")
         return np.asarray(fn(x, axis=axes, keepdims=self.keepdims)).astype(x.dtype, copy=False)

@@ -70,7 +70,7 @@ def to_svg(graph: Graph, title: str | None = None) -> bytes:
             raise GraphcError(f"Graphviz dot failed: {proc.stderr.decode(errors='replace').strip()}")
         return proc.stdout
     try:
-        import graphviz  # type: ignore[import-not-found]
+        import graphviz
     except ImportError:
         raise GraphcError(_NO_DOT) from None
     try:

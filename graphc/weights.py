@@ -162,6 +162,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     entries = _header_entries(path, header, st.st_size - base)
     _library_check(path)
     out: dict[str, np.ndarray] = {}
+    raw: np.ndarray
     if st.st_size > base:
         raw = np.memmap(path, dtype=np.uint8, mode="r")
         register_map(raw, str(path), st)
@@ -277,9 +278,10 @@ def load_weights(source: str | Path | Iterable[str | Path] | Mapping[str, Any], 
                 if name in out:
                     raise SerializationError(f"tensor {name!r} is in more than one file (again in {path})")
                 out[name] = arr
-        missing = sorted(set(weight_map or ()) - set(out))
+        listed = weight_map or {}
+        missing = sorted(set(listed) - set(out))
         if missing:
-            raise SerializationError(f"{_INDEX} lists {len(missing)} tensor(s) no file holds, e.g. {missing[0]!r} (in {weight_map[missing[0]]!r})")
+            raise SerializationError(f"{_INDEX} lists {len(missing)} tensor(s) no file holds, e.g. {missing[0]!r} (in {listed[missing[0]]!r})")
     if prefix:
         out = {k: v for k, v in out.items() if k.startswith(prefix)}
     if dtype is not None:

@@ -58,36 +58,36 @@ _F32 = ir.FloatType()
 _V16 = ir.VectorType(_F32, 16)
 
 
-def _emit_prefetch(builder, ptr):  # type: ignore[no-untyped-def]
+def _emit_prefetch(builder, ptr):
     """``llvm.prefetch`` (read, keep in all cache levels) of the line holding ``ptr``; never faults."""
     byte_ptr = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, _I32, _I32, _I32]), "llvm.prefetch.p0")
     builder.call(fn, [builder.bitcast(ptr, byte_ptr), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
-def _emit_fma(builder, a, b, acc_ptr):  # type: ignore[no-untyped-def]
+def _emit_fma(builder, a, b, acc_ptr):
     """``*acc_ptr = a * b + *acc_ptr`` on ``<16 x float>`` (``llvm.fma``)."""
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3), "llvm.fma.v16f32")
     builder.store(builder.call(fma, [a, b, builder.load(acc_ptr)]), acc_ptr)
 
 
-def _zeroed_accumulators(builder, count):  # type: ignore[no-untyped-def]
+def _zeroed_accumulators(builder, count):
     """``count`` stack slots of ``<16 x float>`` zeros (promoted to registers by LLVM)."""
     zero = ir.Constant(_V16, [ir.Constant(_F32, 0.0)] * 16)
     return [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
 
 
-def _load16(builder, ptr):  # type: ignore[no-untyped-def]
+def _load16(builder, ptr):
     """A ``<16 x float>`` load from a ``float*`` (4-byte aligned)."""
     return builder.load(builder.bitcast(ptr, _V16.as_pointer()), align=4)
 
 
 @intrinsic
-def _prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
+def _prefetch(typingctx, arr, index):
     """``llvm.prefetch`` (read, keep in all cache levels) of ``arr.ravel()[index]``; never faults."""
     sig = types.void(arr, index)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         _emit_prefetch(builder, builder.gep(array.data, [args[1]]))
         return context.get_dummy_value()
@@ -95,7 +95,7 @@ def _prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
-def _pairwise_sums(builder, x, y, lo, hi):  # type: ignore[no-untyped-def]
+def _pairwise_sums(builder, x, y, lo, hi):
     """``shuffle(x, y, lo) + shuffle(x, y, hi)``: one level of the transposing reduction tree."""
     pick = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, m) for m in mask])) for mask in (lo, hi)]
     return builder.fadd(pick[0], pick[1])
@@ -111,7 +111,7 @@ _TREE = (
 
 
 @intrinsic
-def _scores_4x4_simd(typingctx, q, k, s, r, j, c, prefetch):  # type: ignore[no-untyped-def]
+def _scores_4x4_simd(typingctx, q, k, s, r, j, c, prefetch):
     """``s[r + a, c + b] = q[r + a] . k[j + b]`` for ``a, b`` in 0..3, written in LLVM vector IR (head_dim a multiple of 16).
 
     Sixteen ``<16 x float>`` accumulators over the head dimension, then one
@@ -126,7 +126,7 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c, prefetch):  # type: ignore[no-
         return None
     sig = types.void(q, k, s, types.intp, types.intp, types.intp, types.boolean)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         qa, ka, sa = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
         r, j, c, prefetch = args[3:]
         intp = context.get_value_type(types.intp)
@@ -162,7 +162,7 @@ def _scores_4x4_simd(typingctx, q, k, s, r, j, c, prefetch):  # type: ignore[no-
 
 
 @intrinsic
-def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):  # type: ignore[no-untyped-def]
+def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):
     """``out[r + a, e0 : e0 + 64] = sum_j p[r + a, j] v[j, e0 : e0 + 64]`` for ``a`` in 0..3 over all keys of ``v``, in LLVM vector IR.
 
     Sixteen ``<16 x float>`` accumulators stay in registers over the keys (the
@@ -175,7 +175,7 @@ def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):  # type: ignore[no
         return None
     sig = types.void(p, v, out, types.intp, types.intp, types.boolean)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         pa, va, oa = (context.make_array(t)(context, builder, x) for t, x in zip(signature.args[:3], args[:3]))
         r, e0, prefetch = args[3:]
         intp = context.get_value_type(types.intp)
@@ -211,7 +211,7 @@ def _values_4x64_simd(typingctx, p, v, out, r, e0, prefetch):  # type: ignore[no
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _prefetch_ahead(flat, row, row_len):  # type: ignore[no-untyped-def]
+def _prefetch_ahead(flat, row, row_len):
     """Prefetch the four rows :data:`PREFETCH_ROWS` after ``row`` (rows of ``row_len`` in ``flat``), one 64-byte line at a time."""
     base = (row + PREFETCH_ROWS) * row_len
     if base + 4 * row_len <= flat.size:
@@ -220,7 +220,7 @@ def _prefetch_ahead(flat, row, row_len):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _exp_neg(x):  # type: ignore[no-untyped-def]
+def _exp_neg(x):
     """``exp(x)`` for ``x <= 0`` in float32: ``2**n * p(r)``, ``r = x - n ln 2``; 0 below -87.3 (and for -inf); NaN for NaN."""
     xc = np.float32(-87.0) if x < np.float32(-87.0) else x  # NaN stays NaN
     n = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
@@ -237,7 +237,7 @@ def _exp_neg(x):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _scores(q, k, s):  # type: ignore[no-untyped-def]
+def _scores(q, k, s):
     """``s[r, j] = q[r] . k[j]`` for every key of ``k``, prefetching ahead.
 
     ``k`` is the task's slice of the cache, indexed from 0: with a runtime
@@ -290,7 +290,7 @@ def _scores(q, k, s):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _scores_4x4(q0, q1, q2, q3, k0, k1, k2, k3, out):  # type: ignore[no-untyped-def]
+def _scores_4x4(q0, q1, q2, q3, k0, k1, k2, k3, out):
     """``out[a, b] = q_a . k_b`` for four query rows and four keys: sixteen accumulators over the head dimension."""
     a00 = a01 = a02 = a03 = np.float32(0.0)
     a10 = a11 = a12 = a13 = np.float32(0.0)
@@ -328,7 +328,7 @@ def _scores_4x4(q0, q1, q2, q3, k0, k1, k2, k3, out):  # type: ignore[no-untyped
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _weighted_values(p, v, acc):  # type: ignore[no-untyped-def]
+def _weighted_values(p, v, acc):
     """``acc[r] = sum_j p[r, j] v[j]`` over every key of ``v`` (a slice indexed from 0, as in :func:`_scores`), prefetching ahead.
 
     Rows four at a time: with the value width a multiple of 64, in 64-column
@@ -361,7 +361,7 @@ def _weighted_values(p, v, acc):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _values_4_rows(p, v, vf, c0, c1, c2, c3):  # type: ignore[no-untyped-def]
+def _values_4_rows(p, v, vf, c0, c1, c2, c3):
     """``c_a += sum_j p[a, j] v[j]`` for four rows ``a``, four keys per step, prefetching ahead in ``vf`` (``v`` flat)."""
     e_len = c0.size
     j4 = v.shape[0] // 4 * 4
@@ -394,7 +394,7 @@ def _values_4_rows(p, v, vf, c0, c1, c2, c3):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _values_1_row(p, v, vf, c0):  # type: ignore[no-untyped-def]
+def _values_1_row(p, v, vf, c0):
     """``c0 += sum_j p[j] v[j]``, four keys per step, prefetching ahead in ``vf`` (``v`` flat)."""
     e_len = c0.size
     j4 = v.shape[0] // 4 * 4
@@ -410,7 +410,7 @@ def _values_1_row(p, v, vf, c0):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _row_max(x):  # type: ignore[no-untyped-def]
+def _row_max(x):
     """The maximum of the 1-D ``x`` (``-inf`` when empty), sixteen running maxima at a time so that LLVM vectorises it."""
     lanes = np.full(16, -np.inf, np.float32)
     n16 = x.size // 16 * 16
@@ -427,7 +427,7 @@ def _row_max(x):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _softmax_unnormalised(x):  # type: ignore[no-untyped-def]
+def _softmax_unnormalised(x):
     """``x <- exp(x - max(x))`` in place; returns ``(max, sum)``.
 
     When no entry is above ``-inf`` the max is ``-inf``, the ``-inf`` entries
@@ -450,7 +450,7 @@ def _softmax_unnormalised(x):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, nogil=True, cache=True)
-def exp_rows(s, totals):  # type: ignore[no-untyped-def]
+def exp_rows(s, totals):
     """``s[r] <- exp(s[r] - max(s[r]))`` in place for every row of the 2-D ``s``; ``totals[r]`` the row sum (rows all ``-inf``: zeros, sum 1)."""
     for r in range(s.shape[0]):
         m, t = _softmax_unnormalised(s[r])
@@ -458,7 +458,7 @@ def exp_rows(s, totals):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, part, acc, row_max, row_sum):  # type: ignore[no-untyped-def]
+def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, part, acc, row_max, row_sum):
     """One KV head's slice of :func:`attend_rows`: ``q [R, D]``, ``k [T, D]``, ``v [T, E]`` into ``acc [R, E]``, ``row_max``/``row_sum [R]``.
 
     Keys in blocks of :data:`KEY_BLOCK` (``s [R, >= block]`` and ``part [R, E]``
@@ -494,7 +494,7 @@ def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, pa
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _merge_block_row(acc_row, p, row_max, row_sum, r, m, t):  # type: ignore[no-untyped-def]
+def _merge_block_row(acc_row, p, row_max, row_sum, r, m, t):
     """Fold a block's row (``p = exp(s - m)``, sum ``t``) into row ``r``'s running max and sum, rescaling ``acc_row`` or ``p`` to the larger max."""
     old = row_max[r]
     if m == np.float32(-np.inf):  # no key of this block is visible (t is 0, or NaN from a NaN score)
@@ -511,7 +511,7 @@ def _merge_block_row(acc_row, p, row_max, row_sum, r, m, t):  # type: ignore[no-
 
 
 @njit(fastmath=FAST, nogil=True, cache=True)
-def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max, row_sum):  # type: ignore[no-untyped-def]
+def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max, row_sum):
     """Unnormalised attention of ``q [L, R, D]`` over ``k [L, T, D]``, ``v [L, T, E]`` for the given ``tasks`` (``head * C + slice``).
 
     ``bounds [C + 1]`` splits the keys into ``C`` slices (flash-decoding).  Row
@@ -534,11 +534,11 @@ def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max
 
 
 @intrinsic
-def _load_acquire(typingctx, counters, index):  # type: ignore[no-untyped-def]
+def _load_acquire(typingctx, counters, index):
     """``counters[index]`` (int64) read with acquire ordering: re-read on every call, never hoisted out of a loop."""
     sig = types.int64(counters, index)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         return builder.load_atomic(builder.gep(array.data, [args[1]]), "acquire", 8)
 
@@ -546,7 +546,7 @@ def _load_acquire(typingctx, counters, index):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def spin_until(counters, index, target, reads):  # type: ignore[no-untyped-def]
+def spin_until(counters, index, target, reads):
     """Read ``counters[index]`` until it reaches ``target`` or ``reads`` reads were made (about 0.2 ns each); returns the last value read."""
     value = _load_acquire(counters, index)
     n = 0

@@ -28,11 +28,11 @@ FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 
 
 @intrinsic
-def bf16_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def bf16_bits(typingctx, bits):
     """The float32 whose upper 16 bits are ``bits`` (a bfloat16's bit pattern), lower bits zero: exact."""
     sig = types.float32(types.uint16)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         wide = builder.zext(args[0], ir.IntType(32))
         return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
 
@@ -40,7 +40,7 @@ def bf16_bits(typingctx, bits):  # type: ignore[no-untyped-def]
 
 
 @njit(fastmath=FAST, nogil=True, cache=True)
-def bf16_rows(x, w, n0, n1, out):  # type: ignore[no-untyped-def]
+def bf16_rows(x, w, n0, n1, out):
     """``out[:, n0:n1] = x @ float32(w[n0:n1]).T`` for ``x [M, K]`` float32, ``w [N, K]`` uint16 (bfloat16 bits), ``out [M, N]`` float32."""
     m_rows, k_len = x.shape
     n = n0

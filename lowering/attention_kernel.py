@@ -145,8 +145,8 @@ def blocked_attention(
     lead = int(np.prod(batch, dtype=np.int64))
     fast = compiled.use_compiled() and q.dtype == k.dtype == v.dtype == np.float32
     if fast and rows_total <= compiled.MAX_ROWS and scale is None and softcap is None:  # decode: stream K and V once per KV head
-        flat = [_rows(a, batch, lead) for a in (q, k, v)]
-        return compiled.decode_attention(*flat, sq, offset, window, threads, keys=t_len).reshape(*batch, rows_total, e_dim)
+        fq, fk, fv = (_rows(a, batch, lead) for a in (q, k, v))
+        return compiled.decode_attention(fq, fk, fv, sq, offset, window, threads, keys=t_len).reshape(*batch, rows_total, e_dim)
     exp_rows = compiled.exp_rows_compiled if fast else exp_rows_
     k = np.broadcast_to(k, (*batch, t_len, dim))
     v = np.broadcast_to(v, (*batch, t_len, e_dim))

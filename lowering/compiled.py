@@ -230,8 +230,8 @@ def decode_attention(
     row_max = np.empty((splits, lead, rows), np.float32)
     row_sum = np.empty((splits, lead, rows), np.float32)
     causal = offset is not None
-    off = int(offset) if causal else 0
-    win = int(window) if causal and window is not None else 0
+    off = int(offset) if offset is not None else 0
+    win = int(window) if window is not None and causal else 0
     tasks = np.arange(lead * splits, dtype=np.int64)
     shares = [part for part in np.array_split(tasks, min(4 * n, tasks.size)) if part.size]  # a helper that starts late takes fewer
     run_blocks(lambda part: kern.attend_rows(q, k, v, sq, causal, off, win, bounds, part, acc, row_max, row_sum), shares, n)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphc.attention_op import Attention
-from graphc.dims import dim_is_nonnegative, normalize_dim
+from graphc.dims import Dim, dim_is_nonnegative, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.ops import register_op
 from graphc.optimizer import PassContext
@@ -52,7 +52,7 @@ FORMS = (OnnxAttention, OrtGroupQueryAttention, ChunkedCausalAttention)
 """Every attention form an ONNX target can choose."""
 
 
-def past_length(graph: Graph, node: Node) -> object:
+def past_length(graph: Graph, node: Node) -> Dim:
     """The KV-cache length of an ``Attention`` node (0 without a cache)."""
     op: Attention = node.op  # type: ignore[assignment]
     return normalize_dim(graph.types[node.inputs[3 + op.has_mask]].shape[2]) if op.kv_cache else 0

@@ -65,7 +65,9 @@ def lm_interface(graph: Graph) -> LMInterface:
     vocab = graph.types["logits"].shape[-1]
     if not isinstance(vocab, int):
         raise InputError(f"logits must have a static vocabulary axis, got {list(graph.types['logits'].shape)}")
-    return LMInterface(n, tuple(t.shape[1] for t in caches), tuple(t.shape[3] for t in caches), caches[0].dtype, vocab)  # type: ignore[arg-type]
+    heads = tuple(int(t.shape[1]) for t in caches)  # static: checked above
+    dims = tuple(int(t.shape[3]) for t in caches)
+    return LMInterface(n, heads, dims, caches[0].dtype, vocab)
 
 
 def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

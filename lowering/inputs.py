@@ -74,13 +74,13 @@ class InputChecker:
         self._names = tuple(graph.inputs)
         self._known: dict[tuple, dict[str, int]] = {}
 
-    def __call__(self, feeds: Mapping[str, object]) -> dict[str, int]:
+    def __call__(self, feeds: Mapping[str, Any]) -> dict[str, int]:
         """The symbol bindings of ``feeds``, checked as :func:`check_inputs` checks them."""
         try:
-            key = tuple((feeds[n].dtype, feeds[n].shape) for n in self._names) if len(feeds) == len(self._names) else None  # type: ignore[attr-defined,index]
+            key = tuple((feeds[n].dtype, feeds[n].shape) for n in self._names) if len(feeds) == len(self._names) else None
         except (KeyError, AttributeError, TypeError):
             key = None
-        if key is not None and key in self._known and all(type(feeds[n]) is np.ndarray for n in self._names):  # type: ignore[index]
+        if key is not None and key in self._known and all(isinstance(feeds[n], np.ndarray) for n in self._names):
             return dict(self._known[key])
         dims = check_inputs(self.graph, feeds)
         if key is not None:
@@ -167,5 +167,5 @@ def random_inputs(graph: Graph, seed: int = 0, **sizes: int) -> dict[str, np.nda
         elif t.dtype in ("float16", "bfloat16"):
             out[name] = rng.standard_normal(shape, dtype=np.float32).astype(t.dtype)
         else:
-            out[name] = rng.standard_normal(shape, dtype=t.dtype)
+            out[name] = rng.standard_normal(shape, dtype=np.dtype(t.dtype).type)  # float32 draws as float32 (other numbers than a cast)
     return out

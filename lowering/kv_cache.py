@@ -107,7 +107,8 @@ class ArrayKVCache:
     def capacity(self) -> int:
         """Room without a move: a buffer's full length where the value is a prefix of one (NumPy), else the length."""
         rooms = [getattr(v, "room", None) for v in self._values.values()]
-        return min(rooms) if rooms and all(isinstance(r, int) for r in rooms) else self.length  # type: ignore[type-var]
+        sizes = [r for r in rooms if isinstance(r, int)]
+        return min(sizes) if rooms and len(sizes) == len(rooms) else self.length
 
     def feeds(self) -> dict[str, Any]:
         """The pasts, as the last step returned them."""

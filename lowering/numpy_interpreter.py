@@ -63,10 +63,10 @@ def _softmax(op: Softmax, a: Sequence[np.ndarray], dims: Mapping[str, int], thre
     return (op.evaluate(a, dims),)
 
 
-REFERENCE_KERNELS: dict[type[Op], Kernel] = {Einsum: _einsum}  # type: ignore[dict-item]
+REFERENCE_KERNELS: dict[type[Op], Kernel] = {Einsum: _einsum}
 """Reference mode: contractions as GEMMs, everything else the ops' own semantics."""
 
-FAST_KERNELS: dict[type[Op], Kernel] = {**REFERENCE_KERNELS, Softmax: _softmax, Attention: attention_kernel, Gather: _gather}  # type: ignore[dict-item]
+FAST_KERNELS: dict[type[Op], Kernel] = {**REFERENCE_KERNELS, Softmax: _softmax, Attention: attention_kernel, Gather: _gather}
 """The fast kernels; an op without one runs its reference semantics."""
 
 

@@ -7,6 +7,8 @@ solved from an input's dim expression) and the ``-inf`` analysis that says which
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -55,7 +57,7 @@ class OnnxBuilder:
         self._names.add(name)
         return name
 
-    def op(self, op_type: str, inputs: list[str], output: str | None = None, base: str = "t", domain: str = "", **attrs: object) -> str:
+    def op(self, op_type: str, inputs: list[str], output: str | None = None, base: str = "t", domain: str = "", **attrs: Any) -> str:
         """Append an ONNX node with one output and return that output's name."""
         out = output or self.fresh(base)
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(f"n_{out}"), domain=domain, **attrs))

@@ -18,6 +18,7 @@ onnxruntime (which refuses IR 14, onnx 1.23's default) loads the model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +156,7 @@ def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
     mask = ins[3] if op.has_mask else None
     past = ins[3 + op.has_mask :] if op.kv_cache else []
     inputs = ins[:3] + ([mask or ""] if (mask or past) else []) + past
-    attrs: dict[str, object] = {"is_causal": int(op.causal_offset is not None), "scale": op.scale}
+    attrs: dict[str, Any] = {"is_causal": int(op.causal_offset is not None), "scale": op.scale}
     if op.softcap is not None:  # the op caps before masking, as graphc does (checked in the tests)
         attrs["softcap"] = op.softcap
     b.nodes.append(helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), **attrs))
@@ -180,6 +181,9 @@ def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
     seqlens = b.op("Cast", [b.op("Expand", [b.op("Sub", [b.dim(total), b.dim(1)]), b.dim(batch)])], base="seqlens_k", to=6)
     inputs = [pack(q, n_heads, sq), pack(k, n_kv, k_len), pack(v, n_kv, k_len), *(past or ["", ""]), seqlens, total32]
     packed = b.fresh(f"{node.name}_BSN")
+    optional: dict[str, Any] = {"softcap": op.softcap} if op.softcap is not None else {}
+    if op.window is not None:  # the same window: keys i+P-W < j <= i+P
+        optional["local_window_size"] = op.window
     b.nodes.append(
         helper.make_node(
             "GroupQueryAttention",
@@ -190,8 +194,7 @@ def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
             num_heads=int(n_heads),
             kv_num_heads=int(n_kv),
             scale=op.scale,
-            **({"softcap": op.softcap} if op.softcap is not None else {}),
-            **({"local_window_size": op.window} if op.window is not None else {}),  # the same window: keys i+P-W < j <= i+P
+            **optional,
         )
     )
     y = b.reshape(packed, [batch, sq, n_heads, head_dim])
@@ -204,7 +207,7 @@ def _range(b: OnnxBuilder, start: Dim, stop: Dim, out: str) -> None:
     b.op("Range", [scalar(start), scalar(stop), b.const(np.array(1, np.int64), "one")], out)
 
 
-Emitter = Callable[[OnnxBuilder, Node, str], None]
+Emitter = Callable[[OnnxBuilder, Node, str], object]
 ONNX_EMITTERS: dict[type[Op], Emitter] = {}
 """Each op type's ONNX emitter: ``emit(builder, node, attention_mode)`` writes the node's ONNX nodes."""
 
@@ -220,7 +223,7 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     emit(b, node, mode)
 
 
-def _simple(onnx_op: str, **attrs: Callable[[Op], object]) -> Emitter:
+def _simple(onnx_op: str, **attrs: Callable[[Op], Any]) -> Emitter:
     """An emitter writing one ONNX node of type ``onnx_op`` on the node's inputs, attributes read off the op."""
 
     def emit(b: OnnxBuilder, node: Node, mode: str) -> None:
@@ -505,7 +508,7 @@ def _write_external(graph: Graph, path: Path) -> list[onnx.TensorProto]:
                     offset = -f.tell() % _ALIGN + f.tell()
                     f.seek(offset)
                     data = contiguous(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
-                    f.write(memoryview(data).cast("B"))
+                    f.write(data.data.cast("B"))
                     placed[id(arr)] = (offset, arr.nbytes)
                 offset, length = placed[id(arr)]
                 t = onnx.TensorProto(name=name, data_type=ONNX_DTYPES[str(arr.dtype)], dims=list(arr.shape))

@@ -183,7 +183,7 @@ def _append_float32(f: Any, arr: np.ndarray) -> int:
     flat = contiguous(arr).reshape(-1)
     for i in range(0, flat.size, _CHUNK):
         chunk = flat[i : i + _CHUNK]
-        f.write(memoryview(chunk.astype("<f4")).cast("B"))
+        f.write(chunk.astype("<f4").tobytes())
         release_pages(chunk)
     return offset
 
@@ -217,14 +217,15 @@ def plan_session_weights(
     if inline_max_bytes is None or total <= inline_max_bytes:
         return SessionWeights(None, allow_handed)
     if widen and any(str(a.dtype) in _LOW and a.nbytes >= _SMALL for a in initializers.values()):
-        plan = SessionWeights(inline_max_bytes, allow_handed, _cache_folder(), widen=True)
-        weakref.finalize(plan, shutil.rmtree, plan.folder, True)
+        cache = _cache_folder()
+        plan = SessionWeights(inline_max_bytes, allow_handed, cache, widen=True)
+        weakref.finalize(plan, shutil.rmtree, cache, True)
         return plan
     by_folder: dict[str, int] = {}
     for arr in initializers.values():
         where = mapped_location(arr)
         if where is not None:
-            folder = os.path.dirname(where.path)
-            by_folder[folder] = by_folder.get(folder, 0) + where.length
+            holder = os.path.dirname(where.path)
+            by_folder[holder] = by_folder.get(holder, 0) + where.length
     folder = max(by_folder, key=lambda f: by_folder[f]) if by_folder else None
     return SessionWeights(inline_max_bytes, allow_handed, folder)

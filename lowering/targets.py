@@ -89,7 +89,8 @@ def _score_elements(graph: Graph, node: Node, ctx: PassContext) -> int:
     q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
     keys = dim_add(past_length(graph, node), k[2])
     sizes = [ctx.known_size(q[0]) or 1] + [ctx.known_size(d) for d in (q[1], q[2], keys)]
-    return 0 if any(x is None for x in sizes) else int(np.prod(sizes))
+    known = [x for x in sizes if x is not None]
+    return int(np.prod(known)) if len(known) == len(sizes) else 0
 
 
 _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttention, "chunked": ChunkedCausalAttention}

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from graphc.dims import eval_dim
 from graphc.errors import UnknownNameError
 from graphc.graph import Graph, Value
 
@@ -28,7 +29,7 @@ def _const(g: Graph, base: str, value: float, dtype: str) -> Value:
 
 def _row_factor(g: Graph, x: Value, sumsq: Value, eps: float, base: str) -> Value:
     """``1 / sqrt(sumsq / n + eps)`` for the rows of ``x`` (``n`` its last axis)."""
-    n = x.type.shape[-1]
+    n = eval_dim(x.type.shape[-1], {})  # the model width: static
     mean = g.scale(sumsq, 1.0 / n, name=g.fresh_name(f"{base}_mean_sq"))
     return g.reciprocal(
         g.sqrt(g.add(mean, _const(g, f"{base}_eps", eps, x.type.dtype)), name=g.fresh_name(f"{base}_rms")), name=g.fresh_name(f"{base}_inv_rms")
@@ -50,7 +51,7 @@ def layer_norm(g: Graph, x: Value, weight: str, bias: str | None, eps: float, na
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
     base = name or g.fresh_name("layer_norm")
     lab = _LETTERS[: x.type.rank]
-    n = x.type.shape[-1]
+    n = eval_dim(x.type.shape[-1], {})  # the model width: static
     mean = g.scale(g.einsum(f"{lab}->{lab[:-1]}", x, name=g.fresh_name(f"{base}_sum")), 1.0 / n, name=g.fresh_name(f"{base}_mean"))
     centred = g.sub(x, g.reshape(mean, [*x.type.shape[:-1], 1], name=g.fresh_name(f"{base}_mean_col")), name=g.fresh_name(f"{base}_centred"))
     sumsq = g.einsum(f"{lab},{lab}->{lab[:-1]}", centred, centred, name=g.fresh_name(f"{base}_sum_sq"))

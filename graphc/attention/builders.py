@@ -44,7 +44,7 @@ __all__ = [
 def weight_shapes(cfg: AttentionConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the layer's parameters (a bias for each projection where ``cfg.has_bias``)."""
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "q_proj.weight": (q, cfg.d_model),
         "k_proj.weight": (kv, cfg.d_model),
         "v_proj.weight": (kv, cfg.d_model),
@@ -274,10 +274,11 @@ def _rotate(
         return q, k
     if positions is None and lengths is None:
         positions = g.add_node(Positions(1, offset), [x], g.fresh_name("positions_S"))
-    elif positions is None:
+    elif positions is None and lengths is not None:
         sq, batch = q.type.shape[2], q.type.shape[0]
         index = g.reshape(g.add_node(Positions(1, 0), [x], g.fresh_name("new_index_S")), [1, sq], name=g.fresh_name("new_index_1S"))
         positions = g.add(g.reshape(lengths, [batch, 1], name=g.fresh_name("past_lengths_B1")), index, name=g.fresh_name("positions_BS"))
+    assert positions is not None  # one of the branches above made them
     op = cfg.rope
     return g.add_node(op, [q, positions], g.fresh_name("q_rot_BHSD")), g.add_node(op, [k, positions], g.fresh_name("k_rot_BHkvSD"))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphc.dims import Dim, dim_add
+from graphc.dims import Dim, dim_add, eval_dim
 from graphc.errors import AttentionConfigError, WeightError
 from graphc.graph import Graph, Value
 from graphc.memory import check_allocation
@@ -167,7 +167,7 @@ def _no_wrap(g: Graph, index: Value, table: Value, name: str) -> Value:
     ``-1`` would silently read the last row.  Made out of range instead, it fails on
     every backend and in the exported model (onnxruntime: "indices element out of data bounds").
     """
-    rows = g.types[table.name].shape[0]
+    rows = eval_dim(g.types[table.name].shape[0], {})  # a weight: static
     negative = g.compare("less", index, _constant(g, f"{name}_min", 0, "int64"), name=f"{name}_negative")
     return g.where(negative, _constant(g, f"{name}_out_of_range", rows, "int64"), index, name=f"{name}_checked")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -186,7 +187,7 @@ def decoder_layer_graph(
     x = g.input("x_BSM", [batch, seq, cfg.attention.d_model], dtype)
     attn_weights = {n[len("self_attn.") :]: a for n, a in weights.items() if n.startswith("self_attn.")}
     h = _norm(g, cfg, x, "input_layernorm")
-    masking = {"mask": mask, "mask_per_query": mask_per_query}
+    masking: dict[str, Any] = {"mask": mask, "mask_per_query": mask_per_query}
     if kv_cache:
         layer = kv_cache_graph(
             cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, position_ids=position_ids, **masking

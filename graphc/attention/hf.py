@@ -88,7 +88,7 @@ def _get(cfg: Mapping[str, Any], key: str, typ: type | tuple[type, ...], default
     return v
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., least: int = 1, most: int | None = None) -> int:
+def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., least: int = 1, most: int | None = None) -> Any:
     """An int field in ``least..most`` (a float such as ``4.7`` is refused, not truncated)."""
     v = _get(cfg, key, int, default)
     if v is None:
@@ -99,7 +99,7 @@ def _int(cfg: Mapping[str, Any], key: str, default: Any = ..., least: int = 1, m
     return int(v)
 
 
-def _number(cfg: Mapping[str, Any], key: str, default: Any = ..., positive: bool = True) -> float:
+def _number(cfg: Mapping[str, Any], key: str, default: Any = ..., positive: bool = True) -> Any:
     """A finite number field (> 0 unless ``positive=False``)."""
     v = _get(cfg, key, (int, float), default)
     if v is None:

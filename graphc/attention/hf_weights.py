@@ -49,7 +49,7 @@ def split_rows(arr: Any, sizes: list[int]) -> list[Any]:
 def _per_head_qkv(arr: Any, heads: int, hd: int) -> tuple[Any, Any, Any]:
     """Rows laid out per head as ``[q, k, v]`` (Falcon MHA, GPT-NeoX)."""
     slots = arr.reshape(heads, 3, hd, *arr.shape[1:])
-    return tuple(slots[:, i].reshape(heads * hd, *arr.shape[1:]) for i in range(3))  # type: ignore[return-value]
+    return tuple(slots[:, i].reshape(heads * hd, *arr.shape[1:]) for i in range(3))
 
 
 def _layers(

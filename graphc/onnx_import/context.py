@@ -37,7 +37,7 @@ from .unify import DimConflict, conflict_in_broadcast, conflict_in_pairs, substi
 
 __all__ = ["SymInts", "Filled", "Triangle", "MaskSum", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
 
-ONNX_TO_DTYPE = {
+ONNX_TO_DTYPE: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32",
     onnx.TensorProto.FLOAT16: "float16",
     onnx.TensorProto.BFLOAT16: "bfloat16",

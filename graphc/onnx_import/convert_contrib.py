@@ -35,7 +35,7 @@ from ..dims import Dim, dim_add, dim_prod, normalize_dim
 from ..ops import Binary, Cast, Compare, Reshape, Transpose, Where
 from ..rotary import Positions
 from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, ShapeValues, Slice
-from .context import ImportContext
+from .context import ImportContext, Imported
 from .convert_core import Converter
 from .convert_fused import _as_int64, _attention, _rotate, _split_heads
 
@@ -97,8 +97,8 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     heads, kv_heads = attrs.get("num_heads"), attrs.get("kv_num_heads")
     if not heads or not kv_heads:
         raise ctx.error("GroupQueryAttention needs num_heads and kv_num_heads")
-    for k, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
-        if ins[k] is not None:
+    for slot, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
+        if ins[slot] is not None:
             raise ctx.error(f"GroupQueryAttention: input {what} is not supported by graphc's import")
     if attrs.get("smooth_softmax", 0):
         raise ctx.error("GroupQueryAttention: smooth_softmax=1 is not supported by graphc's import")
@@ -114,7 +114,9 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
         )
     q = ctx.tensor(ins[0], "query")
     if ins[1] is None:  # packed [Q | K | V]
-        b, s, hidden = ctx.graph.types[q].shape
+        hidden = ctx.graph.types[q].shape[2]
+        if not isinstance(hidden, int):
+            raise ctx.error(f"GroupQueryAttention: a packed query needs a static hidden size, got {hidden!r}")
         d = hidden // (heads + 2 * kv_heads)
         k = ctx.add(Slice(2, heads * d, (heads + kv_heads) * d), [q], "key_packed")
         v = ctx.add(Slice(2, (heads + kv_heads) * d, hidden), [q], "value_packed")
@@ -131,13 +133,10 @@ def _gqa(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if attrs.get("do_rotary", 0):
         if ins[7] is None or ins[8] is None:
             raise ctx.error("GroupQueryAttention with do_rotary=1 needs cos_cache and sin_cache")
-        q, k = (
-            _gqa_rotary(ctx, x, n, row_past, ins[7], ins[8], bool(attrs.get("rotary_interleaved", 0)), what)
-            for x, n, what in ((q, heads, "q"), (k, kv_heads, "k"))
-        )
-    q4, k4, v4 = (
-        ctx.add(Transpose((0, 2, 1, 3)), [_bsnd(ctx, x, n, w)], f"{w}_BHSD") for x, n, w in ((q, heads, "q"), (k, kv_heads, "k"), (v, kv_heads, "v"))
-    )
+        interleaved = bool(attrs.get("rotary_interleaved", 0))
+        q = _gqa_rotary(ctx, q, heads, row_past, ins[7], ins[8], interleaved, "q")
+        k = _gqa_rotary(ctx, k, kv_heads, row_past, ins[7], ins[8], interleaved, "k")
+    q4, k4, v4 = (ctx.add(Transpose((0, 2, 1, 3)), [_bsnd(ctx, x, n, w)], f"{w}_BHSD") for x, n, w in _heads_of(q, k, v, heads, kv_heads))
     fused = {"is_causal": 1, "softcap": attrs.get("softcap", 0.0)}
     if attrs.get("scale"):
         fused["scale"] = attrs["scale"]
@@ -219,7 +218,12 @@ def _last_slots(ctx: ImportContext, fulls: tuple[str, str], lengths: str, capaci
     return out
 
 
-def _gqa_rotary(ctx: ImportContext, x: str, heads: int, start: str, cos: object, sin: object, interleaved: bool, what: str) -> str:
+def _heads_of(q: str, k: str, v: str, heads: int, kv_heads: int) -> list[tuple[str, int, str]]:
+    """(value, heads, tag) of the query, key and value."""
+    return [(q, heads, "q"), (k, kv_heads, "k"), (v, kv_heads, "v")]
+
+
+def _gqa_rotary(ctx: ImportContext, x: str, heads: int, start: str, cos: Imported, sin: Imported, interleaved: bool, what: str) -> str:
     """RoPE at positions ``start[b] + i`` (each row's new tokens follow its past; a prompt starts at 0)."""
     xs = _bsnd(ctx, x, heads, what)
     b, s = ctx.graph.types[xs].shape[:2]
@@ -227,8 +231,10 @@ def _gqa_rotary(ctx: ImportContext, x: str, heads: int, start: str, cos: object,
     cos_t, sin_t = ctx.tensor(cos, "cos_cache"), ctx.tensor(sin, "sin_cache")
     cos_g = ctx.add(Reshape((b, s, 1, ctx.graph.types[cos_t].shape[1])), [ctx.add(Gather(0), [cos_t, pos], "rope_cos")], "rope_cos_BS1D")
     sin_g = ctx.add(Reshape((b, s, 1, ctx.graph.types[sin_t].shape[1])), [ctx.add(Gather(0), [sin_t, pos], "rope_sin")], "rope_sin_BS1D")
-    rot = 2 * ctx.graph.types[cos_t].shape[1]
-    y = _rotate(ctx, xs, cos_g, sin_g, rot, interleaved)
+    half = ctx.graph.types[cos_t].shape[1]
+    if not isinstance(half, int):
+        raise ctx.error(f"GroupQueryAttention: cos_cache needs a static rotary size, got {half!r}")
+    y = _rotate(ctx, xs, cos_g, sin_g, 2 * half, interleaved)
     return ctx.add(Reshape(ctx.graph.types[x].shape), [y], f"{what}_rotated")
 
 

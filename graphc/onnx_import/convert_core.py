@@ -93,8 +93,9 @@ def _terms(v: Imported) -> tuple:
     return v.parts if isinstance(v, MaskSum) else (v,)
 
 
-def _lazy_operand(ctx: ImportContext, v: Imported, other_shape: Sequence[Dim], dtype: str) -> str:
+def _lazy_operand(ctx: ImportContext, v: Imported, other: Sequence[Dim], dtype: str) -> str:
     """A :class:`Filled` or :class:`Broadcast` operand as the value that broadcasting makes equivalent."""
+    other_shape = tuple(other)
     if isinstance(v, Filled):
         if broadcast_shapes(other_shape, v.shape) != tuple(other_shape):
             raise ctx.error(f"a constant fill of shape {format_shape(v.shape)} would enlarge its operand {format_shape(other_shape)}")
@@ -145,7 +146,7 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
     return at, bt
 
 
-def _add_mask(ctx: ImportContext, x: str, mask: Imported) -> str:
+def _add_mask(ctx: ImportContext, x: Imported, mask: Imported) -> str:
     """``x + mask`` for a lazy mask (a triangle may become a CausalMask, which is then the whole result)."""
     res = _operands(ctx, x, mask, "add")
     return res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")
@@ -464,11 +465,11 @@ def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
         raise ctx.error(f"Slice starts, ends, axes and steps must have one length, got {len(starts)}, {len(ends)}, {len(axes)}, {len(steps)}")
     tri = ins[0] if isinstance(ins[0], Triangle) else tri_from_buffer(ins[0], ins[0].shape) if isinstance(ins[0], np.ndarray) else None
     if tri is not None and all(normalize_dim(s) == 0 for s in starts) and all(st == 1 for st in steps):
-        shape = list(tri.shape)  # a causal buffer cut to the run's length stays a triangle
+        cut = list(tri.shape)  # a causal buffer cut to the run's length stays a triangle
         for stop, axis in zip(ends, axes):
             a = ctx.axis(axis, rank, "Slice axis")
-            shape[a] = _slice_bounds(shape[a], 0, stop)[1]
-        return [Triangle(tri.value, tuple(shape), tri.k, tri.upper)]
+            cut[a] = _slice_bounds(cut[a], 0, stop)[1]
+        return [Triangle(tri.value, tuple(cut), tri.k, tri.upper)]
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
     for start, stop, axis, step in zip(starts, ends, axes, steps):
@@ -492,10 +493,11 @@ def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
     elif "split" in attrs:
         sizes = attrs["split"]
     else:
-        if not isinstance(shape[axis], int):
-            raise ctx.error(f"Split of symbolic axis {shape[axis]!r} into equal parts needs explicit sizes")
-        part = -(-shape[axis] // n_out)
-        sizes = [min(part, shape[axis] - i * part) for i in range(n_out)]
+        length = shape[axis]
+        if not isinstance(length, int):
+            raise ctx.error(f"Split of symbolic axis {length!r} into equal parts needs explicit sizes")
+        part = -(-length // n_out)
+        sizes = [min(part, length - i * part) for i in range(n_out)]
     if len(sizes) != n_out:
         raise ctx.error(f"Split sizes {list(sizes)} name {len(sizes)} parts for {n_out} outputs")
     if any(isinstance(d, int) and d < 0 for d in sizes):
@@ -503,7 +505,8 @@ def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
     total = normalize_dim(_dim_sum(sizes))
     if isinstance(total, int) and isinstance(shape[axis], int) and total != shape[axis]:
         raise ctx.error(f"Split sizes {list(sizes)} add up to {total}, axis {axis} has size {shape[axis]}")
-    outs, start = [], 0
+    outs: list[str] = []
+    start: Dim = 0
     for size in sizes:
         stop = dim_add(start, size)
         outs.append(ctx.add(Slice(axis, start, stop), [x], "split"))
@@ -516,8 +519,8 @@ def _gather(ctx: ImportContext, ins: list, attrs: dict) -> list:
     shape = ctx.graph.types[x].shape
     axis = ctx.axis(attrs.get("axis", 0), len(shape), "Gather axis")
     known = simplify(idx)
-    if isinstance(known, np.ndarray) and known.size and isinstance(shape[axis], int):
-        n = shape[axis]
+    n = shape[axis]
+    if isinstance(known, np.ndarray) and known.size and isinstance(n, int):
         if known.dtype.kind not in "iu" or known.min() < -n or known.max() >= n:
             raise ctx.error(f"Gather indices {known.reshape(-1)[:8].tolist()} are out of range for axis {axis} of size {n} (valid: {-n}..{n - 1})")
     return [ctx.add(Gather(axis), [x, ctx.tensor(idx, "Gather indices")], "gather")]

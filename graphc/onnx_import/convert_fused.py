@@ -31,7 +31,7 @@ from ..ops import (
 )
 from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, Reduce, Slice
-from .context import ONNX_TO_DTYPE, ImportContext
+from .context import ONNX_TO_DTYPE, ImportContext, Imported
 from .convert_core import Converter, _positions_grid
 
 __all__ = ["FUSED_CONVERTERS"]
@@ -144,11 +144,11 @@ def _masks(
     ctx: ImportContext,
     scores: str,
     attrs: dict,
-    mask: object,
+    mask: Imported | None,
     total: Dim,
     dtype: str,
     past_len: Dim,
-    nonpad: object,
+    nonpad: Imported | None,
     sq: Dim,
     batch: Dim,
     legacy: bool,
@@ -186,11 +186,11 @@ def _pad_mask(ctx: ImportContext, m: str, total: Dim) -> str:
     if not (isinstance(last, int) and isinstance(total, int)) or not is_static(shape[:-1]):
         raise ctx.error(f"Attention: attn_mask has {last!r} keys but the keys number {total!r}; padding is supported for static shapes")
     dtype = ctx.graph.types[m].dtype
-    fill = np.full(tuple(shape[:-1]) + (total - last,), False if dtype == "bool" else -np.inf, dtype)  # type: ignore[operator]
+    fill = np.full(tuple(int(d) for d in shape[:-1]) + (total - last,), False if dtype == "bool" else -np.inf, dtype)  # static: checked above
     return ctx.add(Concat(-1), [m, ctx.constant(fill, "attn_mask_pad")], "attn_mask_padded")
 
 
-def _causal_and_window(ctx: ImportContext, scores: str, attrs: dict, past_len: Dim, nonpad: object, sq: Dim, batch: Dim) -> str:
+def _causal_and_window(ctx: ImportContext, scores: str, attrs: dict, past_len: Dim, nonpad: Imported | None, sq: Dim, batch: Dim) -> str:
     """The causal mask and sliding window, aligned bottom-right: query i sits at position ``offset + i``."""
     causal = bool(attrs.get("is_causal", 0))
     left, right = attrs.get("left_window_size", -1), attrs.get("right_window_size", -1)
@@ -253,7 +253,7 @@ def _rms(ctx: ImportContext, x: str, axis: int, eps: float, stash: str) -> tuple
     return ctx.add(Binary("mul"), [xs, inv], "normalized"), inv
 
 
-def _finish_norm(ctx: ImportContext, y: str, dtype: str, scale: object, bias: object = None) -> str:
+def _finish_norm(ctx: ImportContext, y: str, dtype: str, scale: Imported | None, bias: Imported | None = None) -> str:
     if ctx.graph.types[y].dtype != dtype:
         y = ctx.add(Cast(dtype), [y], "norm_out")
     y = ctx.add(Binary("mul"), [y, ctx.tensor(scale, "scale")], "norm_scaled")
@@ -325,7 +325,7 @@ def _rotate(ctx: ImportContext, x: str, cos: str, sin: str, rot_dim: int, interl
     return ctx.add(Concat(3), [rotated, ctx.add(Slice(3, rot_dim, head), [x], "rope_pass")], "rope_out")
 
 
-def _rope_tables(ctx: ImportContext, cos_cache: object, sin_cache: object, positions: str | None) -> tuple[str, str]:
+def _rope_tables(ctx: ImportContext, cos_cache: Imported, sin_cache: Imported, positions: str | None) -> tuple[str, str]:
     cos, sin = ctx.tensor(cos_cache, "cos_cache"), ctx.tensor(sin_cache, "sin_cache")
     if positions is not None:
         cos = ctx.add(Gather(0), [cos, positions], "rope_cos")
@@ -334,19 +334,22 @@ def _rope_tables(ctx: ImportContext, cos_cache: object, sin_cache: object, posit
     return ctx.add(Reshape((b, s, 1, half)), [cos], "rope_cos_BS1D"), ctx.add(Reshape((b, s, 1, half)), [sin], "rope_sin_BS1D")
 
 
-def _rope(ctx: ImportContext, x: str, cos_cache: object, sin_cache: object, positions: str | None, attrs: dict, heads_first: bool) -> str:
+def _rope(ctx: ImportContext, x: str, cos_cache: Imported, sin_cache: Imported, positions: str | None, attrs: dict, heads_first: bool) -> str:
     shape = ctx.graph.types[x].shape
     if len(shape) == 4:  # heads-first [B, N, S, D] (ONNX) or [B, S, N, D]
         xs = ctx.add(Transpose((0, 2, 1, 3)), [x], "rope_BSND") if heads_first else x
     elif len(shape) == 3:
         heads = attrs.get("num_heads", 0)
-        if not heads or not isinstance(shape[2], int) or shape[2] % heads:
+        width = shape[2]
+        if not heads or not isinstance(width, int) or width % heads:
             raise ctx.error(f"RotaryEmbedding on 3D input {list(shape)} needs num_heads dividing the hidden size (num_heads={heads})")
-        xs = ctx.add(Reshape((shape[0], shape[1], heads, shape[2] // heads)), [x], "rope_BSND")
+        xs = ctx.add(Reshape((shape[0], shape[1], heads, width // heads)), [x], "rope_BSND")
     else:
         raise ctx.error(f"RotaryEmbedding input must be 3D or 4D, got rank {len(shape)}")
     head = ctx.graph.types[xs].shape[3]
     rot_dim = attrs.get("rotary_embedding_dim", 0) or head
+    if not isinstance(rot_dim, int):
+        raise ctx.error(f"RotaryEmbedding needs a static head size or rotary_embedding_dim, got {rot_dim!r}")
     cos, sin = _rope_tables(ctx, cos_cache, sin_cache, positions)
     if ctx.graph.types[cos].shape[3] != rot_dim // 2:
         raise ctx.error(

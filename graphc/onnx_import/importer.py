@@ -112,7 +112,7 @@ def _fold_elements(node: onnx.NodeProto, arrays: list[np.ndarray | None]) -> int
             dims, src = [1] * (width - len(dims)) + dims, [1] * (width - len(src)) + src
             return count([max(a, b) for a, b in zip(dims, src)])
         if op == "Range" and all(a is not None for a in arrays[:3]):
-            start, limit, delta = (float(np.asarray(a).reshape(-1)[0]) for a in arrays[:3])  # type: ignore[union-attr]
+            start, limit, delta = (float(np.asarray(a).reshape(-1)[0]) for a in arrays[:3])
             return int(max(np.ceil((limit - start) / delta), 0)) if delta else None
         if op == "Tile" and arrays[0] is not None and arrays[1] is not None:
             return arrays[0].size * count(arrays[1])

@@ -89,7 +89,7 @@ def tri_from_buffer(arr: np.ndarray, shape: Sequence[Dim]) -> Triangle | None:
     ``shape`` on its last two axes, as a :class:`Triangle` of that symbolic shape."""
     if arr.ndim < 2 or arr.shape[-1] != arr.shape[-2] or any(d != 1 for d in arr.shape[:-2]) or arr.shape[-1] < 2:
         return None
-    square = arr.reshape(arr.shape[-2:])
+    square = arr.reshape(arr.shape[-2], arr.shape[-1])
     value = square.max() if square.dtype != np.bool_ else np.array(True)
     if not np.all((square == 0) | (square == value)) or value == 0:
         return None

@@ -335,11 +335,13 @@ def _p_labels(r: _Roles, p_term: str, pv_labels: set[str], split: tuple[Dim, Dim
 def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Values) -> AttentionMatch | Miss:
     """Q, K, V below a scale on Q or K and the KV-head repeat, and a KV cache ``Concat``: the complete match."""
     q, f = _strip_scale(graph, r.qk.inputs[r.qpos], r.qk.name)
-    k = _unwrap_kv(graph, r.qk.inputs[1 - r.qpos], r.k_term, r.qk.name, r.batch, take_scale=True)
-    v = _unwrap_kv(graph, pv.pv.inputs[1 - pv.ppos], pv.v_term, pv.pv.name, r.batch, take_scale=False)
-    if isinstance(k, Miss) or isinstance(v, Miss):
-        return k if isinstance(k, Miss) else v
-    (k, rk, fk), (v, rv, _) = k, v
+    k_found = _unwrap_kv(graph, r.qk.inputs[1 - r.qpos], r.k_term, r.qk.name, r.batch, take_scale=True)
+    v_found = _unwrap_kv(graph, pv.pv.inputs[1 - pv.ppos], pv.v_term, pv.pv.name, r.batch, take_scale=False)
+    if isinstance(k_found, Miss):
+        return k_found
+    if isinstance(v_found, Miss):
+        return v_found
+    (k, rk, fk), (v, rv, _) = k_found, v_found
     if rk != rv:
         return Miss(f"K is repeated {rk}x but V {rv}x")
     s = r.sizes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphc.dims import dim_prod, is_static, normalize_dim
+from graphc.dims import dim_prod, eval_shape, is_static, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous
 from graphc.opaque import Opaque
@@ -291,7 +291,7 @@ def _rewrite_constant(graph: Graph, node: Node, ctx: PassContext) -> str:
     hit = ctx.fold_cache.get(key)
     if hit is None:  # tied weights (one array under several names) fold once
         value = node.op.evaluate(arrays, {})
-        value = contiguous(value, graph.types[node.name].dtype).reshape(graph.types[node.name].shape)
+        value = contiguous(value, graph.types[node.name].dtype).reshape(eval_shape(graph.types[node.name].shape, {}))  # folded: static
         value.setflags(write=False)
         ctx.fold_cache[key] = (arrays, value)  # the arrays are kept so their ids stay unique
     else:

@@ -125,7 +125,7 @@ def _rewrite_fuse(graph: Graph, m: tuple[Node, int, list[tuple[str, int, str]]],
     for name, pos, h in plans:
         reader = graph.nodes[name]
         spec = reader.op.parsed  # type: ignore[attr-defined]
-        n, j = fresh_labels(spec.labels, 2)
+        n, j = (c for c in fresh_labels(spec.labels, 2))
         other = 1 - pos
         terms = list(spec.inputs)
         hi = terms[other].index(h)

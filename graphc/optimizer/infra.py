@@ -248,10 +248,10 @@ def rewrite_to_fixed_point(graph: Graph, rules: Sequence[Rule], ctx: PassContext
                         again.add(p.name)
                 for o in n.outputs:
                     again.update(u.name for u in graph.value(o).users)
-            for t in sorted((graph.nodes[t] for t in again if t in graph.nodes), key=lambda n: n._key):
-                if t.name not in queued:
-                    work.append(t.name)
-                    queued.add(t.name)
+            for later in sorted((graph.nodes[t] for t in again if t in graph.nodes), key=lambda n: n._key):
+                if later.name not in queued:
+                    work.append(later.name)
+                    queued.add(later.name)
             break
     return fired
 

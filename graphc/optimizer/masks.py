@@ -159,7 +159,7 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
         return None
     offset = normalize_dim(upper[0]) if upper else None
     window = None
-    if lower:
+    if lower and offset is not None:  # (a lower plane comes with an upper one: checked above)
         w = normalize_dim(dim_add(dim_sub(offset, lower[0]), 1))
         if not isinstance(w, int) or w < 1:
             return None
