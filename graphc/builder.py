@@ -12,15 +12,12 @@ Any einsum graph can be written by hand with them, not only attention::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .dims import Dim
 from .ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
-
-if TYPE_CHECKING:
-    from .graph import Value, ValueLike
+from .values import Value, ValueLike
 
 __all__ = ["GraphBuilder"]
 

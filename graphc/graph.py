@@ -37,77 +37,14 @@ from .errors import (
     ShapeMismatchError,
     UndefinedValueError,
 )
-from .ops import Op, TensorType, check_dtype
 from .mapped import check_mapped_files
+from .ops import Op, TensorType, check_dtype
+from .values import Node, Value, ValueLike
 
 __all__ = ["Value", "Node", "Graph", "ValueLike"]
 
 _NAME = re.compile(r"[A-Za-z_/][A-Za-z0-9_.:/\-]*\Z")
 _GAP = 1 << 20  # spacing of order keys; an insertion between two adjacent keys renumbers
-
-
-class Value:
-    """A named value of a graph: its type, its producer (``None`` for inputs and
-    initializers) and its users (node -> number of operand slots reading it)."""
-
-    __slots__ = ("name", "type", "producer", "users")
-
-    def __init__(self, name: str, type: TensorType, producer: Node | None = None) -> None:
-        self.name = name
-        self.type = type
-        self.producer = producer
-        self.users: dict[Node, int] = {}
-
-    @property
-    def shape(self) -> tuple[Dim, ...]:
-        """The value's (possibly symbolic) shape."""
-        return self.type.shape
-
-    @property
-    def dtype(self) -> str:
-        """The value's dtype name."""
-        return self.type.dtype
-
-    def __str__(self) -> str:
-        return f"{self.name}: {self.type}"
-
-    def __repr__(self) -> str:
-        return f"<Value {self.name}: {self.type}>"
-
-
-ValueLike = Value | str
-
-
-class Node:
-    """One operation: ``op`` applied to the values named ``inputs``, producing ``outputs``.
-
-    Nodes are created and edited through their :class:`Graph` only (which keeps
-    users and the order up to date); ``name`` is the first output's name.
-    """
-
-    __slots__ = ("name", "op", "inputs", "outputs", "_prev", "_next", "_key")
-
-    def __init__(self, name: str, op: Op, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
-        self.name = name
-        self.op = op
-        self.inputs = inputs
-        self.outputs = outputs
-        self._prev: Node | None = None
-        self._next: Node | None = None
-        self._key = 0
-
-    @property
-    def output(self) -> str:
-        """The single output's name (an error for multi-output nodes)."""
-        if len(self.outputs) != 1:
-            raise GraphError(f"node {self.name!r} ({self.op.kind}) has {len(self.outputs)} outputs; use node.outputs")
-        return self.outputs[0]
-
-    def __str__(self) -> str:
-        return f"{', '.join(self.outputs)} = {self.op}({', '.join(self.inputs)})"
-
-    def __repr__(self) -> str:
-        return f"<Node {self}>"
 
 
 def _name_of(v: ValueLike) -> str:

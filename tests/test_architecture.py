@@ -1,8 +1,8 @@
 """Architecture: the modules of graphc/ and lowering/ import each other without cycles.
 
-Every import counts, at module level or inside a function (a lazy import is still a dependency), except those under
-``if TYPE_CHECKING:`` (annotations only).  ``from pkg import name`` depends on ``pkg.name`` when that is a module, else
-on ``pkg`` itself.
+Every import counts: at module level, inside a function (a lazy import is still a dependency) and under
+``if TYPE_CHECKING:`` (an annotation that needs the other module is a dependency too).  ``from pkg import name``
+depends on ``pkg.name`` when that is a module, else on ``pkg`` itself.
 """
 
 from __future__ import annotations
@@ -24,14 +24,10 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+def _all_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
         for child in ast.iter_child_nodes(node):
@@ -48,7 +44,7 @@ def import_graph() -> nx.DiGraph:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         g.add_node(name)
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _all_imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
