@@ -142,7 +142,7 @@ def test_bad_weight_names_are_named(lm, name, value, words):
 
 @pytest.mark.parametrize("rows, heads, words", [(40, 4, "has 40 rows; 4 query heads and 1 KV heads of 16 take 96"), (96, 3, "take 80")])
 def test_a_falcon_query_key_value_of_the_wrong_size_is_named(rows, heads, words):
-    from graphc.attention.hf_weights import rename_falcon
+    from graphc.attention.families.falcon import rename_falcon
     from graphc.errors import WeightError
 
     weights = {"transformer.h.0.self_attention.query_key_value.weight": np.zeros((rows, 64), np.float32)}

@@ -3,7 +3,7 @@
 ``causal_lm_config_from_hf`` reads what sits around the decoder stack (vocabulary,
 tied LM head, Gemma's embedding scale and final logit softcap);
 ``causal_lm_weights_from_hf`` gives the tensors graphc's names (Falcon's, Phi-3's,
-GPT-NeoX's and GPT-2's are mapped by :mod:`graphc.attention.hf_weights`; a tied
+GPT-NeoX's and GPT-2's are mapped by their family's module, :mod:`graphc.attention.families`; a tied
 checkpoint's ``lm_head.weight`` is dropped, as transformers ties it to the
 embedding on load); ``causal_lm_from_hf``
 builds the graph from both.
@@ -11,7 +11,6 @@ builds the graph from both.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,41 +23,23 @@ from graphc.graph import Graph
 from graphc.weights import load_weights
 
 from .causal_lm import CausalLMConfig, causal_lm_graph
-from .hf import _flag, _int, _number, decoder_configs_from_hf, decoder_weights_from_hf, read_hf_config
+from .families import get_family
+from .hf import decoder_configs_from_hf, decoder_weights_from_hf, read_hf_config
+from .hf_fields import flag, int_field
 
-__all__ = ["causal_lm_config_from_hf", "causal_lm_weights_from_hf", "causal_lm_from_hf", "TIED_BY_DEFAULT"]
-
-TIED_BY_DEFAULT = {
-    "llama": False,
-    "mistral": False,
-    "qwen2": False,
-    "qwen3": False,
-    "gemma2": True,
-    "falcon": True,
-    "phi3": False,
-    "gpt_neox": False,
-    "gpt2": True,
-}
-"""Each family's ``tie_word_embeddings`` when ``config.json`` does not say (transformers' config defaults)."""
-
+__all__ = ["causal_lm_config_from_hf", "causal_lm_weights_from_hf", "causal_lm_from_hf"]
 
 def causal_lm_config_from_hf(config: Mapping[str, Any] | str | Path | Any, n_layers: int | None = None) -> CausalLMConfig:
     """The :class:`CausalLMConfig` of a transformers model config (its first ``n_layers`` layers, default all)."""
     cfg = read_hf_config(config)
     layers = decoder_configs_from_hf(cfg, n_layers)  # checks model_type first
-    family = cfg["model_type"]
-    scale = softcap = None
-    if family == "gemma2":
-        scale = math.sqrt(layers[0].attention.d_model)
-        softcap = _number(cfg, "final_logit_softcapping", None)
+    family = get_family(cfg["model_type"])
     return CausalLMConfig(
         tuple(layers),
-        _int(cfg, "vocab_size", most=1 << 24),
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", TIED_BY_DEFAULT[family]),
-        embedding_scale=scale,
-        final_logit_softcap=softcap,
-        position_embeddings=_int(cfg, "n_positions", most=1 << 24) if family == "gpt2" else None,
-        family=family,
+        int_field(cfg, "vocab_size", most=1 << 24),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings", family.tied_by_default),
+        family=family.model_type,
+        **family.lm_fields(cfg, layers[0].attention.d_model),
     )
 
 
