@@ -25,7 +25,7 @@ from .attention.hf import HF_FAMILIES
 from .dims import dim_symbols
 from .errors import GraphcError
 from .graph import Graph
-from .ops import DTYPES
+from .ops import FLOAT_DTYPES
 from .attention_op import Attention
 from .cli_common import Parser, Progress, UsageError, at_least
 from .cli_generate import add_generate
@@ -374,11 +374,23 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"{args.hf_config}: {layers} decoder layers, {params:,} parameters in them (no embeddings), MLP {cfgs[0].mlp} {cfgs[0].activation}, "
             f"intermediate {cfgs[0].intermediate_size}, windows {windows}"
         )
+    args.dtype = args.dtype or _config_dtype(args.hf_config) or "float16"
     print(cfg.summary(batch=args.batch, seq_len=seq, dtype=args.dtype, n_layers=layers))
     total = cfg.kv_cache_bytes(args.batch, seq, args.dtype, layers)
     mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(args.batch, seq, args.dtype, layers)
     print(f"  KV cache, all {layers} layers: {total / 2**30:.3f} GiB (MHA with the same heads: {mha_total / 2**30:.3f} GiB)")
     return 0
+
+
+def _config_dtype(config: str | None) -> str | None:
+    """The dtype a transformers config says its weights are in (``dtype``, or ``torch_dtype`` in older files), when it is a float one."""
+    if not config:
+        return None
+    from .attention.hf import read_hf_config
+
+    cfg = read_hf_config(config)
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return dtype if isinstance(dtype, str) and dtype in FLOAT_DTYPES else None
 
 
 def _describe_graph(g: Graph, source: str) -> str:
@@ -439,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub, common)
     i = sub.add_parser("info", parents=[common], help="config, parameter count, KV-cache memory, FLOPs")
     _add_graph_args(i)
-    i.add_argument("--dtype", default="float16", choices=DTYPES, help="KV-cache dtype (default float16)")
+    i.add_argument("--dtype", default=None, choices=FLOAT_DTYPES,
+                   help="KV-cache dtype (default: a config's own dtype, else float16)")  # fmt: skip
     i.set_defaults(func=cmd_info)
     return p
 

@@ -42,6 +42,38 @@ def _prompts(items: list[str]) -> list[list[int]]:
     return prompts
 
 
+def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]:
+    """The prompts as ids, their texts (empty for ``--prompt-ids``) and the tokenizer (or None); fills ``--hf-config``,
+    ``--weights``, ``--pad-token-id`` and ``--eos-token-id`` from a checkpoint folder where they were not given."""
+    from .checkpoint import Checkpoint
+
+    folder = Checkpoint(args.checkpoint) if args.checkpoint else None
+    if folder is None and not args.hf_config:
+        raise UsageError("generate needs a checkpoint folder (graphc generate DIR --prompt ...) or --hf-config CONFIG.json")
+    if folder is not None:
+        args.hf_config = args.hf_config or str(folder.config)
+        args.weights = args.weights or str(folder.folder)
+        defaults = folder.generation_defaults()
+        args.pad_token_id = defaults["pad_token_id"] if args.pad_token_id is None else args.pad_token_id
+        args.eos_token_id = defaults["eos_token_id"] if args.eos_token_id is None else args.eos_token_id
+    args.pad_token_id = 0 if args.pad_token_id is None else args.pad_token_id
+    if not args.prompt and not args.prompt_ids:
+        raise UsageError("generate needs a prompt: --prompt TEXT (with a checkpoint folder's tokenizer) or --prompt-ids 1,2,3")
+    tokenizer = None
+    texts: list[str] = []
+    prompts = _prompts(args.prompt_ids or [])
+    if args.prompt:
+        if folder is None:
+            raise UsageError("--prompt TEXT needs the checkpoint folder (its tokenizer.json): graphc generate DIR --prompt ...")
+        tokenizer = folder.tokenizer()
+        texts = list(args.prompt)
+        encoded = [tokenizer.encode(t) for t in texts]
+        if not all(encoded):
+            raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
+        prompts = encoded + prompts
+    return prompts, texts, tokenizer
+
+
 def _model(args: argparse.Namespace) -> Graph:
     from .attention.causal_lm import causal_lm_graph
     from .attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
@@ -108,6 +140,22 @@ def _tokens(rows: list[tuple[str, _Row | str]], prompts: list[list[int]]) -> tup
             tag = f"{backend} " if len(distinct) > 1 else ""
             lines.append(f"  {tag}[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}")
     return "\n".join(lines), len(distinct) <= 1
+
+
+def _text(rows: list[tuple[str, _Row | str]], texts: list[str], tokenizer: Any) -> str:
+    """Each text prompt and the text generated for it (per backend when backends differ)."""
+    runs = [(b, r.generation) for b, r in rows if not isinstance(r, str)]
+    distinct = {tuple(map(tuple, r.new_tokens.tolist())) for _, r in runs}
+    if len(distinct) > 1:
+        heading = "per backend: tokens DIFFER"
+    else:
+        heading = "every backend the same" if len(runs) > 1 else runs[0][0] if runs else "no backend ran"
+    lines = [f"text ({heading}):"]
+    for backend, r in runs if len(distinct) > 1 else runs[:1]:
+        for i, text in enumerate(texts):
+            lines.append(f"  {backend + ' ' if len(distinct) > 1 else ''}[{i}] {text}")
+            lines.append(f"      => {tokenizer.decode(r.new_tokens[i].tolist())}")
+    return "\n".join(lines)
 
 
 def _warm_and_generate(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, runner: Any, progress: Progress, tag: str) -> Any:
@@ -178,7 +226,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends:
         raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
-    prompts = _prompts(args.prompt_ids)
+    prompts, texts, tokenizer = _resolve(args)
     progress = Progress(sys.stderr, enabled=not args.quiet)
     progress("building the model")
     graph = _model(args)
@@ -201,25 +249,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     print(_table(rows, graph, prompts, args.max_new_tokens))
-    text, same = _tokens(rows, prompts)
-    print(text)
+    ids, same = _tokens(rows, prompts)
+    if tokenizer is not None:
+        print(_text(rows, texts, tokenizer))
+    if tokenizer is None or args.ids or len(texts) < len(prompts):
+        print(ids)
     return 0 if same else 1
 
 
 def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     """``graphc generate``."""
-    from .ops import DTYPES
+    from .ops import FLOAT_DTYPES
 
-    g = sub.add_parser("generate", parents=[common], help="greedy tokens from a transformers checkpoint on each backend, with tokens/s")
-    g.add_argument("--hf-config", required=True, metavar="CONFIG.json", help="the model's transformers config.json")
-    g.add_argument("--weights", default=None, metavar="PATH", help="safetensors file or checkpoint folder (default: seeded random weights)")
+    g = sub.add_parser("generate", parents=[common], help="greedy text (or tokens) from a transformers checkpoint on each backend, with tokens/s")
+    g.add_argument("checkpoint", nargs="?", default=None, metavar="DIR",
+                   help="a checkpoint folder (config.json, *.safetensors, tokenizer.json, generation_config.json)")  # fmt: skip
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT", help="a text prompt (the folder's tokenizer); repeat for a batch")
+    g.add_argument("--ids", action="store_true", help="with --prompt, print the token ids too")
+    g.add_argument("--hf-config", default=None, metavar="CONFIG.json", help="the model's transformers config.json (default: DIR's)")
+    g.add_argument("--weights", default=None, metavar="PATH", help="safetensors file or checkpoint folder (default: DIR, else seeded random weights)")
     g.add_argument("--layers", type=int, default=None, help="use the first N layers only (default: all)")
-    g.add_argument("--prompt-ids", action="append", required=True, metavar="IDS", help="comma-separated token ids; repeat for a batch")
+    g.add_argument("--prompt-ids", action="append", default=None, metavar="IDS", help="comma-separated token ids; repeat for a batch")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     g.add_argument("--backends", default="numpy,ort-cpu", help="comma-separated (default numpy,ort-cpu)")
-    g.add_argument("--dtype", default=None, choices=DTYPES, help="compute the model in this storage dtype (default: the checkpoint's)")
-    g.add_argument("--pad-token-id", type=int, default=0, help="fills the left of shorter prompts (default 0)")
-    g.add_argument("--eos-token-id", type=int, default=None, help="a sequence that emits it stops (default: none)")
+    g.add_argument("--dtype", default=None, choices=FLOAT_DTYPES, help="compute the model in this storage dtype (default: the checkpoint's)")
+    g.add_argument("--pad-token-id", type=int, default=None, help="fills the left of shorter prompts (default: DIR's generation config, else 0)")
+    g.add_argument("--eos-token-id", type=int, action="append", default=None,
+                   help="a sequence that emits it stops; repeat for several (default: DIR's generation config, else none)")  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights without --weights")
     g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")

@@ -252,3 +252,20 @@ def test_hf_config_help_lists_every_family(capsys):
     with pytest.raises(SystemExit):
         main(["info", "--help"])
     assert "falcon" in capsys.readouterr().out
+
+
+def test_info_prints_the_cache_dtype_of_the_config(tmp_path, capsys):
+    """A checkpoint's KV cache is in its own dtype (transformers 5 writes ``dtype``, older files ``torch_dtype``); presets default to float16."""
+    import json
+
+    from graphc.cli import main as cli_main
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 97}  # fmt: skip
+    for field, dtype in (("dtype", "bfloat16"), ("torch_dtype", "float32")):
+        path = tmp_path / f"{field}.json"
+        path.write_text(json.dumps({**config, field: dtype}))
+        assert cli_main(["info", "--hf-config", str(path)]) == 0
+        assert f"KV cache ({dtype}, 2 layer(s)): {2 * 2 * 2 * 16 * (2 if dtype == 'bfloat16' else 4):,} bytes/token" in capsys.readouterr().out
+    assert cli_main(["info", "--preset", "mistral-7b"]) == 0
+    assert "KV cache (float16," in capsys.readouterr().out

@@ -1,0 +1,105 @@
+"""A transformers checkpoint folder as one object: its config, weights, tokenizer and generation defaults.
+
+``Checkpoint(folder)`` finds ``config.json``, the safetensors weights (one file or an
+index), ``tokenizer.json`` (read by the ``tokenizers`` library, as transformers' fast
+tokenizers read it: the same ids, special tokens included) and ``generation_config.json``
+(the ``eos_token_id`` / ``pad_token_id`` transformers' ``generate`` uses).  Every file
+is checked as graphc checks it elsewhere (regular files only; a missing one is named).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import SerializationError
+from .weights import require_regular_file
+
+__all__ = ["Checkpoint", "Tokenizer"]
+
+
+class Tokenizer:
+    """A checkpoint's ``tokenizer.json``: text to ids (special tokens added as the tokenizer's post-processor says) and back."""
+
+    def __init__(self, path: Path) -> None:
+        require_regular_file(path, "tokenizer")
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError:
+            raise SerializationError("reading tokenizer.json needs the tokenizers library: pip install tokenizers") from None
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the library's parse error, named
+            raise SerializationError(f"{path}: not a tokenizers tokenizer.json ({type(e).__name__}: {str(e)[:200]})") from None
+        self.path = path
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, with the special tokens the tokenizer adds (a BOS for Llama)."""
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens left out (as ``tokenizer.decode(..., skip_special_tokens=True)``)."""
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can give (added tokens included)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder (as ``save_pretrained`` writes it)."""
+
+    folder: Path
+
+    def __post_init__(self) -> None:
+        folder = Path(self.folder)
+        if not folder.is_dir():
+            raise SerializationError(f"{str(folder)!r} is not a checkpoint folder (a folder with config.json and *.safetensors)")
+        object.__setattr__(self, "folder", folder)
+        if not (folder / "config.json").exists():
+            raise SerializationError(f"{folder}: no config.json; a checkpoint folder holds config.json and the model's *.safetensors")
+
+    @property
+    def config(self) -> Path:
+        """``config.json``."""
+        return self.folder / "config.json"
+
+    def tokenizer(self) -> Tokenizer:
+        """The folder's ``tokenizer.json``."""
+        path = self.folder / "tokenizer.json"
+        if not path.exists():
+            raise SerializationError(f"{self.folder}: no tokenizer.json; pass token ids with --prompt-ids instead of text")
+        return Tokenizer(path)
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """``eos_token_id`` (a list) and ``pad_token_id`` as transformers' ``generate`` takes them: ``generation_config.json``
+        first, then ``config.json``; ``pad_token_id`` falls back to the first eos (as transformers does), else 0."""
+        fields: dict[str, Any] = {}
+        for name in ("config.json", "generation_config.json"):  # the later file wins
+            doc = _json(self.folder / name)
+            fields.update({k: doc[k] for k in ("eos_token_id", "pad_token_id") if doc.get(k) is not None})
+        eos = fields.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
+            raise SerializationError(f"{self.folder}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        pad = fields.get("pad_token_id", eos_ids[0] if eos_ids else 0)
+        if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+            raise SerializationError(f"{self.folder}: pad_token_id must be a token id, got {pad!r}")
+        return {"eos_token_id": eos_ids, "pad_token_id": pad}
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    require_regular_file(path, "config")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise SerializationError(f"{path}: not a JSON file: {e}") from None
+    if not isinstance(doc, dict):
+        raise SerializationError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc

@@ -1,0 +1,120 @@
+"""Checkpoint folder in, text out: ``graphc generate DIR --prompt TEXT`` against transformers' tokenizer and greedy generate.
+
+The folder is what ``save_pretrained`` writes for a model and its tokenizer; graphc
+reads ``tokenizer.json`` with the ``tokenizers`` library and ``generation_config.json``
+for the eos and pad ids, and must print the text transformers decodes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from graphc.checkpoint import Checkpoint
+from graphc.cli import main
+from graphc.errors import SerializationError
+
+WORDS = "the cat sat on a mat and dog ran to big red house in sun was very happy small bird sang song".split()
+PROMPTS = ["the cat sat on", "a big red dog ran to the"]
+
+
+def _tokenizer(folder: Path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tok, len(vocab)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("llama_text")
+    tok, vocab = _tokenizer(out)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=vocab, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # unit-scale weights: greedy tokens that vary (the default init repeats one token)
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (1.0 if p.ndim == 1 else 0.3))
+    model.save_pretrained(out)
+    return out
+
+
+def _transformers_text(folder: Path, prompt: str, new: int) -> str:
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_a_checkpoint_folder_and_text_prompts_give_transformers_text(folder, capsys):
+    argv = ["generate", str(folder), "--max-new-tokens", "8", "--backends", "numpy,ort-cpu", "--quiet"]
+    for p in PROMPTS:
+        argv += ["--prompt", p]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "text (every backend the same):" in out and "tokens (" not in out  # text only, unless --ids
+    lines = out.splitlines()
+    for i, prompt in enumerate(PROMPTS):
+        at = lines.index(f"  [{i}] {prompt}")
+        assert lines[at + 1] == f"      => {_transformers_text(folder, prompt, 8)}"
+
+
+def test_ids_are_printed_with_ids_and_match_transformers_tokenizer(folder, capsys):
+    import transformers
+
+    assert main(["generate", str(folder), "--prompt", PROMPTS[0], "--ids", "--max-new-tokens", "3", "--backends", "numpy", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    want = transformers.AutoTokenizer.from_pretrained(folder)(PROMPTS[0]).input_ids
+    assert f"  [0] {' '.join(map(str, want))} | " in out
+
+
+def test_generation_defaults_come_from_the_folder(folder, tmp_path):
+    assert Checkpoint(folder).generation_defaults() == {"eos_token_id": [2], "pad_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [2, 9]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"pad_token_id": 0}))
+    assert Checkpoint(tmp_path).generation_defaults() == {"eos_token_id": [2, 9], "pad_token_id": 0}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "two"}))
+    with pytest.raises(SerializationError, match="eos_token_id must be a token id or a list of them, got 'two'"):
+        Checkpoint(tmp_path).generation_defaults()
+
+
+def test_text_without_a_tokenizer_or_a_folder_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["generate", str(tmp_path), "--prompt", "hello", "--quiet"]) == 2
+    assert "no tokenizer.json; pass token ids with --prompt-ids instead of text" in capsys.readouterr().err
+    assert main(["generate", "--hf-config", str(tmp_path / "config.json"), "--prompt", "hello", "--quiet"]) == 2
+    assert "--prompt TEXT needs the checkpoint folder" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "hello", "--quiet"]) == 2
+    assert "is not a checkpoint folder" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "--prompt-ids", "1,2", "--dtype", "int32", "--quiet"]) == 2
+    assert "invalid choice: 'int32'" in capsys.readouterr().err
+
+
+def test_the_tokenizer_reads_what_transformers_reads(folder):
+    import transformers
+
+    tok = Checkpoint(folder).tokenizer()
+    fast = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in PROMPTS + ["unknown words here", "sun"]:
+        ids = tok.encode(text)
+        assert ids == fast(text).input_ids
+        assert tok.decode(ids) == fast.decode(ids, skip_special_tokens=True)
+    assert np.all(np.array(tok.encode("the")) < tok.vocab_size)
