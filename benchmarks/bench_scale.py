@@ -7,7 +7,8 @@ the residual stream: with transformers' default init every greedy token is the s
 - ``tinyllama-f32``, ``tinyllama-bf16``: TinyLlama-1.1B (22 layers, hidden 2048, 32/4 heads, vocab 32000);
 - ``llama3.2-1b-bf16``: Llama-3.2-1B (16 layers, 32/8 heads, vocab 128256, tied embeddings, llama3 RoPE);
 - ``qwen2.5-1.5b-bf16``: Qwen2.5-1.5B (28 layers, 12/2 heads, q/k/v biases, vocab 151936, tied);
-- ``mistral-7b-bf16`` (not in the default list): Mistral-7B (32 layers, 32/8 heads): 14.5 GB of bfloat16.
+- ``mistral-7b-bf16`` (not in the default list: run it alone, ``--models mistral-7b-bf16``): Mistral-7B (32 layers,
+  32/8 heads): 14.5 GB of bfloat16.
 
 Runtimes, each in a child process of its own (two 4 GB models do not share a
 24 GiB machine with room to measure), one after another:
@@ -28,8 +29,8 @@ genai are timed apart when they are made, in "export s", and reused by later run
 (median decode step over ``--blocks`` generations of ``--new`` tokens, back to back), **peak RSS** (the
 child's ``VmHWM``) against the weights' bytes, and decode **GB/s** with its **% of the read bandwidth**
 (``torch.sum`` over 1 GiB, measured in the same process just before the decode blocks; a step reads every
-weight but the input embedding, in the dtype the runtime computes with: graphc holds bfloat16 weights as
-float32 on NumPy and onnxruntime, transformers computes in bfloat16).  Tokens: every runtime's greedy
+weight but the input embedding, in the dtype the runtime reads it in: graphc's NumPy backend reads bfloat16
+weights as stored, its onnxruntime backend float32 ones, transformers bfloat16).  Tokens: every runtime's greedy
 tokens for the timed prompt and, on graphc and transformers, for a left-padded batch of two prompts,
 compared with transformers'.
 
@@ -81,8 +82,8 @@ import json, sys, torch, transformers
 out, dtype, config_name, kwargs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 cfg = getattr(transformers, config_name)(**kwargs, bos_token_id=1, eos_token_id=2)
 torch.manual_seed(0)
-with torch.device("meta"):
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+with torch.device("meta"):  # built in its dtype: a 7B model in float32 would not fit beside its bfloat16 copy
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
 model = model.to_empty(device="cpu").to(getattr(torch, dtype)).eval()
 model.tie_weights()  # to_empty gives every parameter its own storage
 tied = cfg.tie_word_embeddings
