@@ -21,7 +21,7 @@ from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, layer_types, number_field, rope_config
 
-__all__ = ["Family", "register_family", "unregister_family", "family_names", "get_family"]
+__all__ = ["Family", "register_family", "unregister_family", "family_names", "get_family", "layer_norm_decoder"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,16 @@ class Family:
     def rename(self, weights: Mapping[str, Any], cfg: Mapping[str, Any], attention: AttentionConfig) -> dict[str, Any]:
         """The checkpoint's tensors under graphc's names (Llama's names: as they are)."""
         return dict(weights)
+
+
+def layer_norm_decoder(
+    attention: AttentionConfig, intermediate: int, act: str, eps: float, mlp_bias: bool, parallel: bool, parallel_norms: int
+) -> DecoderConfig:
+    """The GPT-style layer: LayerNorms and a plain (ungated) MLP, attention and MLP in parallel or one after the other."""
+    return DecoderConfig(
+        attention, intermediate, mlp="plain", activation=act, norm="layer", norm_eps=eps, mlp_bias=mlp_bias,
+        parallel=parallel, parallel_norms=parallel_norms,
+    )  # fmt: skip
 
 
 _FAMILIES: dict[str, Family] = {}

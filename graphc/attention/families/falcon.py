@@ -15,7 +15,7 @@ from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, number_field
 from ..hf_weights import DENSE_LAYER, per_head_qkv, rename_layers
-from .base import Family, register_family
+from .base import Family, layer_norm_decoder, register_family
 
 __all__ = ["Falcon", "FALCON", "rename_falcon"]
 
@@ -41,17 +41,10 @@ class Falcon(Family):
         """LayerNorms, a plain MLP, attention and MLP in parallel (one norm, or two with the new architecture)."""
         new_arch = flag(cfg, "new_decoder_architecture", False)
         norms = int_field(cfg, "num_ln_in_parallel_attn", None, most=2) or (2 if new_arch else 1)
-        return DecoderConfig(
-            attention,
-            int_field(cfg, "ffn_hidden_size", 4 * attention.d_model),
-            mlp="plain",
-            activation=activation(cfg, "activation", "gelu"),
-            norm="layer",
-            norm_eps=number_field(cfg, "layer_norm_epsilon", 1e-5),
-            mlp_bias=flag(cfg, "bias", False),
-            parallel=new_arch or flag(cfg, "parallel_attn", True),
-            parallel_norms=norms if new_arch else 1,
-        )
+        intermediate = int_field(cfg, "ffn_hidden_size", 4 * attention.d_model)
+        act, eps = activation(cfg, "activation", "gelu"), number_field(cfg, "layer_norm_epsilon", 1e-5)
+        parallel = new_arch or flag(cfg, "parallel_attn", True)
+        return layer_norm_decoder(attention, intermediate, act, eps, flag(cfg, "bias", False), parallel, norms if new_arch else 1)
 
     def rename(self, weights: Mapping[str, Any], cfg: Mapping[str, Any], attention: AttentionConfig) -> dict[str, Any]:
         """``transformer.*`` under graphc's names, ``query_key_value`` split in its layout."""

@@ -15,7 +15,7 @@ from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, number_field
 from ..hf_weights import rename_layers, split_rows
-from .base import Family, register_family
+from .base import Family, layer_norm_decoder, register_family
 
 __all__ = ["GPT2", "GPT_2", "rename_gpt2"]
 
@@ -33,17 +33,9 @@ class GPT2(Family):
 
     def decoder(self, cfg: Mapping[str, Any], attention: AttentionConfig) -> DecoderConfig:
         """LayerNorms and a plain MLP with biases, one after the other."""
-        return DecoderConfig(
-            attention,
-            int_field(cfg, "intermediate_size", 4 * attention.d_model),
-            mlp="plain",
-            activation=activation(cfg, "activation_function", "gelu_new"),
-            norm="layer",
-            norm_eps=number_field(cfg, "layer_norm_epsilon", 1e-5),
-            mlp_bias=True,
-            parallel=False,
-            parallel_norms=1,
-        )
+        intermediate = int_field(cfg, "intermediate_size", 4 * attention.d_model)
+        act, eps = activation(cfg, "activation_function", "gelu_new"), number_field(cfg, "layer_norm_epsilon", 1e-5)
+        return layer_norm_decoder(attention, intermediate, act, eps, True, False, 1)
 
     def lm_fields(self, cfg: Mapping[str, Any], d_model: int) -> dict[str, Any]:
         """Learned positions: ``n_positions`` of them."""

@@ -13,7 +13,7 @@ from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, number_field
 from ..hf_weights import DENSE_LAYER, per_head_qkv, rename_layers
-from .base import Family, register_family
+from .base import Family, layer_norm_decoder, register_family
 
 __all__ = ["GPTNeoX", "GPT_NEOX", "rename_gpt_neox"]
 
@@ -29,17 +29,9 @@ class GPTNeoX(Family):
     def decoder(self, cfg: Mapping[str, Any], attention: AttentionConfig) -> DecoderConfig:
         """LayerNorms, a plain MLP with biases; attention and MLP in parallel unless ``use_parallel_residual`` is false."""
         parallel = flag(cfg, "use_parallel_residual", True)
-        return DecoderConfig(
-            attention,
-            int_field(cfg, "intermediate_size", 4 * attention.d_model),
-            mlp="plain",
-            activation=activation(cfg, "hidden_act", "gelu"),
-            norm="layer",
-            norm_eps=number_field(cfg, "layer_norm_eps", 1e-5),
-            mlp_bias=True,
-            parallel=parallel,
-            parallel_norms=2 if parallel else 1,
-        )
+        intermediate = int_field(cfg, "intermediate_size", 4 * attention.d_model)
+        act, eps = activation(cfg, "hidden_act", "gelu"), number_field(cfg, "layer_norm_eps", 1e-5)
+        return layer_norm_decoder(attention, intermediate, act, eps, True, parallel, 2 if parallel else 1)
 
     def rename(self, weights: Mapping[str, Any], cfg: Mapping[str, Any], attention: AttentionConfig) -> dict[str, Any]:
         """``gpt_neox.*`` under graphc's names."""
