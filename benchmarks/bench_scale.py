@@ -162,12 +162,13 @@ def _graphc(hf: Path, backend: str, prompt: list[int], new: int, blocks: int) ->
     import graphc
     from graphc.weights import load_weights
     from lowering import generate, prepare
+    from lowering.backends import decode_options
 
     t0 = time.perf_counter()
     g = graphc.causal_lm_from_hf(hf / "config.json", load_weights(hf), logits="last")
     sizes = {"batch": 1, "seq": 1, "past_seq": len(prompt) + new}
     g = graphc.optimize(g, hints=sizes).graph
-    runner = prepare(g, backend, **({"attention": "auto", "sizes": sizes} if backend.startswith("ort") else {}))
+    runner = prepare(g, backend, **decode_options(backend, sizes))
     load = time.perf_counter() - t0
     batch = generate(g, BATCH, new, runner=runner).new_tokens.tolist()
     generate(g, [prompt], 2, runner=runner)  # warm: the prompt's shapes

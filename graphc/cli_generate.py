@@ -85,15 +85,6 @@ def _model(args: argparse.Namespace) -> Graph:
     return causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last")
 
 
-def _options(backend: str, args: argparse.Namespace, sizes: dict[str, int]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if backend in ("ort-cpu", "ort-cuda"):
-        options.update(attention="auto", sizes=sizes)
-    if args.threads and backend in ("ort-cpu", "ort-cuda", "numpy", "torch"):
-        options["threads"] = args.threads
-    return options
-
-
 @dataclass(frozen=True)
 class _Row:
     """One backend's generation with what it cost: seconds to prepare, peak resident bytes while it ran."""
@@ -196,12 +187,13 @@ def _backend_row(
     """Prepare ``backend``, generate, and measure: the peak resident memory counts this backend alone (the pages of the
     mapped checkpoint that an earlier backend read are dropped first, and its runner is gone)."""
     from lowering import prepare
+    from lowering.backends import decode_options
 
     gc.collect()
     release_mapped_pages()
     reset_resident_peak()
     start = time.perf_counter()
-    runner = prepare(graph, backend, **_options(backend, args, sizes))
+    runner = prepare(graph, backend, **decode_options(backend, sizes, args.threads))
     prepared = time.perf_counter() - start
     generation = _warm_and_generate(graph, prompts, args, runner, progress, tag)
     peak = resident_peak_bytes()

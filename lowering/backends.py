@@ -45,6 +45,7 @@ __all__ = [
     "prepare",
     "run",
     "unavailable_reason",
+    "decode_options",
 ]
 
 
@@ -56,6 +57,10 @@ class BackendSpec:
     description: str
     unavailable: Callable[[], str | None]
     prepare: Callable[..., Runner]
+    decode: tuple[tuple[str, Any], ...] = ()
+    """``prepare`` options a decode loop uses on this backend (onnxruntime: attention forms chosen for the step's sizes)."""
+    decode_sizes: bool = False
+    """True when a decode loop prepares the backend with the step's sizes (to choose its kernels for them)."""
 
 
 Sizes = Mapping[str, int] | None
@@ -154,13 +159,15 @@ def _torch(graph: Graph, device: str | None = None, threads: int | None = None, 
     return prepare_torch(graph, device=device, threads=threads, sizes=sizes)
 
 
+_ORT_DECODE = ((("attention", "auto"),), True)  # a decode loop's sessions get attention forms chosen for the step's sizes
+
 BACKENDS: dict[str, BackendSpec] = {
     b.name: b
     for b in (
         BackendSpec("numpy", "NumPy interpreter (reference semantics)", lambda: None, _numpy),
         BackendSpec("onnx-reference", "ONNX ReferenceEvaluator on the exported model", lambda: None, _reference),
-        BackendSpec("ort-cpu", "onnxruntime, CPUExecutionProvider", _ort_missing, _ort("CPUExecutionProvider")),
-        BackendSpec("ort-cuda", "onnxruntime, CUDAExecutionProvider", _cuda_missing, _ort("CUDAExecutionProvider")),
+        BackendSpec("ort-cpu", "onnxruntime, CPUExecutionProvider", _ort_missing, _ort("CPUExecutionProvider"), *_ORT_DECODE),
+        BackendSpec("ort-cuda", "onnxruntime, CUDAExecutionProvider", _cuda_missing, _ort("CUDAExecutionProvider"), *_ORT_DECODE),
         BackendSpec("torch", "torch ops interpreting the graph (CPU, or CUDA when present)", _torch_missing, _torch),
     )
 }
@@ -215,6 +222,19 @@ def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
     if unknown:
         raise BackendError(f"backend {backend!r} does not take option(s) {unknown}; it takes {accepted}")
     return spec.prepare(graph, **options)
+
+
+def decode_options(backend: str, sizes: Mapping[str, int] | None = None, threads: int | None = None) -> dict[str, Any]:
+    """The ``prepare`` options of a decode loop on ``backend``: its spec's :attr:`~BackendSpec.decode` options, the step's
+    ``sizes`` and ``threads`` where the backend takes them."""
+    spec = get_backend(backend)
+    accepted = inspect.signature(spec.prepare).parameters
+    options = dict(spec.decode)
+    if sizes is not None and spec.decode_sizes and "sizes" in accepted:
+        options["sizes"] = dict(sizes)
+    if threads is not None and "threads" in accepted:
+        options["threads"] = threads
+    return options
 
 
 def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", **options: Any) -> dict[str, np.ndarray]:

@@ -136,3 +136,17 @@ def test_every_builtin_backend_makes_a_cache_that_meets_the_protocol():
 
             assert all(isinstance(v, ort.OrtValue) for v in cache.feeds().values())
         cache.close()
+
+
+def test_decode_options_come_from_each_backends_spec():
+    """A decode loop asks the registry how to prepare each backend; no caller names backends."""
+    from lowering.backends import decode_options
+
+    sizes = {"batch": 1, "seq": 1, "past_seq": 64}
+    assert decode_options("numpy", sizes, threads=2) == {"threads": 2}
+    assert decode_options("ort-cpu", sizes) == {"attention": "auto", "sizes": sizes}
+    register_backend(BackendSpec("toy-sized", "toy", lambda: None, lambda graph, sizes=None: None, decode=(("flag", 1),), decode_sizes=True))
+    try:
+        assert decode_options("toy-sized", sizes, threads=3) == {"flag": 1, "sizes": sizes}  # it takes no threads
+    finally:
+        unregister_backend("toy-sized")
