@@ -27,7 +27,7 @@ import numpy as np
 
 from graphc.errors import WeightError
 
-__all__ = ["DENSE_LAYER", "split_rows", "per_head_qkv", "rename_layers"]
+__all__ = ["DENSE_LAYER", "split_rows", "per_head_qkv", "rename_layers", "renamed_module"]
 
 
 DENSE_LAYER = {
@@ -51,6 +51,13 @@ def per_head_qkv(arr: Any, heads: int, hd: int) -> tuple[Any, Any, Any]:
     """Rows laid out per head as ``[q, k, v]`` (Falcon MHA, GPT-NeoX)."""
     slots = arr.reshape(heads, 3, hd, *arr.shape[1:])
     return tuple(slots[:, i].reshape(heads * hd, *arr.shape[1:]) for i in range(3))
+
+
+def renamed_module(modules: Mapping[str, str], module: str, kind: str, arr: Any, family: str) -> dict[str, Any]:
+    """``{graphc name: arr}`` for a layer tensor whose module ``modules`` maps one to one; an unknown module is a :class:`WeightError`."""
+    if module not in modules:
+        raise WeightError(f"tensor {module}.{kind}: no graphc name for {family} module {module!r}")
+    return {f"{modules[module]}.{kind}": arr}
 
 
 def rename_layers(

@@ -14,7 +14,7 @@ from graphc.errors import AttentionConfigError, WeightError
 from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, number_field
-from ..hf_weights import DENSE_LAYER, per_head_qkv, rename_layers
+from ..hf_weights import DENSE_LAYER, per_head_qkv, rename_layers, renamed_module
 from .base import Family, layer_norm_decoder, register_family
 
 __all__ = ["Falcon", "FALCON", "rename_falcon"]
@@ -73,9 +73,7 @@ def rename_falcon(weights: Mapping[str, Any], heads: int, kv: int, hd: int, new_
             else:
                 parts = per_head_qkv(arr, heads, hd)
             return {f"self_attn.{p}.{kind}": part.reshape(-1, *arr.shape[1:]) for p, part in zip(("q_proj", "k_proj", "v_proj"), parts)}
-        if module not in modules:
-            raise WeightError(f"tensor {module}.{kind}: no graphc name for Falcon module {module!r}")
-        return {f"{modules[module]}.{kind}": arr}
+        return renamed_module(modules, module, kind, arr, "Falcon")
 
     outside = {
         "transformer.ln_f.weight": "model.norm.weight",

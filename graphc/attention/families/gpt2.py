@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from graphc.errors import AttentionConfigError, WeightError
+from graphc.errors import AttentionConfigError
 
 from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, number_field
-from ..hf_weights import rename_layers, split_rows
+from ..hf_weights import rename_layers, renamed_module, split_rows
 from .base import Family, layer_norm_decoder, register_family
 
 __all__ = ["GPT2", "GPT_2", "rename_gpt2"]
@@ -61,9 +61,7 @@ def rename_gpt2(weights: Mapping[str, Any], d_model: int) -> dict[str, Any]:
             return {f"{'input_layernorm' if module == 'ln_1' else 'post_attention_layernorm'}.{kind}": arr}
         if module == "attn" and kind in ("bias", "masked_bias"):
             return {}  # the causal-mask buffer of older checkpoints
-        if module not in modules:
-            raise WeightError(f"tensor {module}.{kind}: no graphc name for GPT-2 module {module!r}")
-        return {f"{modules[module]}.{kind}": linear(arr, kind)}
+        return renamed_module(modules, module, kind, linear(arr, kind), "GPT-2")
 
     outside = {
         "transformer.ln_f.weight": "model.norm.weight",

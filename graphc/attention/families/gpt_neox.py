@@ -7,12 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from graphc.errors import WeightError
 
 from ..config import AttentionConfig
 from ..decoder import DecoderConfig
 from ..hf_fields import activation, flag, int_field, number_field
-from ..hf_weights import DENSE_LAYER, per_head_qkv, rename_layers
+from ..hf_weights import DENSE_LAYER, per_head_qkv, rename_layers, renamed_module
 from .base import Family, layer_norm_decoder, register_family
 
 __all__ = ["GPTNeoX", "GPT_NEOX", "rename_gpt_neox"]
@@ -47,9 +46,7 @@ def rename_gpt_neox(weights: Mapping[str, Any], heads: int, hd: int) -> dict[str
             return {f"self_attn.{p}.{kind}": part for p, part in zip(("q_proj", "k_proj", "v_proj"), per_head_qkv(arr, heads, hd))}
         if module in ("attention.bias", "attention.masked_bias") or kind == "inv_freq":
             return {}
-        if module not in modules:
-            raise WeightError(f"tensor {module}.{kind}: no graphc name for GPT-NeoX module {module!r}")
-        return {f"{modules[module]}.{kind}": arr}
+        return renamed_module(modules, module, kind, arr, "GPT-NeoX")
 
     outside = {
         "gpt_neox.final_layer_norm.weight": "model.norm.weight",
