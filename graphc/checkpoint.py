@@ -9,13 +9,12 @@ is checked as graphc checks it elsewhere (regular files only; a missing one is n
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import SerializationError
-from .weights import require_regular_file
+from .weights import read_json_object, require_regular_file
 
 __all__ = ["Checkpoint", "Tokenizer"]
 
@@ -93,13 +92,5 @@ class Checkpoint:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    require_regular_file(path, "config")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise SerializationError(f"{path}: not a JSON file: {e}") from None
-    if not isinstance(doc, dict):
-        raise SerializationError(f"{path}: expected a JSON object, got {type(doc).__name__}")
-    return doc
+    """The JSON object in ``path``; empty when the folder has no such file."""
+    return read_json_object(path, path.stem.replace("_", " ")) if path.exists() else {}

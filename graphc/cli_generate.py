@@ -117,34 +117,33 @@ def _table(rows: list[tuple[str, _Row | str]], graph: Graph, prompts: list[list[
     return "\n".join(lines)
 
 
-def _tokens(rows: list[tuple[str, _Row | str]], prompts: list[list[int]]) -> tuple[str, bool]:
+def _shown(rows: list[tuple[str, _Row | str]]) -> tuple[list[tuple[str, Any]], bool, str]:
+    """The generations to print (the first alone when every backend agrees), whether they agree, and what agrees:
+    ``every backend the same``, the one backend's name, or ``no backend ran``."""
     runs = [(b, r.generation) for b, r in rows if not isinstance(r, str)]
-    distinct = {tuple(map(tuple, r.new_tokens.tolist())) for _, r in runs}
-    lines = []
-    if len(distinct) <= 1:
-        lines.append(f"tokens ({'every backend the same' if len(runs) > 1 else runs[0][0] if runs else 'no backend ran'}):")
-        runs = runs[:1]
-    else:
-        lines.append("tokens DIFFER between backends:")
+    same = len({tuple(map(tuple, r.new_tokens.tolist())) for _, r in runs}) <= 1
+    if not same:
+        return runs, False, ""
+    return runs[:1], True, "every backend the same" if len(runs) > 1 else runs[0][0] if runs else "no backend ran"
+
+
+def _tokens(rows: list[tuple[str, _Row | str]], prompts: list[list[int]]) -> tuple[str, bool]:
+    runs, same, label = _shown(rows)
+    lines = [f"tokens ({label}):" if same else "tokens DIFFER between backends:"]
     for backend, r in runs:
         for i, (prompt, new) in enumerate(zip(prompts, r.new_tokens.tolist())):
-            tag = f"{backend} " if len(distinct) > 1 else ""
+            tag = "" if same else f"{backend} "
             lines.append(f"  {tag}[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}")
-    return "\n".join(lines), len(distinct) <= 1
+    return "\n".join(lines), same
 
 
 def _text(rows: list[tuple[str, _Row | str]], texts: list[str], tokenizer: Any) -> str:
     """Each text prompt and the text generated for it (per backend when backends differ)."""
-    runs = [(b, r.generation) for b, r in rows if not isinstance(r, str)]
-    distinct = {tuple(map(tuple, r.new_tokens.tolist())) for _, r in runs}
-    if len(distinct) > 1:
-        heading = "per backend: tokens DIFFER"
-    else:
-        heading = "every backend the same" if len(runs) > 1 else runs[0][0] if runs else "no backend ran"
-    lines = [f"text ({heading}):"]
-    for backend, r in runs if len(distinct) > 1 else runs[:1]:
+    runs, same, label = _shown(rows)
+    lines = [f"text ({label if same else 'per backend: tokens DIFFER'}):"]
+    for backend, r in runs:
         for i, text in enumerate(texts):
-            lines.append(f"  {backend + ' ' if len(distinct) > 1 else ''}[{i}] {text}")
+            lines.append(f"  {'' if same else backend + ' '}[{i}] {text}")
             lines.append(f"      => {tokenizer.decode(r.new_tokens[i].tolist())}")
     return "\n".join(lines)
 

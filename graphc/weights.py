@@ -36,7 +36,7 @@ from .errors import SerializationError, WeightError
 from .mapped import check_mapped_files, register_map
 from .ops import check_dtype
 
-__all__ = ["load_weights", "read_safetensors", "check_mapped_files", "require_regular_file", "SAFETENSORS_DTYPES", "bfloat16"]
+__all__ = ["load_weights", "read_safetensors", "check_mapped_files", "require_regular_file", "read_json_object", "SAFETENSORS_DTYPES", "bfloat16"]
 
 try:  # ml_dtypes comes with onnx
     from ml_dtypes import bfloat16
@@ -183,6 +183,20 @@ def require_regular_file(path: str | Path, what: str) -> None:
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
         raise SerializationError(f"{what} {str(path)!r} is {kind}, not a regular file; graphc reads regular files only")
+
+
+def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
+    """The JSON object in the regular file ``path`` (``what`` names it in errors: "config", "generation config")."""
+    require_regular_file(path, what)
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SerializationError(f"cannot read {what} {str(path)!r}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SerializationError(f"{path}: not a JSON {what}: {e}") from None
+    if not isinstance(doc, dict):
+        raise SerializationError(f"{path}: a {Path(path).name} holds a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def _inside(root: Path, path: Path) -> bool:

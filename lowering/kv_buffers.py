@@ -67,16 +67,8 @@ class KVBuffer:
         return view
 
     def holds(self, a: np.ndarray) -> bool:
-        """True when ``a`` is ``data[:, :, :T]`` for some ``T`` (same memory, shape and strides but the length)."""
-        d = self.data
-        return (
-            a.ndim == 4
-            and a.shape[:2] == d.shape[:2]
-            and a.shape[3] == d.shape[3]
-            and a.dtype == d.dtype
-            and a.strides == d.strides
-            and a.__array_interface__["data"][0] == d.__array_interface__["data"][0]
-        )
+        """True when ``a`` is ``data[:, :, :T]`` for some ``T`` (:func:`prefix_buffer` of ``a`` is this storage)."""
+        return a.dtype == self.data.dtype and prefix_buffer(a) is self.data
 
     def append(self, start: int, new: np.ndarray) -> np.ndarray | None:
         """Write ``new`` at positions ``start:`` and return the longer prefix, when ``start`` is the frontier; else None (the caller copies)."""

@@ -68,12 +68,9 @@ class StoredWeight:
             return np.left_shift(block.view(np.uint16).astype(np.uint32), 16).view(np.float32)
         return block.astype(np.float32)
 
-    def take(self, indices: np.ndarray) -> np.ndarray:
-        """``float32(stored)[indices]`` (an embedding lookup; negative indices count from the end, as ``Gather``'s)."""
-        n = self.stored.shape[0]
-        if indices.size and (indices.min() < -n or indices.max() >= n):
-            raise IndexError(f"index out of range for a table of {n} rows (indices span {int(indices.min())}..{int(indices.max())})")
-        return np.take(self.stored, np.where(indices < 0, indices + n, indices), axis=0).astype(np.float32)
+    def take(self, gather: Gather, indices: np.ndarray) -> np.ndarray:
+        """``float32(stored)[indices]``: an embedding lookup by ``gather``'s own semantics on the stored rows, then widened."""
+        return gather.evaluate([self.stored, indices], {}).astype(np.float32)
 
 
 def stored_operand(spec: EinsumSpec, position: int) -> bool:

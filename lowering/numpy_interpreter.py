@@ -52,7 +52,7 @@ def _einsum(op: Einsum, a: Sequence[np.ndarray], dims: Mapping[str, int], thread
 
 def _gather(op: Gather, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
     if isinstance(a[0], StoredWeight):
-        return (a[0].take(np.asarray(a[1])),)
+        return (a[0].take(op, np.asarray(a[1])),)
     return (op.evaluate(a, dims),)
 
 

@@ -161,12 +161,10 @@ def prepare_ort(
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
-    if native is None:  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
-        return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe())
-    return Runner(
-        name, sessions.description, graph, run, session=native, weights=weights.describe(),
-        caches=OrtKVCache, stepper=_ort_step(native, list(sessions.outputs)),
-    )  # fmt: skip
+    decode: dict[str, Any] = {}  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
+    if native is not None:
+        decode = {"caches": OrtKVCache, "stepper": _ort_step(native, list(sessions.outputs))}
+    return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe(), **decode)
 
 
 class OrtKVCache(ArrayKVCache):

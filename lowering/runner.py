@@ -86,9 +86,10 @@ class Runner:
 
     def step(self, inputs: Mapping[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
         """One decode step: :meth:`run`, or the backend's own step where its cache holds values NumPy cannot check."""
-        if self.stepper is None:
+        stepper = self.stepper
+        if stepper is None:
             return self.run(inputs)
-        return self._guarded(lambda feeds: self.stepper(feeds, keep), inputs)  # type: ignore[misc]
+        return self._guarded(lambda feeds: stepper(feeds, keep), inputs)
 
     def prepared_for(self, graph: Graph) -> bool:
         """True when this runner was prepared for ``graph`` or a graph of the same structure (weights are not compared)."""

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import graphc
 from graphc.attention.hf_lm import causal_lm_config_from_hf
 from graphc.einsum_spec import parse_einsum
-from graphc.errors import ExecutionError
+from graphc.errors import ExecutionError, OpError
+from graphc.tensor_ops import Gather
 from graphc.optimizer import lower
 from lowering import compiled, generate, low_precision, numpy_interpreter, prepare
 from lowering.low_precision import StoredWeight, contract_stored, stored_operand
@@ -101,9 +102,9 @@ def test_only_a_linear_layers_matrix_is_a_stored_operand():
 def test_an_embedding_lookup_reads_rows_of_the_stored_table():
     w = _weight(11, 6, "bfloat16")
     idx = np.array([[0, 10, -1], [3, 3, 4]])
-    np.testing.assert_array_equal(StoredWeight(w).take(idx), w.astype(np.float32)[idx])
-    with pytest.raises(IndexError, match="index out of range for a table of 11 rows"):
-        StoredWeight(w).take(np.array([11]))
+    np.testing.assert_array_equal(StoredWeight(w).take(Gather(0), idx), w.astype(np.float32)[idx])
+    with pytest.raises(OpError, match=r"Gather: index out of range for axis 0 of size 11 \(indices span 11..11\)"):
+        StoredWeight(w).take(Gather(0), np.array([11]))
 
 
 @pytest.fixture(scope="module")

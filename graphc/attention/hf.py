@@ -9,13 +9,12 @@ them), logit softcap, the attention scale and which projections have a bias.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from graphc.errors import AttentionConfigError, SerializationError, WeightError
-from graphc.weights import require_regular_file
+from graphc.errors import AttentionConfigError, WeightError
+from graphc.weights import read_json_object
 
 from .config import AttentionConfig
 from .decoder import DecoderConfig
@@ -40,16 +39,7 @@ HF_FAMILIES = family_names()
 def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
     """A transformers config as a plain dict: from a dict, a ``config.json`` path, or a ``PretrainedConfig``."""
     if isinstance(config, (str, Path)):
-        require_regular_file(config, "config")
-        try:
-            doc = json.loads(Path(config).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise SerializationError(f"cannot read config {str(config)!r}: {e.strerror or e}") from None
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise SerializationError(f"{config}: not a JSON config: {e}") from None
-        if not isinstance(doc, dict):
-            raise SerializationError(f"{config}: a config.json holds a JSON object, got {type(doc).__name__}")
-        return _canonical(doc)
+        return _canonical(read_json_object(config, "config"))
     if hasattr(config, "to_dict"):
         return _canonical(dict(config.to_dict()))
     if isinstance(config, Mapping):
