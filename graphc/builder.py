@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .dims import Dim
+from .errors import GraphError
 from .ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from .values import Value, ValueLike
 
@@ -164,11 +165,14 @@ class GraphBuilder:
         """
         from .attention_op import Attention  # the op module builds on Graph
 
-        kv_cache = past_key is not None or past_value is not None
-        op = Attention(scale, causal_offset, mask_kind if mask is not None else "none", kv_cache, empty_rows=empty_rows)
-        inputs = [q, k, v] + ([mask] if mask is not None else []) + ([past_key, past_value] if kv_cache else [])
-        outs = self.add_multi_node(op, inputs, names)  # type: ignore[arg-type]
-        return outs if kv_cache else outs[0]  # type: ignore[return-value]
+        if (past_key is None) != (past_value is None):
+            raise GraphError("attention: past_key and past_value come together (a KV cache has both), got only one")
+        op = Attention(scale, causal_offset, mask_kind if mask is not None else "none", past_key is not None, empty_rows=empty_rows)
+        inputs = [q, k, v] + ([mask] if mask is not None else [])
+        if past_key is None or past_value is None:
+            return self.add_multi_node(op, inputs, names)[0]
+        out, present_key, present_value = self.add_multi_node(op, [*inputs, past_key, past_value], names)
+        return out, present_key, present_value
 
     def causal_mask(self, x: ValueLike, offset: Dim = 0, name: str | None = None) -> Value:
         """Mask scores ``x[..., i, j]`` with ``-inf`` where ``j > i + offset`` (offset = KV-cache past length)."""

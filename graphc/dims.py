@@ -400,7 +400,10 @@ def _nonnegative_cached(items: tuple[tuple[tuple[str, ...], int], ...], depth: i
         if len(atoms) > 1 or depth >= _MAX_NONNEGATIVE_DEPTH:
             return False  # a product of atoms, or nested too deep: not decided (the answer stays "not proven")
         others = tuple(g for g in key if g != atoms[0])  # symbols, >= 0
-        kind, args = _atom_args(atoms[0])  # type: ignore[misc]
+        parsed = _atom_args(atoms[0])
+        if parsed is None:  # not reached: atoms match _ATOM
+            return False
+        kind, args = parsed
         rest = {m: c for m, c in poly.items() if m != key}
 
         def with_arg(x: Dim) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar
 
 import ml_dtypes  # noqa: F401 - registers the bfloat16 dtype with NumPy
@@ -23,6 +23,7 @@ from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, U
 from .numerics import causal_mask, safe_softmax
 
 __all__ = [
+    "payload_fields",
     "DTYPES",
     "FLOAT_DTYPES",
     "LOW_PRECISION_DTYPES",
@@ -105,8 +106,10 @@ def _int_attr(op: str, name: str, value: object, least: int | None = None) -> in
 
 def dim_attr(op: str, name: str, value: object) -> Dim:
     """A dim attribute (an int or a symbolic expression) in canonical form; a malformed one is an :class:`OpError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, str, np.integer)):
+        raise OpError(f"{op}: attribute {name!r} must be an int or a dim expression, got {type(value).__name__} {value!r}")
     try:
-        return normalize_dim(value)  # type: ignore[arg-type]
+        return normalize_dim(int(value) if isinstance(value, np.integer) else value)
     except DimError as e:
         raise OpError(f"{op}: attribute {name!r}: {e}") from None
 
@@ -217,15 +220,22 @@ class Op:
     def attributes(self) -> dict[str, Any]:
         """The typed attributes as a plain dict (JSON-ready)."""
         out = {}
-        for f in fields(self):  # type: ignore[arg-type]
+        for f in payload_fields(self):
             v = getattr(self, f.name)
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
     def __str__(self) -> str:
-        optional = {f.name for f in fields(self) if f.default is None}  # type: ignore[arg-type]
+        optional = {f.name for f in payload_fields(self) if f.default is None}
         attrs = ", ".join(f"{k}={_fmt(v)}" for k, v in self.attributes().items() if not (v is None and k in optional))
         return f"{self.kind}[{attrs}]" if attrs else self.kind
+
+
+def payload_fields(op: Op | type[Op]) -> tuple[Field[Any], ...]:
+    """The attribute fields of an op payload (an op instance or class), checked to be the frozen dataclass every op is."""
+    if not is_dataclass(op):
+        raise OpError(f"op {getattr(op, '__name__', type(op).__name__)} is not a dataclass: op payloads are frozen dataclasses")
+    return fields(op)
 
 
 def _fmt(v: Any) -> str:

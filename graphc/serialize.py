@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 from .errors import CycleError, DuplicateNameError, GraphcError, SerializationError
 from .graph import Graph, Node
 from .numerics import contiguous
-from .ops import OP_TYPES, Op, TensorType
+from .ops import OP_TYPES, Op, TensorType, payload_fields
 
 __all__ = ["graph_to_dict", "graph_from_dict", "save_graph", "load_graph", "FORMAT_VERSION"]
 
@@ -88,8 +88,8 @@ def _op_from_dict(d: Any, where: str) -> Op:
     if kind not in OP_TYPES:
         raise SerializationError(f"{where}: unknown op kind {kind!r}; valid kinds: {', '.join(OP_TYPES)}")
     cls = OP_TYPES[kind]
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}  # type: ignore[arg-type]
+    names = {f.name for f in payload_fields(cls)}
+    required = {f.name for f in payload_fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     if not required <= set(attrs) <= names:
         raise SerializationError(f"{where}: op {kind} takes attributes {sorted(names)} (required: {sorted(required)}), got {sorted(attrs)}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items()}

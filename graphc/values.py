@@ -7,9 +7,13 @@ neither imports the other for a type.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from .dims import Dim
 from .errors import GraphError
 from .ops import Op, TensorType
+
+OpT = TypeVar("OpT", bound=Op)
 
 __all__ = ["Value", "Node", "ValueLike"]
 
@@ -70,6 +74,12 @@ class Node:
         if len(self.outputs) != 1:
             raise GraphError(f"node {self.name!r} ({self.op.kind}) has {len(self.outputs)} outputs; use node.outputs")
         return self.outputs[0]
+
+    def op_as(self, kind: type[OpT]) -> OpT:
+        """The node's op, checked to be a ``kind`` (a rule that matched the node by its op's class reads the payload typed)."""
+        if not isinstance(self.op, kind):
+            raise GraphError(f"node {self.name!r} is {self.op.kind}, not {kind.__name__}")
+        return self.op
 
     def __str__(self) -> str:
         return f"{', '.join(self.outputs)} = {self.op}({', '.join(self.inputs)})"

@@ -299,14 +299,13 @@ def _run_sharded(
     atol: float,
     rtol: float,
 ) -> BackendResult:
-    from .dask_shards import close_cluster, sharded_runner
+    from .dask_shards import sharded_runner
 
     name = f"sharded x{plan.n} ({backend})"
     try:
         runner = sharded_runner(plan, backend=backend, **opts)
     except BackendUnavailableError as e:
         return BackendResult(name, "skipped", reason=e.reason)
-    client = runner.executor.client  # type: ignore[attr-defined]
     try:
         got = runner.run(inputs)
         times, sent, received, shard_ms = [], 0, 0, []
@@ -319,7 +318,7 @@ def _run_sharded(
     except GraphcError as e:
         return BackendResult(name, "error", reason=f"{type(e).__name__}: {e}")
     finally:
-        close_cluster(client)
+        runner.close()  # the cluster it started goes with it
     where = (
         f"dask, {plan.n} worker processes; per call sent {sent / 2**20:.2f} MiB, received {received / 2**20:.2f} MiB; "
         f"shard ms {'/'.join(f'{t:.1f}' for t in shard_ms)}"

@@ -213,4 +213,4 @@ def run_sharded(
         return out, runner.last
     finally:
         if own:
-            close_cluster(runner.executor.client)  # type: ignore[attr-defined]
+            runner.close()  # and the cluster it started

@@ -54,13 +54,13 @@ FORMS = (OnnxAttention, OrtGroupQueryAttention, ChunkedCausalAttention)
 
 def past_length(graph: Graph, node: Node) -> Dim:
     """The KV-cache length of an ``Attention`` node (0 without a cache)."""
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     return normalize_dim(graph.types[node.inputs[3 + op.has_mask]].shape[2]) if op.kv_cache else 0
 
 
 def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | None:
     """Why the standard ``Attention`` op cannot carry this node (``None`` when it can)."""
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     if opset < 23:
         return f"the Attention op needs opset 23 or later, got opset {opset}"
     if op.window is not None:
@@ -74,7 +74,7 @@ def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | No
 
 def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) -> str | None:
     """Why ``com.microsoft.GroupQueryAttention`` cannot carry this node (``None`` when it can)."""
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     if op.causal_offset is None:
         return "GroupQueryAttention is causal only, and this attention has no causal mask"
     if op.has_mask:
@@ -95,7 +95,7 @@ def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) ->
 
 def chunked_unsupported(graph: Graph, node: Node) -> str | None:
     """Why query chunks (:mod:`lowering.onnx_chunked`) cannot carry ``node`` (``None`` when it can)."""
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     if op.causal_offset is None:
         return "not causal: every query sees every key, so there is no masked half to skip"
     if op.mask == "additive" or op.window is not None or op.softcap is not None:

@@ -30,7 +30,7 @@ causal prefill 1024, onnxruntime 1.32): 2 chunks 139 ms, 4 chunks 114 ms, 8 chun
 def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None) -> None:
     """Emit ``node`` (a causal :class:`~graphc.Attention`) as ``chunks`` (default :data:`CAUSAL_CHUNKS`) query chunks over the visible keys."""
     chunks = CAUSAL_CHUNKS if chunks is None else chunks
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     g = b.graph
     q, k, v = node.inputs[:3]
     dtype = g.types[q].dtype

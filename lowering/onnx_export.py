@@ -18,7 +18,7 @@ onnxruntime (which refuses IR 14, onnx 1.23's default) loads the model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +136,7 @@ def _lower_broadcast_matmul(b: OnnxBuilder, p: MatmulPlan, a: str, ta: str, c: s
 
 def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
     g = b.graph
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     if len(spec.inputs) == 1:
         b.op("Einsum", list(node.inputs), node.name, equation=str(spec))
     elif len(spec.inputs) == 2:
@@ -151,7 +151,7 @@ def _emit_unformed_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
     """The standard ``Attention`` op (opset 23+)."""
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     ins = list(node.inputs)
     mask = ins[3] if op.has_mask else None
     past = ins[3 + op.has_mask :] if op.kv_cache else []
@@ -164,7 +164,7 @@ def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
     """onnxruntime's ``com.microsoft.GroupQueryAttention`` on packed ``[B, S, H*D]`` Q/K/V."""
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     g = b.graph
     ins = list(node.inputs)
     past = ins[3 + op.has_mask :] if op.kv_cache else []
@@ -223,11 +223,14 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     emit(b, node, mode)
 
 
-def _simple(onnx_op: str, **attrs: Callable[[Op], Any]) -> Emitter:
+OpT = TypeVar("OpT", bound=Op)
+
+
+def _simple(onnx_op: str, kind: type[OpT], **attrs: Callable[[OpT], Any]) -> Emitter:
     """An emitter writing one ONNX node of type ``onnx_op`` on the node's inputs, attributes read off the op."""
 
     def emit(b: OnnxBuilder, node: Node, mode: str) -> None:
-        b.op(onnx_op, list(node.inputs), node.name, **{k: f(node.op) for k, f in attrs.items()})
+        b.op(onnx_op, list(node.inputs), node.name, **{k: f(node.op_as(kind)) for k, f in attrs.items()})
 
     return emit
 
@@ -235,15 +238,15 @@ def _simple(onnx_op: str, **attrs: Callable[[Op], Any]) -> Emitter:
 ONNX_EMITTERS.update(
     {
         Einsum: lambda b, node, mode: _lower_einsum(b, node),
-        Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op.shape, node.name),  # type: ignore[attr-defined]
-        Concat: _simple("Concat", axis=lambda op: op.axis),  # type: ignore[attr-defined]
-        Cast: _simple("Cast", to=lambda op: ONNX_DTYPES[op.dtype]),  # type: ignore[attr-defined]
-        Compare: lambda b, node, mode: b.op(_COMPARE[node.op.fn], list(node.inputs), node.name),  # type: ignore[attr-defined]
-        Gather: _simple("Gather", axis=lambda op: op.axis),  # type: ignore[attr-defined]
-        GatherElements: _simple("GatherElements", axis=lambda op: op.axis),  # type: ignore[attr-defined]
-        BroadcastTo: lambda b, node, mode: b.op("Expand", [node.inputs[0], b.shape(node.op.shape)], node.name),  # type: ignore[attr-defined]
-        Arange: lambda b, node, mode: _range(b, node.op.start, node.op.stop, node.name),  # type: ignore[attr-defined]
-        Opaque: lambda b, node, mode: b.nodes.append(node.op.node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),  # type: ignore[attr-defined]
+        Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op_as(Reshape).shape, node.name),
+        Concat: _simple("Concat", Concat, axis=lambda op: op.axis),
+        Cast: _simple("Cast", Cast, to=lambda op: ONNX_DTYPES[op.dtype]),
+        Compare: lambda b, node, mode: b.op(_COMPARE[node.op_as(Compare).fn], list(node.inputs), node.name),
+        Gather: _simple("Gather", Gather, axis=lambda op: op.axis),
+        GatherElements: _simple("GatherElements", GatherElements, axis=lambda op: op.axis),
+        BroadcastTo: lambda b, node, mode: b.op("Expand", [node.inputs[0], b.shape(node.op_as(BroadcastTo).shape)], node.name),
+        Arange: lambda b, node, mode: _range(b, node.op_as(Arange).start, node.op_as(Arange).stop, node.name),
+        Opaque: lambda b, node, mode: b.nodes.append(node.op_as(Opaque).node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),
         Attention: _emit_unformed_attention,
         OnnxAttention: _emit_onnx_attention,
         OrtGroupQueryAttention: _emit_gqa,
@@ -254,7 +257,7 @@ ONNX_EMITTERS.update(
 
 @onnx_emitter(Unary)
 def _unary(b: OnnxBuilder, node: Node, mode: str) -> None:
-    fn = node.op.function  # type: ignore[attr-defined]
+    fn = node.op_as(Unary).function
     if fn.onnx is None:
         raise ExportError(f"node {node.name!r}: unary function {fn.name!r} has no ONNX spelling (register_unary(..., onnx=...))")
     b.op(fn.onnx, list(node.inputs), node.name)
@@ -262,27 +265,28 @@ def _unary(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 @onnx_emitter(Transpose)
 def _transpose(b: OnnxBuilder, node: Node, mode: str) -> None:
-    if node.op.perm:  # type: ignore[attr-defined]
-        b.op("Transpose", list(node.inputs), node.name, perm=list(node.op.perm))  # type: ignore[attr-defined]
+    perm = node.op_as(Transpose).perm
+    if perm:
+        b.op("Transpose", list(node.inputs), node.name, perm=list(perm))
     else:  # rank 0: nothing to permute (and an empty perm attribute has no ONNX type)
         b.op("Identity", list(node.inputs), node.name)
 
 
 @onnx_emitter(Repeat)
 def _repeat(b: OnnxBuilder, node: Node, mode: str) -> None:
-    op, x, out = node.op, node.inputs[0], node.name
+    op, x, out = node.op_as(Repeat), node.inputs[0], node.name
     rank = b.graph.types[x].rank
-    axis = op.axis % rank  # type: ignore[attr-defined]
+    axis = op.axis % rank
     u = b.op("Unsqueeze", [x, b.const(np.array([axis + 1], np.int64), "axes")], base=f"{out}_u")
     reps = np.ones(rank + 1, np.int64)
-    reps[axis + 1] = op.repeats  # type: ignore[attr-defined]
+    reps[axis + 1] = op.repeats
     e = b.op("Expand", [u, b.const(reps, "reps")], base=f"{out}_e")
     b.reshape(e, b.graph.types[out].shape, out)
 
 
 @onnx_emitter(Softmax)
 def _softmax(b: OnnxBuilder, node: Node, mode: str) -> None:
-    ins, out, axis = list(node.inputs), node.name, node.op.axis  # type: ignore[attr-defined]
+    ins, out, axis = list(node.inputs), node.name, node.op_as(Softmax).axis
     if b.may_carry_neg_inf[ins[0]]:  # a row of -inf: zeros, not NaN
         y = b.op("Softmax", ins, base=f"{out}_raw", axis=axis)
         zero = b.const(np.zeros((), b.graph.types[out].dtype), "zero")
@@ -294,10 +298,11 @@ def _softmax(b: OnnxBuilder, node: Node, mode: str) -> None:
 @onnx_emitter(Binary)
 def _binary(b: OnnxBuilder, node: Node, mode: str) -> None:
     dtype = b.graph.types[node.name].dtype
-    if node.op.fn == "div" and dtype.startswith("int"):  # type: ignore[attr-defined]
+    fn = node.op_as(Binary).fn
+    if fn == "div" and dtype.startswith("int"):
         _integer_divide(b, list(node.inputs), node.name, dtype)
     else:
-        b.op(_BINARY[node.op.fn], list(node.inputs), node.name)  # type: ignore[attr-defined]
+        b.op(_BINARY[fn], list(node.inputs), node.name)
 
 
 @onnx_emitter(Where)
@@ -312,35 +317,36 @@ def _where(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 @onnx_emitter(Scale)
 def _scale(b: OnnxBuilder, node: Node, mode: str) -> None:
-    factor = b.const(np.array(node.op.factor, b.graph.types[node.name].dtype), "scale")  # type: ignore[attr-defined]
+    factor = b.const(np.array(node.op_as(Scale).factor, b.graph.types[node.name].dtype), "scale")
     b.op("Mul", [node.inputs[0], factor], node.name)
 
 
 @onnx_emitter(Positions)
 def _positions(b: OnnxBuilder, node: Node, mode: str) -> None:
-    op = node.op
-    _range(b, op.offset, dim_add(op.offset, b.graph.types[node.inputs[0]].shape[op.axis]), node.name)  # type: ignore[attr-defined]
+    op = node.op_as(Positions)
+    _range(b, op.offset, dim_add(op.offset, b.graph.types[node.inputs[0]].shape[op.axis]), node.name)
 
 
 @onnx_emitter(Reduce)
 def _reduce(b: OnnxBuilder, node: Node, mode: str) -> None:
-    op, x = node.op, node.inputs[0]
-    axes = b.const(np.array(op.normalized_axes(b.graph.types[x].rank), np.int64), "axes")  # type: ignore[attr-defined]
-    b.op(_REDUCE[op.fn], [x, axes], node.name, keepdims=int(op.keepdims))  # type: ignore[attr-defined]
+    op, x = node.op_as(Reduce), node.inputs[0]
+    axes = b.const(np.array(op.normalized_axes(b.graph.types[x].rank), np.int64), "axes")
+    b.op(_REDUCE[op.fn], [x, axes], node.name, keepdims=int(op.keepdims))
 
 
 @onnx_emitter(Slice)
 def _slice(b: OnnxBuilder, node: Node, mode: str) -> None:
-    op, x = node.op, node.inputs[0]
-    axis = op.axis % b.graph.types[x].rank  # type: ignore[attr-defined]
+    op, x = node.op_as(Slice), node.inputs[0]
+    axis = op.axis % b.graph.types[x].rank
     one = lambda v: b.const(np.array([v], np.int64), "i")  # noqa: E731
-    b.op("Slice", [x, b.dim(op.start), b.dim(op.stop), one(axis), one(op.step)], node.name)  # type: ignore[attr-defined]
+    b.op("Slice", [x, b.dim(op.start), b.dim(op.stop), one(axis), one(op.step)], node.name)
 
 
 @onnx_emitter(ShapeValues)
 def _shape_values(b: OnnxBuilder, node: Node, mode: str) -> None:
-    values = b.shape(node.op.values)  # type: ignore[attr-defined]
-    if node.op.scalar:  # type: ignore[attr-defined]
+    op = node.op_as(ShapeValues)
+    values = b.shape(op.values)
+    if op.scalar:
         b.op("Squeeze", [values, b.const(np.array([0], np.int64), "axes")], node.name)
     else:
         b.op("Identity", [values], node.name)
@@ -349,8 +355,8 @@ def _shape_values(b: OnnxBuilder, node: Node, mode: str) -> None:
 @onnx_emitter(CausalMask)
 def _causal_mask(b: OnnxBuilder, node: Node, mode: str) -> None:
     # x + bias with a [Sq, Sk] bias of 0 / -inf: onnxruntime's broadcasting Add is ~2.5x faster than Where over the scores
-    op, x, dtype = node.op, node.inputs[0], b.graph.types[node.name].dtype
-    hidden = causal_hidden(b, x, b.graph.types[x].shape, op.offset, op.window)  # type: ignore[attr-defined]
+    op, x, dtype = node.op_as(CausalMask), node.inputs[0], b.graph.types[node.name].dtype
+    hidden = causal_hidden(b, x, b.graph.types[x].shape, op.offset, op.window)
     bias = b.op("Where", [hidden, b.const(np.array(-np.inf, dtype), "neg_inf"), b.const(np.zeros((), dtype), "zero")], base="causal_bias")
     b.op("Add", [x, bias], node.name)
 
@@ -367,8 +373,8 @@ def causal_hidden(b: OnnxBuilder, x: str, shape: tuple[Dim, ...], offset: Dim, w
     """A bool ``[Sq, Sk]`` tensor, True where key j is hidden from query i (``j > i + offset``, or ``j <= i + offset - window``)."""
     sq, sk = normalize_dim(shape[-2]), normalize_dim(shape[-1])
     offset = normalize_dim(offset)
-    if all(isinstance(d, int) for d in (sq, sk, offset)) and sq * sk <= 1 << 24:  # type: ignore[operator]
-        return b.const(hidden_keys(0, sq, sk, offset, window), "causal_hidden")  # type: ignore[arg-type]
+    if isinstance(sq, int) and isinstance(sk, int) and isinstance(offset, int) and sq * sk <= 1 << 24:
+        return b.const(hidden_keys(0, sq, sk, offset, window), "causal_hidden")
     zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
     scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
     rows = b.op("Range", [zero, scalar(sq), one], base="rows")

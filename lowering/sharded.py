@@ -279,7 +279,8 @@ class ShardedRunner:
             handle = kept = extend(shard, last[1], tail)
         else:
             self.last.bytes_sent += part.nbytes
-            handle = self.executor.hold(shard, part) if grows else self.executor.put(shard, part)  # type: ignore[attr-defined]
+            hold = getattr(self.executor, "hold", self.executor.put)  # an executor that extends also holds
+            handle = hold(shard, part) if grows else self.executor.put(shard, part)
             kept = handle if grows else None  # held on the shard once it has grown; other inputs travel as before
         self._held[(name, shard)] = (np.array(part, copy=True), kept)  # a copy: the caller may change its array in place
         return handle

@@ -53,7 +53,7 @@ win from 4M (the exports at 1024 tokens by 12-30%, the mistral-7b layer at 512 b
 
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     if op.has_mask:
         if op.mask != "bool" or not is_key_mask_shape(graph.types[node.inputs[3]].shape):
             return "the blocked kernel takes a bool key mask [B, 1, 1, T] (padding) only, not a per-query or additive mask"
@@ -64,7 +64,7 @@ NUMPY_TARGET = Target("numpy", _numpy_policy, description="row-blocked attention
 
 
 def _torch_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     if op.window is not None or op.softcap is not None:
         return "scaled_dot_product_attention has no sliding window or softcap"
     if op.empty_rows != "zero":

@@ -109,3 +109,22 @@ def test_every_op_has_reference_semantics():
 
     missing = [n for n, t in OP_TYPES.items() if t.evaluate is Op.evaluate and t.evaluate_all is Op.evaluate_all]
     assert missing == []
+
+
+# The places a type checker cannot follow, each for a reason: an op that computes its output count overrides the
+# base's class-level ``num_outputs`` with a property, and unpickling re-runs ``__init__`` on a made object.
+_TYPE_IGNORES_ALLOWED = {
+    ("graphc/opaque.py", "def num_outputs(self) -> int:  # type: ignore[override]"),
+    ("graphc/attention_op.py", "def num_outputs(self) -> int:  # type: ignore[override]"),
+    ("graphc/graph.py", 'self.__init__(state["name"])  # type: ignore[misc]'),
+}
+
+
+def test_type_ignores_are_only_where_the_checker_cannot_follow():
+    found = {
+        (str(path.relative_to(ROOT)), line.strip())
+        for path in _modules().values()
+        for line in path.read_text().splitlines()
+        if "# type: ignore" in line
+    }
+    assert found <= _TYPE_IGNORES_ALLOWED, sorted(found - _TYPE_IGNORES_ALLOWED)

@@ -8,6 +8,7 @@ validated on construction.  Query head ``h`` reads KV head ``h // group_size``
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -238,24 +239,24 @@ class AttentionConfig:
         ]
         return "\n".join(lines)
 
-    def with_(self, **changes: object) -> "AttentionConfig":
+    def with_(self, **changes: Any) -> "AttentionConfig":
         """A copy with ``changes`` applied (validated again)."""
-        return replace(self, **changes)  # type: ignore[arg-type]
+        return replace(self, **changes)
 
 
-def mha(d_model: int, n_heads: int, **kw: object) -> AttentionConfig:
+def mha(d_model: int, n_heads: int, **kw: Any) -> AttentionConfig:
     """Multi-head attention: one KV head per query head."""
-    return AttentionConfig(d_model, n_heads, n_heads, **kw)  # type: ignore[arg-type]
+    return AttentionConfig(d_model, n_heads, n_heads, **kw)
 
 
-def mqa(d_model: int, n_heads: int, **kw: object) -> AttentionConfig:
+def mqa(d_model: int, n_heads: int, **kw: Any) -> AttentionConfig:
     """Multi-query attention: one KV head for all query heads."""
-    return AttentionConfig(d_model, n_heads, 1, **kw)  # type: ignore[arg-type]
+    return AttentionConfig(d_model, n_heads, 1, **kw)
 
 
-def gqa(d_model: int, n_heads: int, n_kv_heads: int, **kw: object) -> AttentionConfig:
+def gqa(d_model: int, n_heads: int, n_kv_heads: int, **kw: Any) -> AttentionConfig:
     """Grouped-query attention: ``n_heads // n_kv_heads`` query heads per KV head."""
-    return AttentionConfig(d_model, n_heads, n_kv_heads, **kw)  # type: ignore[arg-type]
+    return AttentionConfig(d_model, n_heads, n_kv_heads, **kw)
 
 
 @dataclass(frozen=True)

@@ -196,10 +196,9 @@ class ImportContext:
             return v.dtype
         if isinstance(v, MaskSum):
             v = v.parts[0]
-        arr = v if isinstance(v, np.ndarray) else v.value if isinstance(v, (Filled, Triangle)) else None
-        if arr is None:
-            return self.graph.types[v.name].dtype  # type: ignore[union-attr]
-        return str(arr.dtype)
+        if isinstance(v, Broadcast):
+            return self.graph.types[v.name].dtype
+        return str((v if isinstance(v, np.ndarray) else v.value).dtype)
 
     def tensor(self, v: Imported | None, what: str = "operand") -> str:
         """``v`` as a graph value, adding a constant or a :class:`ShapeValues` node when needed."""

@@ -80,13 +80,14 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
 def _causal_window(m: MaskSum) -> tuple[Dim, int] | None:
     """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 -
     1 - k2``."""
-    if len(m.parts) != 2 or not all(isinstance(p, Triangle) and float(p.value) <= NEG_INF_LIKE for p in m.parts):
+    tris = [p for p in m.parts if isinstance(p, Triangle) and float(p.value) <= NEG_INF_LIKE]
+    if len(m.parts) != 2 or len(tris) != 2:
         return None
-    up, low = sorted(m.parts, key=lambda p: not p.upper)  # type: ignore[union-attr]
-    if not up.upper or low.upper or up.shape != low.shape:  # type: ignore[union-attr]
+    up, low = sorted(tris, key=lambda p: not p.upper)
+    if not up.upper or low.upper or up.shape != low.shape:
         return None
-    window = normalize_dim(dim_sub(dim_sub(up.k, 1), low.k))  # type: ignore[union-attr]
-    return (up.k, window) if isinstance(window, int) and window >= 1 else None  # type: ignore[union-attr]
+    window = normalize_dim(dim_sub(dim_sub(up.k, 1), low.k))
+    return (up.k, window) if isinstance(window, int) and window >= 1 else None
 
 
 def _terms(v: Imported) -> tuple:
@@ -108,11 +109,11 @@ def _lazy_operand(ctx: ImportContext, v: Imported, other: Sequence[Dim], dtype: 
     return ctx.tensor(v)
 
 
-def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[str, str] | str:
-    """Two graph values of one dtype for a broadcasting op (or the finished result, for a Triangle)."""
+def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[str, str] | str | MaskSum:
+    """Two graph values of one dtype for a broadcasting op (or the finished result, for a Triangle; a sum of masks stays lazy)."""
     masks = (Filled, Triangle, MaskSum)
     if fn == "add" and isinstance(a, masks) and isinstance(b, masks) and (isinstance(a, (Triangle, MaskSum)) or isinstance(b, (Triangle, MaskSum))):
-        return MaskSum(_terms(a) + _terms(b))  # type: ignore[return-value]
+        return MaskSum(_terms(a) + _terms(b))
     if fn == "add" and isinstance(b, MaskSum) and isinstance(a, str):
         a, b = b, a
     if fn == "add" and isinstance(a, MaskSum) and isinstance(b, str):
@@ -149,6 +150,8 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
 def _add_mask(ctx: ImportContext, x: Imported, mask: Imported) -> str:
     """``x + mask`` for a lazy mask (a triangle may become a CausalMask, which is then the whole result)."""
     res = _operands(ctx, x, mask, "add")
+    if isinstance(res, MaskSum):
+        raise ctx.error("an additive mask added to another mask where scores were expected")
     return res if isinstance(res, str) else ctx.add(Binary("add"), list(res), "masked")
 
 
@@ -200,7 +203,8 @@ def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
         if folded is not None:
             return [folded]
     ops = _operands(ctx, ins[0], ins[1], "compare")
-    assert not isinstance(ops, str)
+    if not isinstance(ops, tuple):  # not reached: only "add" finishes a mask
+        raise ctx.error(f"{op_type} of two masks")
     return [ctx.add(Compare(_COMPARE[op_type]), list(ops), op_type.lower())]
 
 

@@ -333,8 +333,8 @@ def _convert_node(ctx: ImportContext, node: onnx.NodeProto, ins: list, opsets: M
         and all(simplify(x) is None or isinstance(simplify(x), np.ndarray) for x in ins)
         and any(x is not None for x in ins)
     ):
-        arrays = [simplify(x) if x is not None else None for x in ins]
-        folded = _fold(ctx, node, arrays)  # type: ignore[arg-type]
+        arrays = [a if isinstance(a, np.ndarray) else None for a in (simplify(x) if x is not None else None for x in ins)]
+        folded = _fold(ctx, node, arrays)
         if folded is not None and all(a.size <= _FOLD_LIMIT for a in folded):
             outs = list(folded)
         else:

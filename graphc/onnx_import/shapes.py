@@ -132,13 +132,14 @@ def sym_layout(ctx: ImportContext, op_type: str, ins: Sequence[Imported | None],
     """``Gather``/``Slice``/``Concat``/``Unsqueeze``/``Squeeze``/``Reshape``/``Cast``/``Identity`` on shape values."""
     first = as_dims(ins[0]) if ins else None
     if op_type == "Concat":
-        parts = [as_dims(x) for x in ins if x is not None]
-        if any(p is None for p in parts) or all(isinstance(x, np.ndarray) for x in ins if x is not None):
+        maybe = [as_dims(x) for x in ins if x is not None]
+        parts = [p for p in maybe if p is not None]
+        if len(parts) != len(maybe) or all(isinstance(x, np.ndarray) for x in ins if x is not None):
             return None
-        if any(p.scalar for p in parts):  # type: ignore[union-attr]
+        if any(p.scalar for p in parts):
             raise ctx.error("Concat of a rank-0 shape value; Concat needs rank >= 1")
         ctx.axis(attrs.get("axis"), 1, "Concat axis")  # shape values are 1-D: axis 0 or -1
-        return simplify(SymInts(tuple(d for p in parts for d in p.values)))  # type: ignore[union-attr]
+        return simplify(SymInts(tuple(d for p in parts for d in p.values)))
     if first is None or isinstance(ins[0], np.ndarray) and op_type not in ("Gather",):
         return None
     if op_type == "Gather":

@@ -135,7 +135,7 @@ class _Values:
 def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
     """The attention chain through ``softmax``: the scores walked up to QK^T, P walked down to PV, then Q, K, V."""
     rank = graph.types[softmax.name].rank
-    if rank < 2 or softmax.op.axis % rank != rank - 1:  # type: ignore[attr-defined]
+    if rank < 2 or softmax.op_as(Softmax).axis % rank != rank - 1:
         return None
     sc = _walk_scores(graph, softmax)
     if sc is None or isinstance(sc, Miss):
@@ -223,7 +223,7 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
 
 def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
     """``s + m``; an exporter's ``Where(causal & window & padding, 0, fill)`` is read back as the op's causal mask."""
-    if node.op.fn != "add":  # type: ignore[attr-defined]
+    if node.op_as(Binary).fn != "add":
         return None
     if sc.scale != 1.0:
         return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
@@ -245,7 +245,7 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
 
 def _qk_roles(graph: Graph, qk: Node, view: tuple[Dim, ...], offset: Dim | None) -> _Roles | Miss:
     """Q, K, batch, query-row, key and head-dim labels of the QK^T einsum, and how the rows split into group x queries."""
-    spec = qk.op.parsed  # type: ignore[attr-defined]
+    spec = qk.op_as(Einsum).parsed
     if len(spec.inputs) != 2:
         return Miss(f"{qk.name!r} ({spec}) is not a two-operand einsum")
     out = spec.output
@@ -289,7 +289,7 @@ def _pv_roles(graph: Graph, softmax: Node, sc: _Scores, r: _Roles) -> _Values | 
     if len(readers) != 1 or not isinstance(readers[0].op, Einsum) or not only_reader(graph, p_val, readers[0].name):
         return Miss("the probabilities are not read by one einsum alone")
     pv = readers[0]
-    pspec = pv.op.parsed  # type: ignore[attr-defined]
+    pspec = pv.op_as(Einsum).parsed
     p_shape, s_shape = graph.types[p_val].shape, graph.types[r.qk.name].shape
     split = _rows_split(p_shape, s_shape, len(r.batch), r.rows, r.sizes, r.group, r.sq)
     merged = _rows_merged(p_shape, s_shape, len(r.batch), r.rows, r.sizes)
@@ -352,11 +352,11 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
     moved: tuple[str, ...] = ()
     if sc.offset is not None and len(r.batch) == 2 and r.k_term == r.batch + r.t + r.d and pv.v_term == r.batch + r.t + pv.e:
         kc, vc = graph.producer(k), graph.producer(v)
-        if all(c is not None and isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
-            early = _early_readers(graph, (kc, vc), pv.pv)  # type: ignore[arg-type]
-            if graph.types[kc.inputs[0]].shape[2] == sc.offset and early is not None:  # type: ignore[union-attr]
-                past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)  # type: ignore[union-attr]
-                k, v, moved = kc.inputs[1], vc.inputs[1], early  # type: ignore[union-attr]
+        if kc is not None and vc is not None and all(isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
+            early = _early_readers(graph, (kc, vc), pv.pv)
+            if graph.types[kc.inputs[0]].shape[2] == sc.offset and early is not None:
+                past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)
+                k, v, moved = kc.inputs[1], vc.inputs[1], early
     return AttentionMatch(
         softmax,
         pv.pv,
@@ -472,8 +472,11 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
     mask = m.mask
     for extra in m.more_masks:
+        if mask is None:
+            mask = extra
+            continue
         false = shared_constant(graph, "attention_false", np.array(False))
-        mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name  # type: ignore[list-item]
+        mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
     inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
     scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)
     op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap, m.empty_rows)

@@ -102,7 +102,7 @@ def _rewrite_reshape_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
 
 
 def _match_identity_transpose(graph: Graph, node: Node, ctx: PassContext) -> object:
-    perm = node.op.perm  # type: ignore[attr-defined]
+    perm = node.op_as(Transpose).perm
     return _bypass(graph, node, "identity transpose") if perm == tuple(range(len(perm))) else None
 
 
@@ -113,7 +113,7 @@ def _match_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> object
 
 def _rewrite_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
     inner = graph.nodes[node.inputs[0]]
-    p1, p2 = inner.op.perm, node.op.perm  # type: ignore[attr-defined]
+    p1, p2 = inner.op_as(Transpose).perm, node.op_as(Transpose).perm
     graph.redefine(node.name, Transpose(tuple(p1[j] for j in p2)), [inner.inputs[0]])
     remove_if_dead(graph, inner.name)
     return f"composed with transpose {inner.name!r}"
@@ -140,7 +140,7 @@ def _match_transpose_in_merge(graph: Graph, node: Node, ctx: PassContext) -> obj
 
 def _rewrite_transpose_in_merge(graph: Graph, m: tuple[Node, Node, Node, int], ctx: PassContext) -> str:
     node, t, merge, lead = m
-    perm = tuple(range(lead)) + tuple(lead - 1 + p for p in t.op.perm[1:])  # type: ignore[attr-defined]
+    perm = tuple(range(lead)) + tuple(lead - 1 + p for p in t.op_as(Transpose).perm[1:])
     graph.redefine(node.name, Transpose(perm), [merge.inputs[0]])
     remove_if_dead(graph, t.name)
     remove_if_dead(graph, merge.name)
@@ -148,7 +148,7 @@ def _rewrite_transpose_in_merge(graph: Graph, m: tuple[Node, Node, Node, int], c
 
 
 def _match_unit_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
-    return _bypass(graph, node, "repeat by 1") if node.op.repeats == 1 else None  # type: ignore[attr-defined]
+    return _bypass(graph, node, "repeat by 1") if node.op_as(Repeat).repeats == 1 else None
 
 
 def mask_hides_nothing(graph: Graph, node: Node) -> bool:
@@ -156,7 +156,8 @@ def mask_hides_nothing(graph: Graph, node: Node) -> bool:
     that hides a key (the last query's window must still reach key 0)."""
     shape = graph.types[node.inputs[0]].shape
     sq, sk = shape[-2], shape[-1]
-    offset, window = node.op.offset, node.op.window  # type: ignore[attr-defined]
+    mask = node.op_as(CausalMask)
+    offset, window = mask.offset, mask.window
     if not (isinstance(sk, int) and isinstance(offset, int) and offset >= sk - 1):
         return False
     return window is None or (isinstance(sq, int) and sq - 1 + offset - window < 0)
@@ -177,10 +178,10 @@ def _match_transpose_into_einsum(graph: Graph, node: Node, ctx: PassContext) -> 
 def _rewrite_transpose_into_einsum(graph: Graph, m: tuple[Node, int], ctx: PassContext) -> str:
     node, pos = m
     t = graph.nodes[node.inputs[pos]]
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     term = spec.inputs[pos]
     new_term = [""] * len(term)
-    for i, p in enumerate(t.op.perm):  # type: ignore[attr-defined]
+    for i, p in enumerate(t.op_as(Transpose).perm):
         new_term[p] = term[i]
     terms = list(spec.inputs)
     terms[pos] = "".join(new_term)
@@ -203,8 +204,8 @@ def _match_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -> 
 
 def _rewrite_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -> str:
     e = graph.nodes[node.inputs[0]]
-    spec = e.op.parsed  # type: ignore[attr-defined]
-    out = "".join(spec.output[p] for p in node.op.perm)  # type: ignore[attr-defined]
+    spec = e.op_as(Einsum).parsed
+    out = "".join(spec.output[p] for p in node.op_as(Transpose).perm)
     new_spec = ",".join(spec.inputs) + "->" + out
     graph.redefine(node.name, Einsum(new_spec), e.inputs)
     remove_if_dead(graph, e.name)

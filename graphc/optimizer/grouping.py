@@ -88,7 +88,7 @@ EXPAND_REPEAT_RULE = Rule("expand_to_repeat", (Reshape,), _match_expand_repeat, 
 
 
 def _match_fuse(graph: Graph, node: Node, ctx: PassContext) -> object:
-    op: Repeat = node.op  # type: ignore[assignment]
+    op = node.op_as(Repeat)
     if op.repeats == 1:
         return None
     if graph.is_output(node.name):
@@ -120,11 +120,11 @@ def _rewrite_fuse(graph: Graph, m: tuple[Node, int, list[tuple[str, int, str]]],
     node, axis, plans = m
     src = node.inputs[0]
     kv = graph.types[src].shape[axis]
-    g = node.op.repeats  # type: ignore[attr-defined]
+    g = node.op_as(Repeat).repeats
     done = []
     for name, pos, h in plans:
         reader = graph.nodes[name]
-        spec = reader.op.parsed  # type: ignore[attr-defined]
+        spec = reader.op_as(Einsum).parsed
         n, j = (c for c in fresh_labels(spec.labels, 2))
         other = 1 - pos
         terms = list(spec.inputs)
@@ -152,7 +152,7 @@ def _rewrite_fuse(graph: Graph, m: tuple[Node, int, list[tuple[str, int, str]]],
 
 
 def _match_fold(graph: Graph, node: Node, ctx: PassContext) -> object:
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     if len(spec.inputs) != 2:
         return None
     readers = graph.consumers(node.name)
@@ -174,7 +174,7 @@ def _match_fold(graph: Graph, node: Node, ctx: PassContext) -> object:
 
 def _rewrite_fold(graph: Graph, m: tuple[Node, int, int], ctx: PassContext) -> str:
     node, pos, i = m
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     term = spec.inputs[pos]
     a, b = term[i], term[i + 1]
     x = node.inputs[pos]

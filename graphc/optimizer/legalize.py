@@ -15,12 +15,13 @@ on the graph they are given, optimized or not.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from graphc.attention_op import Attention
 from graphc.dims import check_sizes
 from graphc.graph import Graph, Node
 from graphc.mapped import check_mapped_files
+from graphc.ops import payload_fields
 from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention
@@ -78,7 +79,7 @@ def _rewrite_attention(graph: Graph, m: tuple[Node, str | type[Attention]], ctx:
         decompose_attention(graph, node.name)
         return f"decomposed into grouped einsums: {decision}"
     op = node.op
-    graph.redefine(node.name, decision(**{f.name: getattr(op, f.name) for f in fields(op)}), node.inputs)  # type: ignore[arg-type]
+    graph.redefine(node.name, decision(**{f.name: getattr(op, f.name) for f in payload_fields(op)}), node.inputs)
     detail = ctx.target.kernel(graph, node, ctx) if ctx.target is not None and ctx.target.kernel is not None else ""
     return f"kept as {decision.__name__}: {(decision.__doc__ or '').strip()}" + (f" ({detail})" if detail else "")
 

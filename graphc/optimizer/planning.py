@@ -53,12 +53,12 @@ def merge_specs(outer: EinsumSpec, pos: int, inner: EinsumSpec) -> EinsumSpec:
 
 
 def _path_cost(graph: Graph, node: Node, ctx: PassContext) -> int:
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     return int(plan_path(spec, [ctx.shape(graph.types[v].shape) for v in node.inputs], ctx.optimizer).opt_cost)
 
 
 def _match_merge(graph: Graph, node: Node, ctx: PassContext) -> object:
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     for pos, v in enumerate(node.inputs):
         inner = graph.producer(v)
         if inner is None or not isinstance(inner.op, Einsum) or not only_reader(graph, v, node.name):
@@ -84,11 +84,11 @@ def _rewrite_merge(graph: Graph, m: tuple, ctx: PassContext) -> str:
 
 
 def _match_split(graph: Graph, node: Node, ctx: PassContext) -> object:
-    return node if len(node.op.parsed.inputs) > 2 else None  # type: ignore[attr-defined]
+    return node if len(node.op_as(Einsum).parsed.inputs) > 2 else None
 
 
 def _rewrite_split(graph: Graph, node: Node, ctx: PassContext) -> str:
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     info = plan_path(spec, [ctx.shape(graph.types[v].shape) for v in node.inputs], ctx.optimizer)
     operands = list(node.inputs)
     steps = []

@@ -119,7 +119,7 @@ def _link_node(c: AxisClasses, g: Graph, node: Node) -> None:
 
 @axis_rule(Einsum)
 def _link_einsum(c: AxisClasses, g: Graph, node: Node) -> None:
-    spec = node.op.parsed  # type: ignore[attr-defined]
+    spec = node.op_as(Einsum).parsed
     for label in spec.labels:
         places = [(v, term.index(label)) for v, term in zip(node.inputs, spec.inputs) if label in term]
         if label in spec.output:
@@ -138,7 +138,7 @@ def _link_rotary(c: AxisClasses, g: Graph, node: Node) -> None:  # x's axes map 
 
 @axis_rule(Transpose)
 def _link_transpose(c: AxisClasses, g: Graph, node: Node) -> None:
-    for k, p in enumerate(node.op.perm):  # type: ignore[attr-defined]
+    for k, p in enumerate(node.op_as(Transpose).perm):
         c.union((node.inputs[0], p), (node.outputs[0], k))
 
 
@@ -160,23 +160,23 @@ def _link_repeat(c: AxisClasses, g: Graph, node: Node) -> None:
 def _link_concat(c: AxisClasses, g: Graph, node: Node) -> None:
     rank = len(g.types[node.outputs[0]].shape)
     for i in range(rank):
-        if i != node.op.axis % rank:  # type: ignore[attr-defined]
+        if i != node.op_as(Concat).axis % rank:
             for name in node.inputs:
                 c.union((name, i), (node.outputs[0], i))
 
 
 @axis_rule(Reduce)
 def _link_reduce(c: AxisClasses, g: Graph, node: Node) -> None:
-    op, x, out = node.op, node.inputs[0], node.outputs[0]
-    reduced = op.normalized_axes(len(g.types[x].shape))  # type: ignore[attr-defined]
+    op, x, out = node.op_as(Reduce), node.inputs[0], node.outputs[0]
+    reduced = op.normalized_axes(len(g.types[x].shape))
     kept = [i for i in range(len(g.types[x].shape)) if i not in reduced]
     for k, i in enumerate(kept):
-        c.union((x, i), (out, i if op.keepdims else k))  # type: ignore[attr-defined]
+        c.union((x, i), (out, i if op.keepdims else k))
 
 
 @axis_rule(Attention)
 def _link_attention(c: AxisClasses, g: Graph, node: Node) -> None:
-    op: Attention = node.op  # type: ignore[assignment]
+    op = node.op_as(Attention)
     q, k = node.inputs[0], node.inputs[1]
     kv_values = [k, node.inputs[2], *node.inputs[3 + op.has_mask :], *node.outputs[1:]]
     for v in kv_values[1:]:

@@ -26,7 +26,7 @@ whole cache), and says so in :attr:`ShardPlan.fallback`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_symbols, format_shape, normalize_dim
 from graphc.errors import ShardingError
 from graphc.graph import Graph, Node
-from graphc.ops import Einsum, Repeat, Reshape, TensorType
+from graphc.ops import Einsum, Op, Repeat, Reshape, TensorType, payload_fields
 from graphc.rotary import Positions
 
 from .axes import AxisClasses, link_axes
@@ -256,16 +256,24 @@ def _shard_type(t: TensorType, axis: int | None, n: int) -> TensorType:
     if axis is None:
         return t
     shape = list(t.shape)
-    shape[axis] = normalize_dim(shape[axis]) // n  # type: ignore[operator]
+    shape[axis] = _split_size(shape[axis], n)
     return TensorType(tuple(shape), t.dtype)
 
 
-def _shard_op(g: Graph, node: Node, split: Mapping[str, int], n: int) -> object:
+def _split_size(d: Dim, n: int) -> int:
+    """One shard's share of a split axis: a split axis is a static head count (the plan chose it for that)."""
+    size = normalize_dim(d)
+    if not isinstance(size, int):
+        raise ShardingError(f"a split axis must have a static size, got {size!r}")
+    return size // n
+
+
+def _shard_op(g: Graph, node: Node, split: Mapping[str, int], n: int) -> Op:
     op = node.op
     out_axis = split.get(node.outputs[0])
     if isinstance(op, Reshape) and out_axis is not None:
         shape: list[Dim] = list(op.shape)
-        shape[out_axis] = shape[out_axis] // n  # type: ignore[operator]
+        shape[out_axis] = _split_size(shape[out_axis], n)
         return replace(op, shape=tuple(shape))
     rank = len(g.types[node.outputs[0]].shape)
     if isinstance(op, Repeat) and out_axis is not None and out_axis == op.axis % rank and node.inputs[0] not in split:
@@ -285,11 +293,11 @@ def _stage_graph(
             if v in g.initializers and v not in sg.initializers:
                 arr = g.initializers[v]
                 axis = split.get(v) if shard is not None else None
-                if axis is not None:
-                    arr = _part(arr, axis, shard, n)  # type: ignore[arg-type]
+                if axis is not None and shard is not None:
+                    arr = _part(arr, axis, shard, n)
                 sg.add_initializer(v, arr, copy=axis is not None)
         op = _shard_op(g, node, split, n) if shard is not None else node.op
-        got = sg.add_multi_node(op, node.inputs, node.outputs)  # type: ignore[arg-type]
+        got = sg.add_multi_node(op, node.inputs, node.outputs)
         for o, value in zip(node.outputs, got):
             want = _shard_type(g.types[o], split.get(o) if shard is not None else None, parts)
             if tuple(value.type.shape) != tuple(want.shape):
@@ -306,7 +314,7 @@ def _check_bound(sg: Graph, stage: int) -> None:
     bound = {sym for v in sg.inputs for d in sg.types[v].shape for sym in dim_symbols(d)}
     for node in sg.topological_order():
         used = {sym for o in node.outputs for d in sg.types[o].shape for sym in dim_symbols(d)}
-        for f in fields(node.op):  # type: ignore[arg-type]
+        for f in payload_fields(node.op):
             if "Dim" in str(f.type) or "Shape" in str(f.type):  # size-valued attributes: offsets, target shapes
                 value = getattr(node.op, f.name)
                 for d in value if isinstance(value, tuple) else (value,):
