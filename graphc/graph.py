@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -38,13 +39,41 @@ from .errors import (
     UndefinedValueError,
 )
 from .mapped import check_mapped_files
-from .ops import Op, TensorType, check_dtype
+from .ops import Op, TensorType, check_dtype, payload_fields
 from .values import Node, Value, ValueLike
 
-__all__ = ["Value", "Node", "Graph", "ValueLike"]
+__all__ = ["Value", "Node", "Graph", "GraphMark", "ValueLike", "map_op_dims"]
 
 _NAME = re.compile(r"[A-Za-z_/][A-Za-z0-9_.:/\-]*\Z")
 _GAP = 1 << 20  # spacing of order keys; an insertion between two adjacent keys renumbers
+
+
+@dataclass(frozen=True)
+class GraphMark:
+    """What :meth:`Graph.mark` recorded: how many nodes and initializers the graph held (both kept in the order they
+    were added; a renamed one counts as added when renamed)."""
+
+    nodes: int
+    initializers: int
+
+
+def map_op_dims(op: Op, fn: Callable[[Dim], Dim]) -> Op:
+    """``op`` with ``fn`` applied to each attribute typed as a dim or a shape (``Dim``, ``Dim | None``, ``Shape``,
+    tuples of them); the same object when nothing changes."""
+    fields = payload_fields(op)
+    values = {f.name: getattr(op, f.name) for f in fields}
+    mapped = {f.name: _map_nested(values[f.name], fn) for f in fields if "Dim" in str(f.type) or str(f.type) == "Shape"}
+    if all(mapped[k] == values[k] for k in mapped):
+        return op
+    return type(op)(**{**values, **mapped})
+
+
+def _map_nested(value: Any, fn: Callable[[Dim], Dim]) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_map_nested(x, fn) for x in value)
+    return fn(value)
 
 
 def _name_of(v: ValueLike) -> str:
@@ -624,6 +653,30 @@ class Graph(GraphBuilder):
         self.initializers[name] = arr
         for reader in self._values[name].users:
             self._touch(reader.name)
+
+    def map_dims(self, fn: Callable[[Dim], Dim]) -> None:
+        """Replace every dim the graph holds by ``fn(dim)``: value shapes, op attributes that are dims (offsets, target
+        shapes, bounds) and assumptions.  An importer that proves two symbols equal renames one of them this way."""
+        for v in self._values.values():
+            shape = tuple(fn(d) for d in v.type.shape)
+            if shape != v.type.shape:
+                v.type = TensorType(shape, v.type.dtype)
+        for node in self._nodes.values():
+            node.op = map_op_dims(node.op, fn)
+        self.assumptions = [(fn(a), fn(b)) for a, b in self.assumptions]
+
+    def mark(self) -> GraphMark:
+        """The graph's extent now (O(1)): :meth:`roll_back` removes whatever is added after it."""
+        return GraphMark(len(self._nodes), len(self.initializers))
+
+    def roll_back(self, mark: GraphMark) -> None:
+        """Remove the nodes and initializers added (or renamed) since ``mark``, readers first."""
+        added = set(list(self._nodes)[mark.nodes :])
+        for node in reversed(self.topological_order()):
+            if node.name in added:
+                self.remove_node(node.name)
+        for name in list(self.initializers)[mark.initializers :]:
+            self.remove_initializer(name)
 
     def remove_initializer(self, name: str) -> None:
         """Delete an unused initializer."""

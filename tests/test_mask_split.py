@@ -103,3 +103,31 @@ def test_an_infinite_fill_keeps_zero_rows_and_a_small_fill_is_left_alone():
     small = lower(optimize(_masked_attention(fill=-1e4)).graph, KEEP_ALL)  # -1e4 does not swamp every score: not a mask
     op = next(n.op for n in small.nodes.values() if n.op.kind == "Attention")
     assert (op.causal_offset, op.mask) == (None, "additive")
+
+
+def _attention_ops(g):
+    from graphc.attention_op import Attention
+
+    kept = lower(optimize(g).graph, KEEP_ALL)
+    return [(n.op.causal_offset, n.op.window, n.op.mask) for n in kept.nodes.values() if isinstance(n.op, Attention)]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("cache", [False, True])
+def test_graphc_export_reimports_as_the_same_causal_attention(window, cache, tmp_path):
+    """graphc's exported mask (``Where(j > i + offset or before the window, -inf, 0)`` over ``Range`` positions, symbolic
+    sizes) reads back as the causal ``Attention`` it came from, and the round trip computes the same numbers."""
+    from graphc import gqa
+    from graphc.attention.builders import attention_layer_graph, kv_cache_graph
+    from graphc.onnx_import import from_onnx
+    from lowering import export
+
+    cfg = gqa(32, 4, 2, causal=True, sliding_window=window)
+    g = kv_cache_graph(cfg) if cache else attention_layer_graph(cfg)
+    export(optimize(g).graph, tmp_path / "layer.onnx")
+    back = from_onnx(tmp_path / "layer.onnx")
+    assert _attention_ops(back) == _attention_ops(g) and len(_attention_ops(g)) == 1
+    inputs = random_inputs(g, 0, batch=2, seq=6, past_seq=9)
+    want, got = run(g, inputs), run(optimize(back).graph, dict(zip(back.inputs, (inputs[n] for n in g.inputs))))
+    for a, b in zip(g.outputs, back.outputs):
+        np.testing.assert_allclose(got[b], want[a], rtol=1e-5, atol=1e-5)

@@ -205,3 +205,60 @@ def test_assumptions_survive_copies_pickles_and_json():
     g.assume("t", 2)
     with pytest.raises(Exception, match=r"assumes t == 2, but its inputs do not size \['t'\]"):
         g.verify()
+
+
+def _count_passes(monkeypatch):
+    from graphc.onnx_import import context
+
+    passes = []
+    real = context.ImportContext.__init__
+
+    def counting(self, *args, **kwargs):
+        passes.append(1)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(context.ImportContext, "__init__", counting)
+    return passes
+
+
+def test_many_unifications_take_one_import_pass(monkeypatch):
+    """Eight masks each name the length apart: all unify with ``s`` as the nodes meet them, in one pass."""
+    n = 8
+    nodes = [helper.make_node("MatMul", ["x", "xt"], ["y0"])]
+    nodes += [helper.make_node("Add", [f"y{i}", f"mask{i}"], [f"y{i + 1}"]) for i in range(n)]
+    masks = [_vi(f"mask{i}", F, ["b", 1, f"total{i}"]) for i in range(n)]
+    model = _model(nodes, [_vi("x", F, ["b", "s", 4]), _vi("xt", F, ["b", 4, "s"]), *masks], [_vi(f"y{n}", F, None)])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3, 4), np.float32), "xt": rng.standard_normal((2, 4, 3), np.float32)}
+    feeds |= {f"mask{i}": rng.standard_normal((2, 1, 3), np.float32) for i in range(n)}
+    passes = _count_passes(monkeypatch)
+    g = _check(model, feeds)
+    assert len(passes) == 1
+    assert all(g.types[f"mask{i}"].shape == ("b", 1, "s") for i in range(n))
+    assert str(g).count("total") == 0  # no value, op attribute or input keeps a replaced name
+
+
+def test_an_undecided_shape_division_is_converted_again_after_the_unification(monkeypatch):
+    """``(b2 * t) / b`` cannot be folded until ``b2`` is known to be ``b``, which a later node proves: the import goes
+    back to the division (in the same pass), and the Range over the quotient imports as positions."""
+    i64 = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["x"], ["xs"]),
+        helper.make_node("Shape", ["m"], ["ms"]),
+        helper.make_node("Gather", ["xs", "zero"], ["b"]),
+        helper.make_node("Gather", ["ms", "zero"], ["b2"]),
+        helper.make_node("Gather", ["ms", "one"], ["t"]),
+        helper.make_node("Mul", ["b2", "t"], ["bt"]),
+        helper.make_node("Div", ["bt", "b"], ["t_again"]),
+        helper.make_node("Add", ["x", "m"], ["xm"]),  # proves b2 == b (and the lengths equal)
+        helper.make_node("Range", ["zero", "t_again", "one"], ["r"]),
+        helper.make_node("Cast", ["r"], ["rf"], to=F),
+        helper.make_node("Add", ["xm", "rf"], ["y"]),
+    ]
+    model = _model(nodes, [_vi("x", F, ["b", "s"]), _vi("m", F, ["b2", "t"])], [_vi("y", F, None)], [i64("zero", 0), i64("one", 1)])
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((2, 5), np.float32), "m": rng.standard_normal((2, 5), np.float32)}
+    passes = _count_passes(monkeypatch)
+    g = _check(model, feeds)
+    assert len(passes) == 1
+    assert not any(isinstance(n.op, Arange) for n in g.nodes.values())  # the quotient folded: positions over x's length

@@ -20,20 +20,20 @@ An ONNX value becomes one of:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import numpy as np
 import onnx
 
-from ..dims import Dim, format_shape, is_static, is_symbol, normalize_dim
+from ..dims import Dim, dim_symbols, format_shape, is_static, is_symbol, normalize_dim
 from ..einsum_spec import parse_einsum
 from ..errors import EinsumSpecError, OnnxImportError, ShapeMismatchError
-from ..graph import Graph
+from ..graph import Graph, GraphMark
 from ..ops import Binary, Cast, Compare, Concat, Einsum, Reshape, Where
 from ..tensor_ops import Arange, BroadcastTo, ShapeValues
-from .unify import DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
+from .unify import MAX_UNIFICATIONS, DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
 
 __all__ = ["SymInts", "Filled", "Triangle", "MaskSum", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
 
@@ -129,6 +129,7 @@ class ImportContext:
         self.constants: dict[int, tuple[np.ndarray, str]] = {}  # id(array) -> (array, graph value): each array becomes one constant
         self.aliases: dict[str, Dim] = {}  # free symbol -> the dim the model proved it equal to (see .unify)
         self.free: dict[str, int] = {}  # free symbols (graph inputs', opaque outputs') -> the order they were met
+        self.unfolded: dict[str, Checkpoint] = {}  # symbol -> the first Div/Equal that could not fold a shape value of it
 
     # ------------------------------------------------------------ errors
     def where(self) -> str:
@@ -294,6 +295,47 @@ class ImportContext:
         if conflict is not None:
             raise DimConflict(conflict[0], conflict[1], ShapeMismatchError(f"dims {a!r} and {b!r} must be equal"))
 
+    def checkpoint(self, index: int, op_type: str) -> Checkpoint:
+        """The import's state before node ``index`` is converted (the value map is copied only before a ``Div`` or
+        ``Equal``, the nodes a later unification may send the import back to)."""
+        env = dict(self.env) if op_type in _UNDECIDABLE else None
+        return Checkpoint(index, self.graph.mark(), env, dict(self.free), len(self.notes), dict(self.unfolded))
+
+    def note_unfolded(self, here: Checkpoint, ins: Sequence[Imported | None], outs: Sequence[Imported | None]) -> None:
+        """After a ``Div`` or ``Equal`` of shape values that made a run-time tensor (``(b*t) / b2`` before ``b2`` is
+        known to be ``b``: the dim arithmetic that can be undecided), remember its symbols: unifying one of them later
+        sends the import back to ``here`` to convert the node again."""
+        given = [x for x in ins if x is not None]
+        if here.env is None or not given or any(isinstance(x, str) for x in given) or not any(isinstance(o, str) for o in outs):
+            return
+        for s in {s for x in given for d in _lazy_dims(x) for s in dim_symbols(d)}:
+            self.unfolded.setdefault(s, here)
+
+    def unify_conflict(self, conflict: DimConflict, here: Checkpoint) -> int:
+        """Undo the conversion that met ``conflict`` (back to ``here``) and unify the conflict's symbol with the dim the
+        model proved it equal to, in everything imported so far: the graph's shapes and op attributes
+        (:meth:`Graph.map_dims`) and the lazy values; later dims get it as they are declared or resolved.  Returns the
+        index of the node to convert next: ``here``'s, or an earlier ``Div``/``Equal`` that could not fold with the old
+        symbol (the import goes back there).  Past :data:`MAX_UNIFICATIONS` the conflict is the import's error."""
+        if len(self.aliases) >= MAX_UNIFICATIONS:
+            raise self.error(str(conflict.error))
+        symbol = str(conflict.a)
+        self.aliases[symbol] = conflict.b
+        back = self.unfolded.get(symbol, here)
+        self._restore(back)
+        self.free.pop(symbol, None)  # replaced everywhere: no longer a symbol of the graph
+        self.graph.map_dims(self.resolve)
+        self.env = {k: _map_lazy_dims(v, self.resolve) for k, v in self.env.items()}
+        return back.index
+
+    def _restore(self, cp: Checkpoint) -> None:
+        self.graph.roll_back(cp.mark)
+        self.constants = {k: c for k, c in self.constants.items() if c[1] in self.graph.initializers}
+        if cp.env is not None:
+            self.env = dict(cp.env)
+        self.free, self.unfolded = dict(cp.free), dict(cp.unfolded)
+        del self.notes[cp.notes :]
+
     def declare_dim(self, d: Dim) -> Dim:
         """A dim of a graph input or an opaque output: aliases applied; a bare symbol becomes a free symbol."""
         d = substitute(normalize_dim(d), self.aliases)
@@ -312,6 +354,49 @@ class ImportContext:
             return normalize_dim(d)
         except Exception as e:  # noqa: BLE001 - DimError or a bad int
             raise self.error(str(e)) from None
+
+
+_UNDECIDABLE = ("Div", "Equal")  # dim arithmetic that may not fold until two symbols are known equal
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The import's state before node ``index``: the graph's extent and, before a ``Div``/``Equal``, the value map."""
+
+    index: int
+    mark: GraphMark
+    env: dict[str, Imported] | None
+    free: dict[str, int]
+    notes: int
+    unfolded: dict[str, Checkpoint]
+
+
+def _lazy_dims(v: Imported) -> tuple[Dim, ...]:
+    if isinstance(v, SymInts):
+        return v.values
+    if isinstance(v, MaskSum):
+        return tuple(d for p in v.parts for d in _lazy_dims(p))
+    if isinstance(v, Triangle):
+        return (*v.shape, v.k)
+    return tuple(v.shape) if isinstance(v, (Filled, Broadcast)) else ()
+
+
+def _map_lazy_dims(v: Imported, fn: Callable[[Dim], Dim]) -> Imported:
+    """A lazy value with ``fn`` applied to its dims (graph values and arrays are returned as they are)."""
+    if isinstance(v, SymInts):
+        return replace(v, values=tuple(fn(d) for d in v.values))
+    if isinstance(v, Broadcast):
+        return replace(v, shape=tuple(fn(d) for d in v.shape))
+    if isinstance(v, (Filled, Triangle)):
+        return _map_mask_dims(v, fn)
+    if isinstance(v, MaskSum):
+        return MaskSum(tuple(_map_mask_dims(p, fn) for p in v.parts))
+    return v
+
+
+def _map_mask_dims(v: Filled | Triangle, fn: Callable[[Dim], Dim]) -> Filled | Triangle:
+    shape = tuple(fn(d) for d in v.shape)
+    return replace(v, shape=shape, k=fn(v.k)) if isinstance(v, Triangle) else replace(v, shape=shape)
 
 
 _BAD = re.compile(r"[^A-Za-z0-9_.:/\-]")

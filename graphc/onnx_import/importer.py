@@ -32,7 +32,7 @@ from .convert_core import CORE_CONVERTERS, SPLIT, unary_converter
 from .convert_fused import FUSED_CONVERTERS
 from .loading import read_model
 from .schema import SchemaChecker
-from .unify import MAX_UNIFICATIONS, DimConflict, substitute
+from .unify import DimConflict, substitute
 
 __all__ = ["from_onnx", "supported_ops", "ATTENTION_SEMANTICS"]
 
@@ -237,25 +237,19 @@ def from_onnx(
     except Exception:  # noqa: BLE001 - shape inference is only a source of types for opaque nodes
         inferred = model
     schemas = SchemaChecker(model.ir_version, opsets, frozenset(k for (d, k) in FUSED_CONVERTERS if d == ""))
-    aliases: dict[str, Dim] = {}
-    for _ in range(MAX_UNIFICATIONS + 1):
-        g = Graph(_clean_name(name or model.graph.name or "imported"))
-        ctx = ImportContext(g, opsets["ai.onnx"], strict, attention_semantics)
-        ctx.aliases = dict(aliases)
-        for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
-            ctx.onnx_types[vi.name] = vi.type
-        try:
-            _import_graph(ctx, model, opsets, schemas, mapped)
-        except DimConflict as c:  # two dims the model proves equal: unify them and import again
-            if len(aliases) >= MAX_UNIFICATIONS:
-                raise ctx.error(str(c.error)) from None
-            aliases[str(c.a)] = c.b
-            continue
-        except OnnxImportError:
-            raise
-        except GraphcError as e:
-            raise ctx.error(str(e)) from None
-        break
+    g = Graph(_clean_name(name or model.graph.name or "imported"))
+    ctx = ImportContext(g, opsets["ai.onnx"], strict, attention_semantics)
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        ctx.onnx_types[vi.name] = vi.type
+    try:
+        _import_graph(ctx, model, opsets, schemas, mapped)
+    except DimConflict as c:  # met outside a node's conversion (the graph's outputs): not unified
+        raise ctx.error(str(c.error)) from None
+    except OnnxImportError:
+        raise
+    except GraphcError as e:
+        raise ctx.error(str(e)) from None
+    aliases = ctx.aliases
     for key, value in aliases.items():
         if not is_symbol(key):  # a min/max atom the model's shapes assume equal to one of its arguments: every run checks it
             others = {k: v for k, v in aliases.items() if k != key}
@@ -295,13 +289,19 @@ def _import_graph(
         )
         ctx.env[vi.name] = g.add_input(_clean_name(vi.name), shape, ONNX_TO_DTYPE[tt.elem_type]).name
     bound = {v for v in ctx.env.values() if isinstance(v, str)}
-    for node in model.graph.node:
-        ctx.node = node
-        ins = [ctx.get(i) for i in node.input]
-        schemas.check(node, [ctx.dtype_of(x) if x is not None else None for x in ins], ctx.where())
+    nodes, index = list(model.graph.node), 0
+    while index < len(nodes):  # one pass; a unification converts the node again (or goes back to a Div it decides)
+        node = ctx.node = nodes[index]
+        here = ctx.checkpoint(index, node.op_type)
         try:
+            ins = [ctx.get(i) for i in node.input]
+            schemas.check(node, [ctx.dtype_of(x) if x is not None else None for x in ins], ctx.where())
             _convert_node(ctx, node, ins, opsets, bound)
-        except (GraphcError, DimConflict):
+            ctx.note_unfolded(here, ins, [ctx.env.get(o) for o in node.output if o])
+            index += 1
+        except DimConflict as c:  # two dims the model proves equal: unify them in what is imported so far
+            index = ctx.unify_conflict(c, here)
+        except GraphcError:
             raise
         except Exception as e:  # noqa: BLE001 - a node the converter did not expect: named, never a raw traceback
             raise ctx.error(f"graphc cannot convert this node ({type(e).__name__}: {e})") from None

@@ -8,8 +8,13 @@ opaquely gets dims of its own (``unk__0``); onnxruntime-genai names a cache
 axis ``kv_cache_dim`` that meets a constant 32.  Where two dims meet in a
 broadcast, a concat, an einsum label or a MatMul batch axis and differ, and one
 of them is a free symbol (a graph input's or an opaque output's, not yet tied
-to anything), graphc assumes them equal: the import starts again with that
-symbol replaced by the other dim everywhere.  A replaced input dim becomes the
+to anything), graphc assumes them equal, in one import pass: the node that met
+them is converted again after the symbol is replaced by the other dim in
+everything imported so far (``Graph.map_dims`` on shapes and op attributes, and
+the importer's lazy shape values) and in every dim declared later.  When an
+earlier ``Div`` or ``Equal`` of shape values could not be decided with the old
+symbol (``(b*t) / b2`` before ``b2`` is ``b``), the import goes back to that node
+(a checkpoint of its state there) and converts on from it.  A replaced input dim becomes the
 other dim in the graph's declared input shape, so every run checks it
 (``lowering.check_inputs`` binds all inputs and refuses sizes that disagree),
 and ``graphc info model.onnx`` shows it in the input shapes.
@@ -37,11 +42,11 @@ from ..dims import (
 __all__ = ["DimConflict", "substitute", "conflict_in_broadcast", "conflict_in_pairs", "MAX_UNIFICATIONS"]
 
 MAX_UNIFICATIONS = 64
-"""Restarts an import may take to unify dims before it gives up and reports the mismatch."""
+"""Unifications one import may make before it gives up and reports the mismatch."""
 
 
 class DimConflict(Exception):
-    """Two dims that must be equal differ, and at least one of them is a free symbol (internal: the import restarts)."""
+    """Two dims that must be equal differ, and at least one of them is a free symbol (internal: the import unifies them)."""
 
     def __init__(self, a: Dim, b: Dim, error: Exception) -> None:
         super().__init__(f"{a!r} vs {b!r}")

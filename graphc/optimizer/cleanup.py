@@ -12,6 +12,7 @@ from graphc.dims import dim_prod, eval_shape, is_static, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import contiguous
 from graphc.opaque import Opaque
+from graphc.tensor_ops import Slice
 from graphc.ops import CausalMask, Einsum, Op, Repeat, Reshape, Transpose
 
 from .infra import Miss, Pass, PassContext, Rule
@@ -151,6 +152,14 @@ def _match_unit_repeat(graph: Graph, node: Node, ctx: PassContext) -> object:
     return _bypass(graph, node, "repeat by 1") if node.op_as(Repeat).repeats == 1 else None
 
 
+def _match_whole_slice(graph: Graph, node: Node, ctx: PassContext) -> object:
+    """``x[0:n]`` along an axis of size ``n``, step 1: ``x`` itself (an import's bound that unification made the whole axis)."""
+    op = node.op_as(Slice)
+    shape = graph.types[node.inputs[0]].shape
+    whole = op.step == 1 and normalize_dim(op.start) == 0 and normalize_dim(op.stop) == normalize_dim(shape[op.axis % len(shape)])
+    return _bypass(graph, node, "slice of the whole axis") if whole else None
+
+
 def mask_hides_nothing(graph: Graph, node: Node) -> bool:
     """True when a CausalMask provably hides no key: a static key length Sk, an offset >= Sk - 1, and no window
     that hides a key (the last query's window must still reach key 0)."""
@@ -219,6 +228,7 @@ LAYOUT_RULES = (
     Rule("fold_transpose_chain", (Transpose,), _match_transpose_chain, _rewrite_transpose_chain),
     Rule("fold_transpose_in_merge", (Reshape,), _match_transpose_in_merge, _rewrite_transpose_in_merge),
     Rule("remove_unit_repeat", (Repeat,), _match_unit_repeat, _do_bypass),
+    Rule("remove_whole_slice", (Slice,), _match_whole_slice, _do_bypass),
     Rule("remove_vacuous_causal_mask", (CausalMask,), _match_vacuous_mask, _do_bypass),
     Rule("fold_transpose_into_einsum", (Einsum,), _match_transpose_into_einsum, _rewrite_transpose_into_einsum),
     Rule("fold_einsum_into_transpose", (Transpose,), _match_einsum_into_transpose, _rewrite_einsum_into_transpose),

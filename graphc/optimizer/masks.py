@@ -19,12 +19,13 @@ is uniform over all keys; the split records that as ``empty_rows="mean"``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
-from graphc.graph import Graph
+from graphc.graph import Graph, Node
 from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Reshape, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, ShapeValues
@@ -132,29 +133,60 @@ def _conjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None
     out.append(value)
 
 
+def _disjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None:
+    """Flatten ``Or`` (``Where(a, True, b)``) into its disjuncts."""
+    node = graph.producer(value)
+    if node is not None and isinstance(node.op, Where) and depth < 16:
+        c, x, y = node.inputs
+        yes = _scalar(graph, x)
+        if yes is not None and yes.dtype == np.bool_ and bool(yes):
+            _disjuncts(graph, c, out, depth + 1)
+            _disjuncts(graph, y, out, depth + 1)
+            return
+    out.append(value)
+
+
+def _is_float(arr: np.ndarray | None, test: Callable[[float], bool]) -> bool:
+    return arr is not None and str(arr.dtype) in FLOAT_DTYPES and test(float(arr))
+
+
+def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str], np.ndarray] | None:
+    """The half-planes a ``Where`` mask keeps, its other bool conjuncts and its fill: ``Where(keep, 0, fill)`` with
+    ``keep`` a conjunction, or ``Where(hide, fill, 0)`` with ``hide`` a disjunction of half-planes (graphc's own
+    export: ``j > i + offset``, or before the window), each negated into what it keeps."""
+    cond, x, y = node.inputs
+    vx, vy = _scalar(graph, x), _scalar(graph, y)
+    if vx is not None and vy is not None and _is_float(vx, lambda v: v == 0.0) and _is_float(vy, lambda v: v <= FILL_LIMIT):
+        parts: list[str] = []
+        _conjuncts(graph, cond, parts)
+        planes = [(p, _half_plane(graph, p)) for p in parts]
+        return [pl for _, pl in planes if pl is not None], [p for p, pl in planes if pl is None], vy
+    if vx is not None and vy is not None and _is_float(vy, lambda v: v == 0.0) and _is_float(vx, lambda v: v <= FILL_LIMIT):
+        hidden: list[str] = []
+        _disjuncts(graph, cond, hidden)
+        found = [_half_plane(graph, p) for p in hidden]
+        if any(pl is None for pl in found):
+            return None  # hiding by anything else would need its negation as a bool mask
+        negated = [("lower", dim_add(d, 1)) if side == "upper" else ("upper", dim_sub(d, 1)) for side, d in (pl for pl in found if pl)]
+        return negated, [], vx
+    return None
+
+
 def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
-    """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)``.
+    """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)``
+    (or graphc's own ``Where(hide, fill, 0)``, see :func:`_planes`).
 
     ``keep`` may hold one causal bound (and one window edge with it) and any other bool conjuncts; without a causal
     bound it is a plain bool mask (BERT's padding)."""
     node = graph.producer(mask)
     if node is None or not isinstance(node.op, Where):
         return None
-    keep, zero, fill = node.inputs
-    z, f = _scalar(graph, zero), _scalar(graph, fill)
-    if z is None or f is None or str(z.dtype) not in FLOAT_DTYPES or float(z) != 0.0 or not float(f) <= FILL_LIMIT:
+    found = _planes(graph, node)
+    if found is None:
         return None
-    parts: list[str] = []
-    _conjuncts(graph, keep, parts)
-    upper: list[Dim] = []
-    lower: list[Dim] = []
-    rest = []
-    for p in parts:
-        plane = _half_plane(graph, p)
-        if plane is None:
-            rest.append(p)
-        else:
-            (upper if plane[0] == "upper" else lower).append(plane[1])
+    planes, rest, f = found
+    upper = [d for side, d in planes if side == "upper"]
+    lower = [d for side, d in planes if side == "lower"]
     if len(upper) > 1 or len(lower) > 1 or (lower and not upper) or not (upper or rest):
         return None
     offset = normalize_dim(upper[0]) if upper else None
