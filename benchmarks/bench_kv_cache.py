@@ -3,7 +3,7 @@
 A mistral-7b-shaped layer (32 query / 8 KV heads, head_dim 128), batch 1, one new token over
 ``--past`` cached tokens.  "concatenated": the past is a plain array, so the kernel concatenates
 past and new keys (a new ``[B, 8, P+1, 128]`` array per step) and the compiled kernel reads
-that; "in place": the past is a prefix of a :func:`lowering.kv_buffers.allocate` buffer, so the
+that; "in place": the past is a prefix of a :func:`lowering.decode.kv_buffers.allocate` buffer, so the
 step writes one key into it and reads the buffer directly.  Timed with the blocks of
 back-to-back calls of ``benchmarks/_common.py`` (the in-place variant re-appends at the same
 frontier each call, as the loop does one step at a time)::
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import time_blocks  # noqa: E402
 
 from graphc.attention_op import Attention  # noqa: E402
-from lowering import compiled  # noqa: E402
-from lowering.attention_kernel import attention_kernel  # noqa: E402
-from lowering.kv_buffers import allocate, append  # noqa: E402
+from lowering.kernels import compiled  # noqa: E402
+from lowering.kernels.attention_kernel import attention_kernel  # noqa: E402
+from lowering.decode.kv_buffers import allocate, append  # noqa: E402
 
 
 def main() -> None:

@@ -103,7 +103,7 @@ def _variants(path: Path, workdir: Path, sizes: dict[str, int]) -> dict[str, Pat
 
     import graphc
     from graphc.onnx_import import from_onnx
-    from lowering.onnx_export import export
+    from lowering.exporter.onnx_export import export
 
     out = {"torch.onnx dynamo export": path}
     model = onnx.load(str(path))

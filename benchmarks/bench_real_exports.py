@@ -50,7 +50,7 @@ def _variants(path: Path, work: Path, sizes: dict[str, int]) -> dict[str, Callab
     def graphc_variant(auto: bool) -> Path:
         import graphc
         from graphc.onnx_import import from_onnx
-        from lowering.onnx_export import export
+        from lowering.exporter.onnx_export import export
 
         g = graphc.optimize(from_onnx(path), hints=sizes).graph
         out = work / ("graphc_auto.onnx" if auto else "graphc.onnx")

@@ -15,7 +15,7 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
 
 - ``graphc numpy`` / ``graphc ort-cpu``: what ``graphc generate DIR`` runs: ``causal_lm_from_hf`` over the
   memory-mapped folder, ``optimize`` for the decode step, ``lowering.prepare`` (ort-cpu: weights read by
-  onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.generate``;
+  onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.decode.generate``;
 - ``transformers sdpa``: ``from_pretrained`` in the checkpoint's dtype, ``generate(do_sample=False)``;
 - ``optimum ort-cpu``: optimum's ``text-generation-with-past`` export (in its own venv; float32 checkpoints
   only: its export of a bfloat16 one is float32 weights on onnxruntime's CPU kernels anyway), run by the
@@ -162,7 +162,7 @@ def _graphc(hf: Path, backend: str, prompt: list[int], new: int, blocks: int) ->
     import graphc
     from graphc.weights import load_weights
     from lowering import generate, prepare
-    from lowering.backends import decode_options
+    from lowering.backends.registry import decode_options
 
     t0 = time.perf_counter()
     g = graphc.causal_lm_from_hf(hf / "config.json", load_weights(hf), logits="last")

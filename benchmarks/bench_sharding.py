@@ -31,7 +31,7 @@ import numpy as np
 
 import graphc
 from graphc.sharding import shard
-from lowering.dask_shards import close_cluster, local_cluster, sharded_runner
+from lowering.distributed.dask_shards import close_cluster, local_cluster, sharded_runner
 from lowering import prepare, random_inputs
 
 CASES = {"prefill 1024": dict(seq=1024, past=0), "decode over 4096": dict(seq=1, past=4096)}
@@ -180,7 +180,7 @@ def lm_markdown(rows: list[dict]) -> str:
 
 def _resident_past(runner: object, feeds: dict, name: str) -> object:
     """``feeds[name]`` placed on the shards once, as a resident value (what a decode loop's previous step leaves there)."""
-    from lowering.sharded import Resident
+    from lowering.distributed.sharded import Resident
 
     plan = runner.plan  # type: ignore[attr-defined]
     ex = runner.executor  # type: ignore[attr-defined]

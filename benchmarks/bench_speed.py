@@ -385,11 +385,11 @@ def chart(rows: list[dict], path: Path) -> str:
 
 def compile_seconds() -> str:
     """The compiled kernels' first-call cost in a fresh process: compiling (empty numba cache) and loading from the cache."""
-    from lowering import compiled
+    from lowering.kernels import compiled
 
     if not compiled.use_compiled():
         return f"compiled kernels off: {compiled.compiled_reason()}"
-    code = "from lowering.compiled import warm_up; print(warm_up())"
+    code = "from lowering.kernels.compiled import warm_up; print(warm_up())"
     with tempfile.TemporaryDirectory(prefix="graphc_numba_cache_") as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
         runs = [float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout) for _ in range(2)]
@@ -427,8 +427,8 @@ def main() -> None:
             raise SystemExit(f"unknown layer case {c!r}; layer cases: {', '.join(LAYER_CASES)}")
     import onnxruntime as ort
 
-    from lowering.compiled import kernels_description
-    from lowering.kernels import blas_description
+    from lowering.kernels.compiled import kernels_description
+    from lowering.kernels.softmax import blas_description
 
     header = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.threads} threads per runtime; numpy {np.__version__} "

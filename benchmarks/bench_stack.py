@@ -27,7 +27,7 @@ import numpy as np
 
 import graphc
 from graphc.memory import format_bytes
-from lowering.onnx_export import export
+from lowering.exporter.onnx_export import export
 
 _CHILD = r"""
 import json, sys, time

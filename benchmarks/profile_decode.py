@@ -6,7 +6,7 @@ For each config and batch, one alternation (``_common.time_blocks``: blocks of
 back-to-back calls, A B C A B C ...) of four variants over the same rotating
 copies of K/V (at least 1 GiB, so every call reads from memory):
 
-- **kernel, cold**: ``lowering.compiled.decode_attention``, as the NumPy backend calls it;
+- **kernel, cold**: ``lowering.kernels.compiled.decode_attention``, as the NumPy backend calls it;
 - **read alone**: the same K/V bytes summed with the same threads, shares and
   prefetch distance (a streaming pass with no attention arithmetic);
 - **compute alone**: the kernel on one KV head of 1024 keys (1 MiB, resident
@@ -27,8 +27,8 @@ from pathlib import Path
 import graphc
 import numpy as np
 
-from lowering import compiled
-from lowering.kernels import run_blocks
+from lowering.kernels import compiled
+from lowering.kernels.softmax import run_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import read_probe, time_blocks  # noqa: E402
@@ -41,7 +41,7 @@ def _stream_sum():  # type: ignore[no-untyped-def]
     """A compiled pass that reads every row of ``k[h]`` then ``v[h]`` for the given heads, prefetching as the kernel does."""
     from numba import njit
 
-    from lowering import _numba_attention as kern
+    from lowering.kernels import _numba_attention as kern
 
     @njit(fastmath=kern.FAST, nogil=True)
     def read_heads(k, v, heads):  # type: ignore[no-untyped-def]

@@ -2,7 +2,7 @@
 
     python benchmarks/profile_prefill.py [--config mistral-7b] [--seq 1024] [--threads 2]
 
-Runs the same steps as ``lowering.attention_kernel.blocked_attention`` (same
+Runs the same steps as ``lowering.kernels.attention_kernel.blocked_attention`` (same
 blocks, BLAS pinned to one thread per block, blocks on ``--threads`` threads)
 with a clock around each step, for causal and non-causal prefill, and prints
 each step's share of the thread time next to the wall time of the real kernel
@@ -23,9 +23,9 @@ import graphc
 import numpy as np
 
 from graphc.numerics import hidden_keys
-from lowering import compiled
-from lowering.attention_kernel import GEMM_ROWS, _tasks, blocked_attention
-from lowering.kernels import blas_description, exp_rows_, run_blocks
+from lowering.kernels import compiled
+from lowering.kernels.attention_kernel import GEMM_ROWS, _tasks, blocked_attention
+from lowering.kernels.softmax import blas_description, exp_rows_, run_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import gemm_probe, time_blocks, torch_sdpa  # noqa: E402

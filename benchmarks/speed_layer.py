@@ -148,7 +148,7 @@ def layer_variants(case: str, threads: int, workdir: Path | None = None) -> dict
     from graphc.attention.decoder import decoder_stack_graph
     from graphc.attention.hf import decoder_configs_from_hf
     from graphc.onnx_import import from_onnx
-    from lowering.onnx_export import export
+    from lowering.exporter.onnx_export import export
 
     torch.set_num_threads(threads)
     c = LAYER_CASES[case]

@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphc
 from graphc.onnx_import import from_onnx
-from lowering.onnx_export import export
+from lowering.exporter.onnx_export import export
 
 D, HEADS, KV, HD = 64, 8, 2, 8
 

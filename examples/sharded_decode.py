@@ -18,7 +18,7 @@ import numpy as np
 import graphc
 from graphc.attention.decoder import DecoderConfig, decoder_stack_graph
 from graphc.sharding import shard
-from lowering.dask_shards import close_cluster, local_cluster, sharded_runner
+from lowering.distributed.dask_shards import close_cluster, local_cluster, sharded_runner
 from lowering import prepare, random_inputs
 
 

@@ -168,7 +168,7 @@ def _source_opset(path: str) -> int:
     """The standard opset an ONNX model was written for (its graph is not loaded again)."""
     import onnx
 
-    from lowering.onnx_export import DEFAULT_OPSET
+    from lowering.exporter.onnx_export import DEFAULT_OPSET
 
     with open(path, "rb") as f:
         model = onnx.load_model(f, load_external_data=False)
@@ -263,7 +263,7 @@ def _load_inputs(path: str) -> dict[str, np.ndarray]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export a graph to ONNX."""
-    from lowering.onnx_export import export
+    from lowering.exporter.onnx_export import export
 
     g, _ = _graph(args)
     fused = args.attention != "decomposed"
@@ -316,7 +316,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if args.attention == "decomposed":
             args.attention = "auto"
     elif args.target:
-        from lowering.targets import target_named
+        from lowering.exporter.targets import target_named
 
         target = target_named(args.target)
     onnx_out = bool(args.output and args.output.endswith(".onnx"))
@@ -331,7 +331,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         print()
         print(out)
     if onnx_out:
-        from lowering.onnx_export import DEFAULT_OPSET, MIN_OPSET, export
+        from lowering.exporter.onnx_export import DEFAULT_OPSET, MIN_OPSET, export
 
         opset = args.opset or max(_source_opset(args.model) if args.model else DEFAULT_OPSET, MIN_OPSET)
         if args.attention != "decomposed":
@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
     """``graphc compare``."""
     from lowering.compare import DEFAULT_BACKENDS
-    from lowering.targets import ATTENTION_MODES
+    from lowering.exporter.targets import ATTENTION_MODES
 
     c = sub.add_parser("compare", parents=[common], help="run a graph on every backend; exit 1 if any disagrees")
     _add_graph_args(c)
@@ -498,8 +498,8 @@ def _add_compare(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _add_export_and_show(sub: Any, common: argparse.ArgumentParser) -> None:
     """``graphc export`` and ``graphc show``."""
-    from lowering.onnx_export import DEFAULT_OPSET
-    from lowering.targets import ATTENTION_MODES
+    from lowering.exporter.onnx_export import DEFAULT_OPSET
+    from lowering.exporter.targets import ATTENTION_MODES
 
     e = sub.add_parser("export", parents=[common], help="export a graph to ONNX")
     _add_graph_args(e, sizes=False)
@@ -522,7 +522,7 @@ def _add_export_and_show(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def _add_optimize(sub: Any, common: argparse.ArgumentParser) -> None:
     """``graphc optimize``."""
-    from lowering.targets import ATTENTION_MODES
+    from lowering.exporter.targets import ATTENTION_MODES
 
     o = sub.add_parser("optimize", parents=[common], help="optimize a graph and report what changed")
     _add_graph_args(o)

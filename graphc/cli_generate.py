@@ -165,7 +165,7 @@ def _warm_and_generate(graph: Graph, prompts: list[list[int]], args: argparse.Na
 
 def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, progress: Progress) -> tuple[str, _Row | str]:
     """The ``--shards N`` row: the model split by KV-head group on N Dask workers (each keeping its part of the cache)."""
-    from lowering.dask_shards import sharded_runner
+    from lowering.distributed.dask_shards import sharded_runner
 
     from .errors import BackendUnavailableError
 
@@ -186,7 +186,7 @@ def _backend_row(
     """Prepare ``backend``, generate, and measure: the peak resident memory counts this backend alone (the pages of the
     mapped checkpoint that an earlier backend read are dropped first, and its runner is gone)."""
     from lowering import prepare
-    from lowering.backends import decode_options
+    from lowering.backends.registry import decode_options
 
     gc.collect()
     release_mapped_pages()
@@ -202,7 +202,7 @@ def _backend_row(
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate greedily on every backend; print tokens/s per backend and the tokens."""
-    from lowering.backends import unavailable_reason
+    from lowering.backends.registry import unavailable_reason
 
     from .optimizer import optimize
 
@@ -211,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     at_least("--threads", args.threads, 1, 4096)
     at_least("--shards", args.shards, 1, 1024)
     if args.shards is not None:
-        from lowering.backends import get_backend
+        from lowering.backends.registry import get_backend
 
         get_backend(args.shard_backend)  # an unknown name is refused before any worker starts
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]

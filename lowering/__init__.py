@@ -5,7 +5,7 @@ semantics), ``onnx-reference``, ``ort-cpu``, ``ort-cuda`` or ``torch``;
 ``export(graph, path)`` writes an ONNX model.
 """
 
-from .backends import (
+from .backends.registry import (
     BACKENDS,
     BackendSpec,
     Runner,
@@ -18,13 +18,13 @@ from .backends import (
     unregister_backend,
 )
 from .compare import BackendResult, ComparisonReport, compare
-from .contraction import contract, contract_pair, plan_matmul
-from .generate import Generation, generate, left_pad
-from .inputs import check_inputs, random_inputs
-from .kv_cache import ArrayKVCache, KVCache, LMInterface
-from .numpy_interpreter import NumpyInterpreter, run_numpy
-from .onnx_export import DEFAULT_OPSET, export
-from .targets import ATTENTION_MODES, NUMPY_TARGET, TORCH_TARGET, onnx_target
+from .kernels.contraction import contract, contract_pair, plan_matmul
+from .decode.generate import Generation, generate, left_pad
+from .backends.inputs import check_inputs, random_inputs
+from .decode.kv_cache import ArrayKVCache, KVCache, LMInterface
+from .backends.numpy_interpreter import NumpyInterpreter, run_numpy
+from .exporter.onnx_export import DEFAULT_OPSET, export
+from .exporter.targets import ATTENTION_MODES, NUMPY_TARGET, TORCH_TARGET, onnx_target
 
 __all__ = [
     "run",

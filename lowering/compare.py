@@ -26,9 +26,9 @@ from graphc.dims import check_sizes
 from graphc.graph import Graph
 from graphc.memory import check_allocation, graph_run_bytes
 
-from .backends import backend_names, get_backend, prepare
-from .inputs import format_sizes, check_inputs, random_inputs, symbol_bindings
-from .kernels import default_threads
+from .backends.registry import backend_names, get_backend, prepare
+from .backends.inputs import format_sizes, check_inputs, random_inputs, symbol_bindings
+from .kernels.softmax import default_threads
 
 __all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS", "TOLERANCES", "default_tolerance"]
 
@@ -194,7 +194,7 @@ def compare(
     with the install line when dask is absent).  ``reference_model``: the
     ONNX model (path or ``ModelProto``) ``graph`` was imported from; the
     reference is then that model run by onnxruntime (or ONNX's reference
-    evaluator), not graphc's own import (:mod:`lowering.onnx_reference`).
+    evaluator), not graphc's own import (:mod:`lowering.backends.onnx_reference`).
     """
     atol, rtol = _check_arguments(graph, backends, repeats, atol, rtol)
     plan = None
@@ -279,7 +279,7 @@ def _reference(
 ) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
     """What the backends are checked against, and how to run it: the imported ONNX model's own run, else NumPy float64."""
     if reference_model is not None:
-        from .onnx_reference import onnx_model_reference
+        from .backends.onnx_reference import onnx_model_reference
 
         return onnx_model_reference(reference_model, graph)
 
@@ -299,7 +299,7 @@ def _run_sharded(
     atol: float,
     rtol: float,
 ) -> BackendResult:
-    from .dask_shards import sharded_runner
+    from .distributed.dask_shards import sharded_runner
 
     name = f"sharded x{plan.n} ({backend})"
     try:

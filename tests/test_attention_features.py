@@ -18,8 +18,8 @@ from graphc import AttentionConfig, optimize
 from graphc.errors import AttentionConfigError, ExportError, OpError
 from graphc.optimizer import lower
 from lowering import prepare, random_inputs
-from lowering.onnx_export import export
-from lowering.targets import NUMPY_TARGET, onnx_target
+from lowering.exporter.onnx_export import export
+from lowering.exporter.targets import NUMPY_TARGET, onnx_target
 
 BACKENDS = ("numpy", "onnx-reference", "ort-cpu", "torch")
 TOL = {"atol": 2e-5, "rtol": 1e-4}
@@ -30,7 +30,7 @@ def _cfg(window=None, softcap=None, hq=4, hkv=2):
 
 
 def _available(backend: str) -> bool:
-    from lowering.backends import unavailable_reason
+    from lowering.backends.registry import unavailable_reason
 
     return unavailable_reason(backend) is None
 

@@ -10,7 +10,7 @@ import graphc
 from graphc import AttentionConfig, optimize
 from graphc.optimizer import REFERENCE_TARGET, lower
 from lowering import NUMPY_TARGET, NumpyInterpreter, random_inputs, run
-from lowering.attention_kernel import blocked_attention
+from lowering.kernels.attention_kernel import blocked_attention
 
 CFG = AttentionConfig(48, 6, 2, bias=True)
 F64 = dict(rtol=1e-11, atol=1e-13)
@@ -91,7 +91,7 @@ def test_padding_masks_run_in_the_kernel_and_match_the_reference(kind, sq, past,
     """A bool key mask [B, 1, 1, T] stays one Attention for NumPy: each row's run of kept keys, the causal offset shifted; holes
     take the reference semantics.  Left-padded prompts put whole query rows out of sight (zeros)."""
     from graphc.attention_op import Attention
-    from lowering.attention_kernel import attention_kernel, key_runs
+    from lowering.kernels.attention_kernel import attention_kernel, key_runs
 
     rng = np.random.default_rng(7)
     b, hq, hkv, d, t = 3, 4, 2, 8, past + sq
@@ -122,7 +122,7 @@ def test_run_blocks_runs_every_block_once_and_raises_a_blocks_error(threads):
     """The caller works beside the pool: every start exactly once; an error in any block (caller's or pool's) is raised after all stop."""
     import threading
 
-    from lowering.kernels import run_blocks
+    from lowering.kernels.softmax import run_blocks
 
     seen: list[tuple[int, str]] = []
     run_blocks(lambda i: seen.append((i, threading.current_thread().name)), list(range(50)), threads)
@@ -139,7 +139,7 @@ def test_run_blocks_runs_every_block_once_and_raises_a_blocks_error(threads):
 
 def test_run_blocks_called_from_a_block_runs_the_inner_blocks_on_that_thread():
     """A block that itself asks for helpers (the crew is busy with the outer call) gets its blocks run inline, not a deadlock."""
-    from lowering.kernels import run_blocks
+    from lowering.kernels.softmax import run_blocks
 
     inner: list[int] = []
 
@@ -154,7 +154,7 @@ def test_run_blocks_from_several_threads_at_once():
     """Callers on several threads share one crew: one is served by it, the others run their blocks themselves; every block runs once."""
     import threading
 
-    from lowering.kernels import run_blocks
+    from lowering.kernels.softmax import run_blocks
 
     done: list[tuple[int, int]] = []
     lock = threading.Lock()
@@ -179,8 +179,8 @@ def test_crew_runs_work_on_every_thread_and_raises_a_helpers_error(compiled_spin
     """Without the compiled busy wait helpers sleep between calls; with it they spin first: the same results either way."""
     import threading
 
-    from lowering import compiled
-    from lowering.crew import Crew
+    from lowering.kernels import compiled
+    from lowering.kernels.crew import Crew
 
     if compiled_spin and not compiled.use_compiled():
         pytest.skip(f"compiled kernels off: {compiled.compiled_reason()}")

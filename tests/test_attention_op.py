@@ -145,7 +145,7 @@ def test_every_builder_is_recognised_once_and_each_backend_agrees(kind, optimize
 
 def test_the_reference_is_independent_of_the_kernel_it_checks(monkeypatch):
     """compare's reference runs decomposed: a broken blocked kernel (wrong scale) is reported as FAIL."""
-    import lowering.attention_kernel as ak
+    import lowering.kernels.attention_kernel as ak
     from lowering import compare
 
     g = graphc.attention_layer_graph(CFG, seed=0)

@@ -41,7 +41,7 @@ from graphc.errors import (
 from graphc.memory import set_memory_cap
 from graphc.ops import Binary, Cast, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary
 from lowering import compare, prepare, random_inputs, run
-from lowering.onnx_export import export
+from lowering.exporter.onnx_export import export
 
 CFG = AttentionConfig(32, 4, 2, head_dim=8)
 

@@ -9,8 +9,9 @@ from reference import ref_sdpa
 import graphc
 from graphc.errors import GraphcError
 from graphc.optimizer import REFERENCE_TARGET, lower
-from lowering import NumpyInterpreter, compiled, prepare, random_inputs, run
-from lowering.attention_kernel import blocked_attention
+from lowering import NumpyInterpreter, prepare, random_inputs, run
+from lowering.kernels import compiled
+from lowering.kernels.attention_kernel import blocked_attention
 
 needs_numba = pytest.mark.skipif(not compiled.use_compiled(), reason=f"compiled kernels off: {compiled.compiled_reason()}")
 F32 = dict(rtol=1e-4, atol=1e-5)  # float32 scores over up to 700 keys against float64
@@ -18,7 +19,7 @@ F32 = dict(rtol=1e-4, atol=1e-5)  # float32 scores over up to 700 keys against f
 
 @needs_numba
 def test_exp_is_accurate_on_the_softmax_range_and_exactly_zero_below_it():
-    from lowering._numba_attention import exp_rows
+    from lowering.kernels._numba_attention import exp_rows
 
     x = np.concatenate([np.linspace(-87.0, 0.0, 200_001, dtype=np.float32), np.float32([-87.31, -100.0, -1e30, -np.inf])])
     s = x[None, :].copy()  # one row whose max is 0: exp_rows gives exp(x) itself
@@ -85,7 +86,7 @@ def test_decode_kernel_equals_numpy_reference(lead, groups, sq, t_len, dim, caus
 )
 def test_decode_kernel_over_several_key_blocks(t_len, sq, causal, window, threads, seed):
     """Caches longer than the kernel's key block: running maxima and sums merged across blocks, and blocks a window hides."""
-    from lowering._numba_attention import KEY_BLOCK
+    from lowering.kernels._numba_attention import KEY_BLOCK
 
     assert t_len < 4 * KEY_BLOCK
     rng = np.random.default_rng(seed)

@@ -122,7 +122,7 @@ def test_the_cache_is_closed_when_a_step_fails(toy_backend):
 
 def test_every_builtin_backend_makes_a_cache_that_meets_the_protocol():
     g = graphc.causal_lm_graph(causal_lm_config_from_hf(CONFIG), seed=0)
-    from lowering.generate import lm_interface
+    from lowering.decode.generate import lm_interface
     from conftest import installed
 
     lm = lm_interface(g)
@@ -140,7 +140,7 @@ def test_every_builtin_backend_makes_a_cache_that_meets_the_protocol():
 
 def test_decode_options_come_from_each_backends_spec():
     """A decode loop asks the registry how to prepare each backend; no caller names backends."""
-    from lowering.backends import decode_options
+    from lowering.backends.registry import decode_options
 
     sizes = {"batch": 1, "seq": 1, "past_seq": 64}
     assert decode_options("numpy", sizes, threads=2) == {"threads": 2}

@@ -14,7 +14,8 @@ import graphc
 from graphc.attention.hf_lm import causal_lm_config_from_hf
 from graphc.errors import InputError, SerializationError
 from graphc.weights import load_weights
-from lowering import export, generate, kv_buffers, prepare, run
+from lowering import export, generate, prepare, run
+from lowering.decode import kv_buffers
 
 from conftest import installed
 
@@ -48,7 +49,7 @@ def test_the_cache_grows_as_tokens_come_not_as_asked(lm):
 
 
 def test_a_cache_past_its_first_room_gives_the_same_tokens(lm, monkeypatch):
-    gen = sys.modules["lowering.generate"]  # the package's `generate` names the function
+    gen = sys.modules["lowering.decode.generate"]  # the package's `generate` names the function
     want = generate(lm, PROMPTS, 12).new_tokens  # room for every token from the start
     monkeypatch.setattr(gen, "_FIRST_ROOM", 2)  # the buffers move to larger ones several times
     np.testing.assert_array_equal(generate(lm, PROMPTS, 12).new_tokens, want)
@@ -162,7 +163,7 @@ def test_a_falcon_query_key_value_of_the_wrong_size_is_named(rows, heads, words)
 )
 def test_the_compiled_decode_kernel_refuses_operands_outside_its_contract(change, words):
     from graphc.errors import ExecutionError
-    from lowering import compiled
+    from lowering.kernels import compiled
 
     if not compiled.use_compiled():
         pytest.skip("numba is not installed")
@@ -174,7 +175,7 @@ def test_the_compiled_decode_kernel_refuses_operands_outside_its_contract(change
 def test_a_sharded_runner_refuses_an_unknown_backend_at_once_and_runs_no_more_after_its_client_closed(lm):
     pytest.importorskip("distributed")
     from graphc.errors import BackendError, UnknownNameError
-    from lowering.dask_shards import close_cluster, sharded_runner
+    from lowering.distributed.dask_shards import close_cluster, sharded_runner
 
     with pytest.raises(UnknownNameError, match="bogus"):
         sharded_runner(lm, 2, backend="bogus")  # no cluster was started for it

@@ -111,7 +111,7 @@ def test_float64_compute_upcasts_everything():
 @pytest.mark.parametrize("offset", [None, 0, 3, -2])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 1, 40, 40), (4, 1, 300)])
 def test_fused_masked_softmax_equals_mask_then_softmax(shape, offset, threads):
-    from lowering.kernels import masked_softmax
+    from lowering.kernels.softmax import masked_softmax
     from graphc.numerics import causal_mask, safe_softmax
 
     x = np.random.default_rng(0).standard_normal(shape)

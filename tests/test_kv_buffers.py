@@ -1,4 +1,4 @@
-"""KV caches that grow in place on the NumPy backend (lowering.kv_buffers), and that they change no number."""
+"""KV caches that grow in place on the NumPy backend (lowering.decode.kv_buffers), and that they change no number."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import graphc
 from graphc.attention import causal_lm_config_from_hf
 from lowering import generate, prepare
-from lowering.kv_buffers import allocate, append, prefix_buffer
+from lowering.decode.kv_buffers import allocate, append, prefix_buffer
 
 
 def test_append_writes_at_the_frontier_and_copies_anywhere_else():

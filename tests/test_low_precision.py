@@ -19,10 +19,12 @@ from graphc.einsum_spec import parse_einsum
 from graphc.errors import ExecutionError, OpError
 from graphc.tensor_ops import Gather
 from graphc.optimizer import lower
-from lowering import compiled, generate, low_precision, numpy_interpreter, prepare
-from lowering.low_precision import StoredWeight, contract_stored, stored_operand
-from lowering.numpy_interpreter import NumpyInterpreter
-from lowering.targets import NUMPY_TARGET
+from lowering import generate, prepare
+from lowering.kernels import compiled, low_precision
+from lowering.backends import numpy_interpreter
+from lowering.kernels.low_precision import StoredWeight, contract_stored, stored_operand
+from lowering.backends.numpy_interpreter import NumpyInterpreter
+from lowering.exporter.targets import NUMPY_TARGET
 
 from conftest import installed
 

@@ -179,7 +179,7 @@ def test_auto_records_the_form_it_chose_in_the_trace():
     """What ``graphc optimize --target onnx-auto --explain`` prints: the form per attention and why."""
     from graphc.optimizer import lower
     from graphc.optimizer.infra import PassContext
-    from lowering.targets import onnx_target
+    from lowering.exporter.targets import onnx_target
 
     cases = {
         (

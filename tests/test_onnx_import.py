@@ -22,7 +22,7 @@ from graphc.cli import main
 from graphc.errors import ExecutionError, GraphcError, InputError, OnnxImportError
 from graphc.onnx_import import MAX_DIM, from_onnx, supported_ops
 from lowering import run
-from lowering.onnx_export import export
+from lowering.exporter.onnx_export import export
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(0)

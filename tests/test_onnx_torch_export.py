@@ -26,7 +26,7 @@ from graphc import optimize  # noqa: E402
 from graphc.cli import main  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
 from lowering import run  # noqa: E402
-from lowering.onnx_export import export  # noqa: E402
+from lowering.exporter.onnx_export import export  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS = 64, 8, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -127,7 +127,7 @@ def test_torch_export_imports_groups_and_round_trips(tmp_path: Path, exporter: s
     g = from_onnx(path, strict=True)  # every op modelled: nothing opaque
     optimized = optimize(g).graph
     assert "Repeat" not in optimized.op_counts(), "the K/V repeat must become a grouped einsum"
-    from lowering.targets import target_named
+    from lowering.exporter.targets import target_named
 
     _, report = optimize(g, target=target_named("numpy"))  # recognised as one attention: causal, window, cache
     (fused,) = [f.detail for f in report.trace.fired if f.rule == "fuse_attention"]
@@ -203,7 +203,7 @@ def test_transformers_llama_attention_export(tmp_path: Path) -> None:
     imported = from_onnx(path, strict=True)
     optimized = optimize(imported).graph
     assert "Repeat" not in optimized.op_counts()
-    from lowering.targets import target_named
+    from lowering.exporter.targets import target_named
 
     _, report = optimize(imported, target=target_named("numpy"))  # the mask input has its own name; attention is still recognised
     assert [f.detail for f in report.trace.fired if f.rule == "fuse_attention"] == [

@@ -19,7 +19,7 @@ from graphc.errors import BackendError, ExportError
 from graphc.mapped import all_finite, mapped_location, release_mapped_pages
 from graphc.weights import load_weights
 from lowering import export, prepare
-from lowering.ort_weights import plan_session_weights
+from lowering.backends.ort_weights import plan_session_weights
 
 from conftest import installed
 
@@ -193,7 +193,7 @@ def test_a_causal_lm_checkpoint_generates_the_same_tokens_from_its_files(tmp_pat
 def test_the_torch_backend_shares_the_mapped_weights(tmp_path, dtype):
     """On the CPU the torch backend's weight tensors are the mapped file's bytes (no copy), and compute as the NumPy backend."""
     torch = pytest.importorskip("torch")
-    from lowering.torch_backend import _weight
+    from lowering.backends.torch_backend import _weight
 
     g = _mapped_layer(tmp_path / "ckpt", dtype)
     w = g.initializers["q_proj.weight"]
@@ -209,7 +209,7 @@ def test_an_export_past_protobufs_limit_writes_external_data(tmp_path, monkeypat
     """A model too large for one protobuf (the limit lowered to a few KiB here) goes to <path>.data; in memory it is refused."""
     import onnxruntime as ort
 
-    import lowering.onnx_export as onnx_export
+    import lowering.exporter.onnx_export as onnx_export
 
     monkeypatch.setattr(onnx_export, "INLINE_LIMIT", 4096)
     g = graphc.attention_layer_graph(CFG, seed=2)

@@ -11,9 +11,9 @@ from graphc import AttentionConfig, Graph
 from graphc.optimizer import lower
 from graphc.optimizer.precision import promote_low_precision, widen_interface
 from lowering import compare, prepare, random_inputs
-from lowering.backends import unavailable_reason
+from lowering.backends.registry import unavailable_reason
 from lowering.compare import default_tolerance
-from lowering.targets import NUMPY_TARGET
+from lowering.exporter.targets import NUMPY_TARGET
 
 BACKENDS = [b for b in ("numpy", "onnx-reference", "ort-cpu", "torch") if unavailable_reason(b) is None]
 
@@ -84,7 +84,7 @@ def test_a_bfloat16_minus_inf_constant_is_seen_by_the_nan_guard_analysis():
     then exported a softmax without its guard (NaN for the padding rows, spreading through the cache into real tokens)."""
     import ml_dtypes
 
-    from lowering.onnx_builder import may_carry_neg_inf
+    from lowering.exporter.onnx_builder import may_carry_neg_inf
 
     g = Graph("masked")
     x = g.input("x", [2, 3], "bfloat16")

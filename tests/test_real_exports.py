@@ -23,7 +23,7 @@ from graphc.errors import InputError  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
 from graphc.optimizer import Target, lower  # noqa: E402
 from lowering import run  # noqa: E402
-from lowering.targets import NUMPY_TARGET  # noqa: E402
+from lowering.exporter.targets import NUMPY_TARGET  # noqa: E402
 
 SLIDING = {"mistral", "gemma2"}  # families with a sliding window of 16: their caches keep min(past + new, 15) keys
 CASES = [

@@ -21,8 +21,8 @@ from graphc.errors import BackendError, ResourceLimitError
 from graphc.memory import parse_bytes, set_memory_cap
 from graphc.ops import integer_divide
 from lowering import prepare, random_inputs, run
-from lowering.isolated import IsolatedSession
-from lowering.onnx_export import export
+from lowering.backends.isolated import IsolatedSession
+from lowering.exporter.onnx_export import export
 
 BACKENDS = ("numpy", "onnx-reference", "ort-cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,8 +12,8 @@ from graphc.errors import OpError, ShapeMismatchError
 from graphc.optimizer import lower
 from graphc.rotary import rope_inv_freq
 from lowering import prepare
-from lowering.backends import unavailable_reason
-from lowering.targets import NUMPY_TARGET
+from lowering.backends.registry import unavailable_reason
+from lowering.exporter.targets import NUMPY_TARGET
 
 BACKENDS = [b for b in ("numpy", "onnx-reference", "ort-cpu", "torch") if unavailable_reason(b) is None]
 

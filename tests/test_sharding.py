@@ -10,9 +10,9 @@ import graphc
 from graphc import AttentionConfig
 from graphc.errors import BackendUnavailableError, InputError, ShardingError
 from graphc.sharding import shard
-from lowering.sharded import LocalExecutor, Resident, ShardedRunner
+from lowering.distributed.sharded import LocalExecutor, Resident, ShardedRunner
 from lowering import NumpyInterpreter, prepare, random_inputs, run
-from lowering.onnx_export import export
+from lowering.exporter.onnx_export import export
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GQA = AttentionConfig(64, 8, 4)
@@ -218,7 +218,7 @@ def test_run_sharded_without_dask_says_how_to_install(monkeypatch):
         return real(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_distributed)
-    from lowering.dask_shards import run_sharded
+    from lowering.distributed.dask_shards import run_sharded
 
     with pytest.raises(BackendUnavailableError, match=r"graphc\[distributed\]"):
         run_sharded(graphc.sdpa_graph(GQA), {}, 2)
@@ -230,7 +230,7 @@ def test_run_sharded_without_dask_says_how_to_install(monkeypatch):
 @pytest.fixture(scope="module")
 def client():
     pytest.importorskip("distributed")
-    from lowering.dask_shards import close_cluster, local_cluster
+    from lowering.distributed.dask_shards import close_cluster, local_cluster
 
     c = local_cluster(2)
     yield c
@@ -239,7 +239,7 @@ def client():
 
 @pytest.mark.parametrize("kind", ["gqa layer", "mha layer", "mha core", "gqa stack", "mqa decode", "alibi decode", "ragged decoder stack"])
 def test_dask_result_equals_the_single_process_result(client, kind):
-    from lowering.dask_shards import run_sharded
+    from lowering.distributed.dask_shards import run_sharded
 
     build, sizes = GRAPHS[kind]
     g = build()
@@ -254,7 +254,7 @@ def test_dask_result_equals_the_single_process_result(client, kind):
 @pytest.mark.parametrize("cfg", [GQA, MQA], ids=["gqa", "mqa"])
 def test_decode_steps_keep_the_cache_on_the_workers(client, cfg):
     """Several decode steps: the cache is sent once, then only the new token goes out and the output comes back."""
-    from lowering.dask_shards import sharded_runner
+    from lowering.distributed.dask_shards import sharded_runner
 
     g = graphc.kv_cache_graph(cfg, seed=0)
     runner = sharded_runner(g, 2, client=client)
@@ -280,7 +280,7 @@ def test_decode_steps_keep_the_cache_on_the_workers(client, cfg):
 
 
 def test_decoder_stack_decode_over_steps_on_dask(client):
-    from lowering.dask_shards import sharded_runner
+    from lowering.distributed.dask_shards import sharded_runner
 
     g = _decoder(GQA, 2, True)
     runner = sharded_runner(g, 2, client=client)
@@ -332,7 +332,7 @@ def test_cli_refuses_shard_counts_in_one_line(capsys, argv, fragment):
 
 def test_sharded_run_checks_input_ranks_before_splitting():
     """A rank-1 past_key reached the splitter as a raw IndexError."""
-    from lowering.sharded import LocalExecutor, ShardedRunner
+    from lowering.distributed.sharded import LocalExecutor, ShardedRunner
 
     g = graphc.kv_cache_graph(graphc.AttentionConfig(64, 4, 2, head_dim=16), seed=0)
     runner = ShardedRunner(shard(g, 2), LocalExecutor(2))
@@ -374,7 +374,7 @@ def test_generate_on_dask_gives_the_single_process_tokens(client):
     for n in (2, 4):  # 4 shards on the 2 workers: shard i on worker i % 2
         got = generate(g, prompts, 6, shards=n, client=client)
         np.testing.assert_array_equal(got.new_tokens, want.new_tokens, err_msg=f"{n} shards")
-    from lowering.dask_shards import sharded_runner
+    from lowering.distributed.dask_shards import sharded_runner
 
     with sharded_runner(g, 2, client=client) as runner:  # once placed, the driver keeps no shard weights
         assert all(st.graphs == () for st in runner.plan.stages) and all(st.sharded for st in runner.plan.stages)
@@ -384,7 +384,8 @@ def test_generate_on_dask_gives_the_single_process_tokens(client):
 def test_a_tied_table_goes_to_each_worker_once_and_the_mask_stays_there(client, monkeypatch):
     """The embedding lookup (first stage) and the LM head (last stage) read one table: each worker receives it once."""
     from graphc.attention import causal_lm_config_from_hf
-    from lowering import dask_shards, generate
+    from lowering import generate
+    from lowering.distributed import dask_shards
 
     monkeypatch.setattr(dask_shards, "EMBED_BYTES", 1024)  # the tiny model's weights count as large ones
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 96,

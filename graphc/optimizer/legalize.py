@@ -35,7 +35,7 @@ __all__ = ["Target", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", 
 
 AttentionPolicy = Callable[[Graph, Node, PassContext], "str | type[Attention] | None"]
 """Decides one ``Attention`` node, once: ``None`` keeps it for the backend's kernel, an ``Attention`` subclass (a form,
-e.g. ``lowering.forms.ChunkedCausalAttention``) keeps it as that op, a string is the reason to decompose it."""
+e.g. ``lowering.exporter.forms.ChunkedCausalAttention``) keeps it as that op, a string is the reason to decompose it."""
 
 
 def _always_decompose(graph: Graph, node: Node, ctx: PassContext) -> str:

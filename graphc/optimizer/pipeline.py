@@ -135,7 +135,7 @@ def optimize(
     opt_einsum's path optimizer; ``verify`` checks the graph after every stage.
 
     With a ``target`` (a :class:`~graphc.optimizer.legalize.Target`, e.g. from
-    ``lowering.get_target``) the lowering stages follow: attention is
+    ``lowering.onnx_target``) the lowering stages follow: attention is
     recognised as one ``Attention`` op and kept or decomposed per node for that
     target, with ``sizes`` (the real sizes, when known) informing the choice.
     """

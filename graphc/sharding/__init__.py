@@ -1,8 +1,8 @@
 """Sharding attention graphs by KV-head group: ``shard(graph, n)`` (see :mod:`graphc.sharding.plan`).
 
-Running a plan is the backends' side: :class:`lowering.sharded.ShardedRunner`
-(one process, or any executor) and :func:`lowering.dask_shards.run_sharded` /
-:func:`lowering.dask_shards.sharded_runner` on Dask workers.
+Running a plan is the backends' side: :class:`lowering.distributed.sharded.ShardedRunner`
+(one process, or any executor) and :func:`lowering.distributed.dask_shards.run_sharded` /
+:func:`lowering.distributed.dask_shards.sharded_runner` on Dask workers.
 """
 
 from .plan import REPLICATED_MODES, ShardPlan, Stage, shard, sum_addends

@@ -12,8 +12,8 @@ as a plain ``concatenate`` would, so no step ever overwrites keys another step s
 :func:`prefix_buffer` lets a kernel read such a prefix through its C-contiguous buffer
 instead of copying it to a contiguous array.
 
-:func:`numpy_cache` is the NumPy backend's :class:`~lowering.kv_cache.KVCache`: an
-:class:`~lowering.kv_cache.ArrayKVCache` whose first pasts are empty prefixes of new buffers.
+:func:`numpy_cache` is the NumPy backend's :class:`~lowering.decode.kv_cache.KVCache`: an
+:class:`~lowering.decode.kv_cache.ArrayKVCache` whose first pasts are empty prefixes of new buffers.
 """
 
 from __future__ import annotations

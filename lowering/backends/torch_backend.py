@@ -28,7 +28,7 @@ from graphc.tensor_ops import Gather, GatherElements, Reduce, Slice
 
 from .runner import Runner
 from .inputs import check_inputs
-from .targets import TORCH_TARGET
+from ..exporter.targets import TORCH_TARGET
 
 __all__ = ["prepare_torch"]
 

@@ -1,4 +1,4 @@
-"""numba kernels behind :mod:`lowering.compiled` (imported only when numba is installed).
+"""numba kernels behind :mod:`lowering.kernels.compiled` (imported only when numba is installed).
 
 Three compiled functions:
 
@@ -15,7 +15,7 @@ Three compiled functions:
   softmax is left unnormalised: each slice returns its row maxima, sums and
   ``V`` accumulators, and the caller merges slices (split keys) and divides.
 - :func:`spin_until` (``nogil``): a bounded busy wait on a shared counter,
-  with which graphc's helper threads (:mod:`lowering.crew`) pick up the next
+  with which graphc's helper threads (:mod:`lowering.kernels.crew`) pick up the next
   call's blocks without being woken by the kernel.
 - :func:`exp_rows` (``nogil``, called from the prefill blocks' threads):
   ``s <- exp(s - rowmax)`` in place with the row sums, in one

@@ -1,4 +1,4 @@
-"""numba kernel behind :func:`lowering.compiled.bf16_matmul` (imported only when numba is installed).
+"""numba kernel behind :func:`lowering.kernels.compiled.bf16_matmul` (imported only when numba is installed).
 
 :func:`bf16_rows` computes ``out[m, n] = sum_k x[m, k] * w[n, k]`` for rows
 ``n0 <= n < n1`` of a bfloat16 weight read as its raw ``uint16`` bits:
@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 __all__ = ["bf16_rows"]
 
 FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
-"""Fast-math less ``nnan``/``ninf``, as in :mod:`lowering._numba_attention`: sums may be reordered, inf/NaN keep their meaning."""
+"""Fast-math less ``nnan``/``ninf``, as in :mod:`lowering.kernels._numba_attention`: sums may be reordered, inf/NaN keep their meaning."""
 
 
 @intrinsic

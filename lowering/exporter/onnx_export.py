@@ -1,12 +1,12 @@
 """Export a graphc graph to ONNX.
 
 The graph is first lowered for the ONNX target of the chosen attention mode
-(:mod:`lowering.targets`): attention is recognised once by the optimizer and
+(:mod:`lowering.exporter.targets`): attention is recognised once by the optimizer and
 each ``Attention`` node is kept (emitted as the standard ``Attention`` op or
 onnxruntime's ``com.microsoft.GroupQueryAttention``) or decomposed, and
 einsums of three or more operands are split pairwise.  Every pairwise einsum
 that maps onto a batched GEMM is emitted as Transpose/Reshape + ``MatMul`` (the
-plan of :mod:`lowering.contraction`), since onnxruntime's ``Einsum`` kernel is
+plan of :mod:`lowering.kernels.contraction`), since onnxruntime's ``Einsum`` kernel is
 1.4-3x slower on prefill shapes and 7-12x on decode shapes.  Symbolic dims
 become dynamic axes (``dim_param``); shapes that Reshape needs are computed at
 run time from the inputs' ``Shape``.
@@ -39,7 +39,7 @@ from graphc.opaque import Opaque
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, ShapeValues, Slice
 
-from .contraction import MatmulPlan, plan_matmul
+from ..kernels.contraction import MatmulPlan, plan_matmul
 from .onnx_builder import ONNX_DTYPES, OnnxBuilder, may_carry_neg_inf
 from .forms import ChunkedCausalAttention, OnnxAttention, OrtGroupQueryAttention
 from .onnx_chunked import emit_chunked_attention
@@ -146,7 +146,9 @@ def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
 
 
 def _emit_unformed_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
-    raise ExportError(f"node {node.name!r}: an Attention op with no ONNX form; lower the graph for an ONNX target (lowering.targets.onnx_target)")
+    raise ExportError(
+        f"node {node.name!r}: an Attention op with no ONNX form; lower the graph for an ONNX target (lowering.exporter.targets.onnx_target)"
+    )
 
 
 def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
@@ -411,9 +413,9 @@ def export(
     ``attention``: ``"decomposed"`` (MatMul/Softmax nodes), ``"onnx-attention"``
     (the standard ``Attention`` op, opset 23+), ``"ort-gqa"`` (onnxruntime's
     ``com.microsoft.GroupQueryAttention``), ``"chunked"`` (causal attention as
-    query chunks against the visible keys only, :mod:`lowering.onnx_chunked`) or ``"auto"`` (per attention, under
+    query chunks against the visible keys only, :mod:`lowering.exporter.onnx_chunked`) or ``"auto"`` (per attention, under
     ``sizes``/``hints``: chunked or fused when each KV head serves at least 64 query rows and, for chunks, the scores
-    are large enough (:data:`lowering.targets.AUTO_MIN_CHUNKED_SCORES`), else grouped MatMuls; decomposed when the
+    are large enough (:data:`lowering.exporter.targets.AUTO_MIN_CHUNKED_SCORES`), else grouped MatMuls; decomposed when the
     query length is unknown).  An
     explicit fused mode that cannot carry a recognised attention raises
     :class:`ExportError` with the reason; ``auto`` falls back to the decomposed form.
@@ -427,7 +429,7 @@ def export(
     without ``external_data`` (with no ``path``, :class:`ExportError`).
     ``place_weights(name, array) -> TensorProto`` decides how each initializer
     is carried instead (inline, or external data that a session is pointed at;
-    see :class:`lowering.ort_weights.SessionWeights`); it excludes
+    see :class:`lowering.backends.ort_weights.SessionWeights`); it excludes
     ``external_data``.
     """
     if external_data and path is None:

@@ -12,7 +12,7 @@ between processes is counted in :attr:`RunStats.bytes_sent` and
 
 :class:`LocalExecutor` runs the shards one after another in this process (the
 exact semantics, for tests and for the single-process comparison);
-:class:`lowering.dask_shards.DaskExecutor` runs them on Dask workers.
+:class:`lowering.distributed.dask_shards.DaskExecutor` runs them on Dask workers.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from graphc.errors import InputError, ShardingError
 from graphc.graph import Graph
 from graphc.sharding import ShardPlan, Stage, sum_addends
 
-from .inputs import check_arrays, check_assumptions
-from .kv_cache import ArrayKVCache, KVCache, LMInterface
+from ..backends.inputs import check_arrays, check_assumptions
+from ..decode.kv_cache import ArrayKVCache, KVCache, LMInterface
 
 __all__ = ["ShardedRunner", "Resident", "RunStats", "Executor", "LocalExecutor", "timed_run", "extend_last_axis", "GROWING_MAX_BYTES"]
 
@@ -119,7 +119,7 @@ class LocalExecutor:
 
     def prepare(self, stage: Stage, backend: str, options: Mapping[str, Any]) -> None:
         """Prepare each shard's graph with :func:`lowering.prepare`."""
-        from .backends import prepare
+        from ..backends.registry import prepare
 
         for i, g in enumerate(stage.graphs):
             self._runners[(stage.index, i)] = prepare(g, backend, **dict(options))
@@ -166,7 +166,7 @@ class ShardedRunner:
         self._fetched: dict[tuple[str, int], np.ndarray] = {}
         self._held: dict[tuple[str, int], tuple[np.ndarray, Any]] = {}  # (input, shard) -> last value sent, its handle if kept there
         self._local: dict[int, Any] = {}
-        from .backends import prepare
+        from ..backends.registry import prepare
 
         for st in plan.stages:
             if st.sharded:
@@ -198,7 +198,7 @@ class ShardedRunner:
         return plan.name == graph.name and all(plan.types.get(n) == graph.types[n] for n in (*graph.inputs, *graph.outputs))
 
     def close(self) -> None:
-        """Release the executor (a LocalCluster that :func:`~lowering.dask_shards.sharded_runner` started is shut down)."""
+        """Release the executor (a LocalCluster that :func:`~lowering.distributed.dask_shards.sharded_runner` started is shut down)."""
         close = getattr(self.executor, "close", None)
         if close is not None:
             close()

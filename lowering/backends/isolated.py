@@ -48,7 +48,7 @@ def _serve_fds(read_fd: int, write_fd: int) -> None:  # pragma: no cover - runs 
                 model, providers, threads, basic, folder = payload
                 so = ort.SessionOptions()
                 so.log_severity_level = 3
-                if folder is not None:  # external data read from the checkpoint's files (lowering.ort_weights)
+                if folder is not None:  # external data read from the checkpoint's files (lowering.backends.ort_weights)
                     so.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
                 if threads:
                     so.intra_op_num_threads = threads
@@ -73,8 +73,8 @@ class _Worker:
     def __init__(self) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        code = f"from lowering.isolated import _serve_fds; _serve_fds({to_child_r}, {from_child_w})"
-        root = str(Path(__file__).resolve().parent.parent)
+        code = f"from lowering.backends.isolated import _serve_fds; _serve_fds({to_child_r}, {from_child_w})"
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding lowering/
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, from_child_w), env=env, stdin=subprocess.DEVNULL)
         os.close(to_child_r)
@@ -128,7 +128,7 @@ class IsolatedSession:
     """An onnxruntime ``InferenceSession`` living in the worker process.
 
     ``basic_optimizations`` limits onnxruntime's graph rewrites to the basic
-    level (see :mod:`lowering.ort_backend`); ``weights_folder`` is the folder of
+    level (see :mod:`lowering.backends.ort_backend`); ``weights_folder`` is the folder of
     the model's external data.  ``outputs``, ``providers`` and ``version``
     describe the session as the worker built it.  :meth:`run` raises :class:`BackendError` when onnxruntime
     fails or the worker dies; a session whose worker died cannot run again.

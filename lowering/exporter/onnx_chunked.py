@@ -8,7 +8,7 @@ computed from the run-time shapes, so dynamic sequence lengths work): chunk
 where ``P = T - S`` is the past length.  The work is ``(n + 1) / 2n`` of the
 square (62.5% for 4 chunks, 56% for 8).  Within a chunk the heads stay grouped
 (``[B, Hkv, group x rows, D]`` against ``[B, Hkv, keys, D]``), so K/V are never
-repeated.  What the form can carry is :func:`lowering.forms.chunked_unsupported`.
+repeated.  What the form can carry is :func:`lowering.exporter.forms.chunked_unsupported`.
 """
 
 from __future__ import annotations

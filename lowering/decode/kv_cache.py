@@ -6,13 +6,13 @@ returns ``present.{i}.key/value``; between steps the presents become the next pa
 own cache (:meth:`lowering.Runner.new_cache`):
 
 - NumPy: buffers with room to grow, appended to in place by the attention kernel
-  (:class:`ArrayKVCache` over :func:`lowering.kv_buffers.allocate`);
-- onnxruntime: ``OrtValue`` s that never come back to NumPy (:class:`lowering.ort_backend.OrtKVCache`);
-- sharded runs: after the first step, :class:`lowering.sharded.Resident` handles of the parts each
+  (:class:`ArrayKVCache` over :func:`lowering.decode.kv_buffers.allocate`);
+- onnxruntime: ``OrtValue`` s that never come back to NumPy (:class:`lowering.backends.ort_backend.OrtKVCache`);
+- sharded runs: after the first step, :class:`lowering.distributed.sharded.Resident` handles of the parts each
   shard keeps (an :class:`ArrayKVCache` fed back as the step returned it);
 - any other backend: the plain arrays a step returns (:class:`ArrayKVCache`, the default).
 
-The decode loop (:func:`lowering.generate`) knows only the :class:`KVCache` protocol and
+The decode loop (:func:`lowering.decode.generate`) knows only the :class:`KVCache` protocol and
 :meth:`~lowering.Runner.step`: ``runner.step({**feeds, **cache.feeds()}, keep=cache.outputs)``,
 then ``cache.advance(outputs)``.  A new backend brings its cache in its own module
 (``tests/test_extending_decode.py`` adds one in one file).

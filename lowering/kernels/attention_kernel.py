@@ -25,8 +25,8 @@ from graphc.dims import eval_dim
 from graphc.numerics import hidden_keys
 
 from . import compiled
-from .kernels import default_threads, exp_rows_, run_blocks
-from .kv_buffers import append, prefix_buffer
+from .softmax import default_threads, exp_rows_, run_blocks
+from ..decode.kv_buffers import append, prefix_buffer
 
 __all__ = ["attention_kernel", "blocked_attention", "key_runs", "is_key_mask_shape", "GEMM_ROWS"]
 
@@ -45,7 +45,7 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     rest = list(args[3:])
     mask = rest.pop(0) if op.has_mask else None
     present: tuple[np.ndarray, ...] = ()
-    if op.kv_cache:  # in place when the past is a growing buffer (lowering.kv_buffers), else a new array
+    if op.kv_cache:  # in place when the past is a growing buffer (lowering.decode.kv_buffers), else a new array
         present = (append(rest[0], k), append(rest[1], v))
         k, v = (p.view(np.ndarray) for p in present)  # read as plain arrays; the prefixes (which know their buffers) are the outputs
     offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)

@@ -1,6 +1,6 @@
 """``OnnxBuilder``: ONNX nodes and initializers collected for one graph, with shape tensors for its symbolic dims.
 
-Every ONNX emitter (``lowering.onnx_export``'s per-op lowering, ``lowering.onnx_chunked``'s causal chunks) writes
+Every ONNX emitter (``lowering.exporter.onnx_export``'s per-op lowering, ``lowering.exporter.onnx_chunked``'s causal chunks) writes
 through one builder: fresh names, constants, ``Shape``-based dims (a symbol read off the input that carries it, or
 solved from an input's dim expression) and the ``-inf`` analysis that says which softmax needs a NaN guard.
 """

@@ -25,14 +25,14 @@ from graphc.graph import Graph
 from graphc.memory import check_allocation, graph_run_bytes
 from graphc.optimizer import lower
 
-from .compiled import kernels_description
-from .kernels import blas_description
+from ..kernels.compiled import kernels_description
+from ..kernels.softmax import blas_description
 
 from .inputs import check_inputs
-from .kv_buffers import numpy_cache
+from ..decode.kv_buffers import numpy_cache
 from .numpy_interpreter import NumpyInterpreter
 from .runner import Runner
-from .targets import NUMPY_TARGET, REFERENCE_TARGET
+from ..exporter.targets import NUMPY_TARGET, REFERENCE_TARGET
 
 __all__ = [
     "Runner",
@@ -77,7 +77,7 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
 
 
 def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None) -> Any:
-    from .onnx_export import DEFAULT_OPSET, export
+    from ..exporter.onnx_export import DEFAULT_OPSET, export
 
     return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), place_weights=place_weights)
 
@@ -142,7 +142,7 @@ def _ort(provider: str) -> Callable[..., Runner]:
     return prepare_ort
 
 
-DEFAULT_INLINE_MAX_BYTES = 64 << 20  # lowering.ort_weights.DEFAULT_INLINE_MAX_BYTES (not imported: onnx stays a lazy import here)
+DEFAULT_INLINE_MAX_BYTES = 64 << 20  # lowering.backends.ort_weights.DEFAULT_INLINE_MAX_BYTES (not imported: onnx stays a lazy import here)
 
 
 def _torch_missing() -> str | None:

@@ -32,11 +32,11 @@ from graphc.mapped import release_pages
 from graphc.ops import FLOAT_DTYPES, Cast, Einsum, Op, Softmax
 from graphc.tensor_ops import Gather
 
-from .attention_kernel import attention_kernel
-from .contraction import contract
+from ..kernels.attention_kernel import attention_kernel
+from ..kernels.contraction import contract
 from .inputs import InputChecker
-from .kernels import masked_softmax
-from .low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
+from ..kernels.softmax import masked_softmax
+from ..kernels.low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
 
 __all__ = ["NumpyInterpreter", "FAST_KERNELS", "REFERENCE_KERNELS", "run_numpy", "Kernel"]
 
@@ -126,7 +126,8 @@ class NumpyInterpreter:
         return rest
 
     def _stays_stored(self, node: Any, readers: Mapping[str, list[Any]]) -> bool:
-        """True for the float32 cast of a large low-precision matrix that only linear einsums and Gathers read (see :mod:`lowering.low_precision`)."""
+        """True for the float32 cast of a large low-precision matrix that only linear einsums and Gathers read
+        (see :mod:`lowering.kernels.low_precision`)."""
         if not (isinstance(node.op, Cast) and node.op.dtype == "float32"):
             return False
         w = self._weights[node.inputs[0]]

@@ -23,7 +23,7 @@ from graphc.graph import Graph
 
 from graphc.sharding import ShardPlan, Stage, shard, sum_addends
 
-from .backends import get_backend
+from ..backends.registry import get_backend
 from .sharded import RunStats, ShardedRunner, extend_last_axis, timed_run
 
 __all__ = ["DaskExecutor", "run_sharded", "sharded_runner", "local_cluster", "close_cluster"]
@@ -62,7 +62,7 @@ def close_cluster(client: Any) -> None:
 
 
 def _prepare_on_worker(graph: Graph, backend: str, options: Mapping[str, Any], weights: Mapping[str, np.ndarray] | None = None) -> Any:
-    from .backends import prepare
+    from ..backends.registry import prepare
 
     if weights:  # the weights sent apart (once per worker, however many stages read them) go back in
         graph = copy.copy(graph)
@@ -110,7 +110,9 @@ class DaskExecutor:
 
     def _open(self) -> Any:
         if self.client.status in ("closed", "closing"):
-            raise BackendError("the Dask client of this sharded runner is closed; make a new runner (lowering.dask_shards.sharded_runner)")
+            raise BackendError(
+                "the Dask client of this sharded runner is closed; make a new runner (lowering.distributed.dask_shards.sharded_runner)"
+            )
         return self.client
 
     def _submit(self, shard: int, fn: Any, *args: Any) -> Any:

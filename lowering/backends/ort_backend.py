@@ -1,11 +1,11 @@
 """The onnxruntime backends (``ort-cpu``, ``ort-cuda``): export, sessions, and the guards around them.
 
-A graph is exported once per runner (:func:`lowering.onnx_export.export`) and
+A graph is exported once per runner (:func:`lowering.exporter.onnx_export.export`) and
 run by an ``InferenceSession``, in this process or, with ``isolate=True``, in
-the worker process of :mod:`lowering.isolated`.  Weights past
+the worker process of :mod:`lowering.backends.isolated`.  Weights past
 ``inline_weights_max_bytes`` are not serialized into the model: the session
 reads them from the checkpoint's own files or receives them as ``OrtValue`` s
-(:mod:`lowering.ort_weights`), so models of any size load, in about the memory
+(:mod:`lowering.backends.ort_weights`), so models of any size load, in about the memory
 of their weights.
 
 onnxruntime's extended graph rewrites fuse a Transpose into ``MatMul``
@@ -31,7 +31,7 @@ from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
 from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, plan_session_weights
-from .kv_cache import ArrayKVCache, LMInterface, zeros_cache
+from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .runner import Runner, StepFn
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache"]
@@ -124,12 +124,12 @@ def prepare_ort(
     spin: bool = False,
     inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
 ) -> Runner:
-    """Export ``graph`` and build its session: a :class:`~lowering.runner.Runner`, as every backend returns.
+    """Export ``graph`` and build its session: a :class:`~lowering.backends.runner.Runner`, as every backend returns.
 
     ``spin=False`` (default) turns off onnxruntime's spinning intra-op threads, which otherwise
     compete with NumPy's and torch's thread pools in the same process (``compare`` runs them all).
     ``inline_weights_max_bytes``: weights up to this many bytes in all are serialized into the model; larger ones
-    are read from the checkpoint's files or handed over (:mod:`lowering.ort_weights`); ``None`` inlines any size
+    are read from the checkpoint's files or handed over (:mod:`lowering.backends.ort_weights`); ``None`` inlines any size
     (up to protobuf's 2 GiB).
     """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"

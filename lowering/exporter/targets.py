@@ -16,7 +16,7 @@ from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
 
-from .attention_kernel import is_key_mask_shape
+from ..kernels.attention_kernel import is_key_mask_shape
 from .forms import (
     ChunkedCausalAttention,
     OnnxAttention,
@@ -98,7 +98,7 @@ _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttenti
 
 def onnx_target(mode: str, opset: int) -> Target:
     """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset``: its policy gives each kept
-    ``Attention`` its form (:mod:`lowering.forms`), or the reason it is decomposed."""
+    ``Attention`` its form (:mod:`lowering.exporter.forms`), or the reason it is decomposed."""
     if mode not in ATTENTION_MODES:
         raise UnknownNameError("attention mode", mode, ATTENTION_MODES)
     if mode == "decomposed":

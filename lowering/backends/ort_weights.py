@@ -50,7 +50,7 @@ from graphc.mapped import distinct_nbytes, mapped_location, release_pages
 from graphc.memory import format_bytes
 from graphc.numerics import contiguous
 
-from .onnx_builder import ONNX_DTYPES
+from ..exporter.onnx_builder import ONNX_DTYPES
 
 __all__ = ["DEFAULT_INLINE_MAX_BYTES", "SessionWeights", "plan_session_weights"]
 

@@ -1,8 +1,8 @@
 """Attention forms: the ``Attention`` op as an ONNX target writes it, one op type per form, its capability check beside it.
 
-An ONNX target's policy picks the form of each kept ``Attention`` once (:func:`lowering.targets.onnx_target`);
+An ONNX target's policy picks the form of each kept ``Attention`` once (:func:`lowering.exporter.targets.onnx_target`);
 legalisation then turns the node into that form's op, the trace records it (``--explain``), and the ONNX emitter is
-chosen by the op's type (``lowering.onnx_export.ONNX_EMITTERS``).  A form computes exactly what ``Attention`` computes
+chosen by the op's type (``lowering.exporter.onnx_export.ONNX_EMITTERS``).  A form computes exactly what ``Attention`` computes
 (same fields, same reference semantics): only the ONNX it becomes differs.
 """
 
@@ -94,7 +94,7 @@ def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) ->
 
 
 def chunked_unsupported(graph: Graph, node: Node) -> str | None:
-    """Why query chunks (:mod:`lowering.onnx_chunked`) cannot carry ``node`` (``None`` when it can)."""
+    """Why query chunks (:mod:`lowering.exporter.onnx_chunked`) cannot carry ``node`` (``None`` when it can)."""
     op = node.op_as(Attention)
     if op.causal_offset is None:
         return "not causal: every query sees every key, so there is no masked half to skip"

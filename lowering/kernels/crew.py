@@ -4,7 +4,7 @@ A decode call splits its KV heads over the cores.  Handing a share to a
 sleeping thread costs the time the operating system takes to wake it: 50-100
 us on a virtual machine, more than half of a 2 MiB decode.  A :class:`Crew`'s
 helpers busy-wait (GIL released, with the compiled tier's
-:func:`~lowering._numba_attention.spin_until`) for :data:`SPIN_READS` reads of
+:func:`~lowering.kernels._numba_attention.spin_until`) for :data:`SPIN_READS` reads of
 a shared counter, about 0.1 ms, after each call before they sleep, so calls
 made back to back (layer after layer, token after token) find them awake; a
 helper that sleeps is woken through a condition variable as before.  Without
@@ -99,7 +99,7 @@ _SPIN_PROVIDER: list[Callable[[], SpinWait | None]] = []
 
 
 def use_spin(provider: Callable[[], SpinWait | None]) -> None:
-    """Where crews made from now on get their busy wait (:mod:`lowering.compiled` registers its own when imported)."""
+    """Where crews made from now on get their busy wait (:mod:`lowering.kernels.compiled` registers its own when imported)."""
     _SPIN_PROVIDER[:] = [provider]
 
 

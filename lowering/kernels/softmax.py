@@ -83,7 +83,7 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
     """Call ``block(start)`` for every start, on ``threads`` threads (the caller's and a pool's) when there is more than one block.
 
     The calling thread works through the blocks beside its helpers, which
-    stay awake for a moment between calls (:mod:`lowering.crew`: handing
+    stay awake for a moment between calls (:mod:`lowering.kernels.crew`: handing
     every block to a pool of sleeping threads cost 50-100 us a call, more
     than half of a 2 MiB decode).  ``pin_blas`` limits BLAS to one
     thread per block while the blocks run, so that BLAS's own threads do not
@@ -102,7 +102,8 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
 
 
 def _share_blocks(block: Callable[[T], None], starts: Sequence[T], n: int) -> None:
-    """Blocks taken in order from one counter by the caller and ``n - 1`` helpers (:mod:`lowering.crew`); the first error is raised after all stop.
+    """Blocks taken in order from one counter by the caller and ``n - 1`` helpers (:mod:`lowering.kernels.crew`); the first
+    error is raised after all stop.
 
     The crew is the one for ``n`` threads whatever the number of blocks (a
     helper that finds none left returns at once), so a process keeps one

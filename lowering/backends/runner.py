@@ -1,10 +1,10 @@
 """``Runner``: a graph prepared for one backend, the one protocol every backend's ``prepare`` returns.
 
 Besides :meth:`Runner.run` (NumPy arrays in and out, checked), a runner serves a decode
-loop: :meth:`Runner.new_cache` makes the backend's own KV cache (:mod:`lowering.kv_cache`)
+loop: :meth:`Runner.new_cache` makes the backend's own KV cache (:mod:`lowering.decode.kv_cache`)
 and :meth:`Runner.step` runs one step with it, keeping the outputs the cache takes in the
 backend's own form (onnxruntime's ``OrtValue`` s, NumPy's growing buffers).
-:class:`~lowering.sharded.ShardedRunner` serves the same protocol (:class:`DecodeRunner`).
+:class:`~lowering.distributed.sharded.ShardedRunner` serves the same protocol (:class:`DecodeRunner`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 
 from .inputs import InputChecker
-from .kv_cache import ArrayKVCache, KVCache, LMInterface
+from ..decode.kv_cache import ArrayKVCache, KVCache, LMInterface
 
 __all__ = ["Runner", "DecodeRunner", "CacheMaker", "StepFn"]
 
@@ -31,7 +31,7 @@ StepFn = Callable[[Mapping[str, Any], Sequence[str]], dict[str, Any]]
 
 
 class DecodeRunner(Protocol):
-    """What :func:`lowering.generate` needs of a runner: a name, a description, a cache, a step, and the model it was made for."""
+    """What :func:`lowering.decode.generate` needs of a runner: a name, a description, a cache, a step, and the model it was made for."""
 
     backend: str
 
@@ -67,7 +67,7 @@ class Runner:
     weights: str = field(default="", repr=False)
     """Where the backend keeps the weights, when it says (onnxruntime: inline, read from the checkpoint files, handed over)."""
     caches: CacheMaker | None = field(default=None, repr=False)
-    """The backend's KV cache for decode loops; None: the arrays a step returns are fed back (:class:`~lowering.kv_cache.ArrayKVCache`)."""
+    """The backend's KV cache for decode loops; None: the arrays a step returns are fed back (:class:`~lowering.decode.kv_cache.ArrayKVCache`)."""
     stepper: StepFn | None = field(default=None, repr=False)
     """The backend's decode step over its cache's values; None: :meth:`run`."""
     _check: InputChecker = field(init=False, repr=False)

@@ -7,11 +7,11 @@ left-padded into one batch, ``attention_mask`` marks the padding, positions
 count real tokens only (``cumsum(mask) - 1``, as transformers' ``generate``),
 and each step feeds the last token of every sequence with the previous step's
 ``present.*`` as ``past_key_values.*``.  Where the cache lives between steps is the runner's
-business (:mod:`lowering.kv_cache`): the loop asks the runner for a cache
+business (:mod:`lowering.decode.kv_cache`): the loop asks the runner for a cache
 (``runner.new_cache``), runs each step through ``runner.step`` and hands the
 step's outputs to the cache.  On onnxruntime the cache stays in onnxruntime's
 own tensors (``OrtValue`` s, never copied to NumPy); on NumPy it is a buffer per
-layer that the attention kernel appends to in place (:mod:`lowering.kv_buffers`);
+layer that the attention kernel appends to in place (:mod:`lowering.decode.kv_buffers`);
 sharded, each shard keeps its part; elsewhere the arrays a step returns are the
 next step's inputs.
 
@@ -34,9 +34,9 @@ import numpy as np
 from graphc.errors import ExecutionError, InputError
 from graphc.graph import Graph
 
-from .backends import prepare
+from ..backends.registry import prepare
 from .kv_cache import LMInterface
-from .runner import DecodeRunner
+from ..backends.runner import DecodeRunner
 
 __all__ = ["Generation", "generate", "left_pad", "lm_interface", "LMInterface"]
 
@@ -178,7 +178,7 @@ def generate(
     if runner is not None:
         _check_runner(graph, runner)
     if runner is None and shards is not None:
-        from .dask_shards import sharded_runner
+        from ..distributed.dask_shards import sharded_runner
 
         with sharded_runner(graph, shards, backend, client, **prepare_options) as own:
             return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos, keep_logits, progress)

@@ -12,7 +12,7 @@
 - linear layers over bfloat16 weights with :func:`bf16_matmul` (a few rows
   of activations: decode), widening each weight element in a register, so
   the weight is read in its own 2 bytes and never copied to float32
-  (:mod:`lowering.low_precision`).
+  (:mod:`lowering.kernels.low_precision`).
 
 numba is an extra, not a core dependency, because each numba release supports
 a bounded range of NumPy versions: a core dependency would hold back the NumPy
@@ -38,7 +38,7 @@ import numpy as np
 from graphc.errors import ExecutionError, GraphcError
 
 from .crew import use_spin
-from .kernels import default_threads, run_blocks
+from .softmax import default_threads, run_blocks
 
 __all__ = [
     "DECODE_BYTES_PER_THREAD",
@@ -102,7 +102,7 @@ def use_compiled() -> bool:
     return compiled_reason() is None and _kernels() is not None
 
 
-_KERNEL_MODULES = ("lowering._numba_attention", "lowering._numba_linear")
+_KERNEL_MODULES = ("lowering.kernels._numba_attention", "lowering.kernels._numba_linear")
 
 
 def _kernels() -> ModuleType | None:
@@ -144,7 +144,7 @@ def warm_up() -> float:
 
 
 def spin_until() -> Callable[[np.ndarray, int, int, int], int] | None:
-    """The compiled bounded busy wait on a shared counter (:mod:`lowering.crew`'s helpers), or None when the compiled tier is off."""
+    """The compiled bounded busy wait on a shared counter (:mod:`lowering.kernels.crew`'s helpers), or None when the compiled tier is off."""
     return _loaded_kernels().spin_until if use_compiled() else None
 
 
@@ -152,7 +152,7 @@ use_spin(spin_until)
 
 
 def exp_rows_compiled(s: np.ndarray) -> np.ndarray:
-    """:func:`lowering.kernels.exp_rows_` in one compiled pass: ``s <- exp(s - rowmax)`` in place; returns the row sums ``[..., 1]``.
+    """:func:`lowering.kernels.softmax.exp_rows_` in one compiled pass: ``s <- exp(s - rowmax)`` in place; returns the row sums ``[..., 1]``.
 
     ``s`` must be a C-contiguous float32 array (as ``np.matmul`` returns the scores): a reshape of any other would be a copy.
     """
@@ -167,7 +167,7 @@ def bf16_matmul(x: np.ndarray, w_bits: np.ndarray, threads: int | None) -> np.nd
     """``x @ float32(w).T`` for ``x [M, K]`` float32 and a bfloat16 weight ``w [N, K]`` given as its ``uint16`` bits, without a float32 copy of ``w``.
 
     Each element of ``w`` is widened in a register as it is read
-    (:mod:`lowering._numba_linear`), so a decode step reads the weight's own 2 bytes an element.
+    (:mod:`lowering.kernels._numba_linear`), so a decode step reads the weight's own 2 bytes an element.
     Rows of ``w`` are shared among ``threads`` threads.
     """
     if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous):
@@ -212,7 +212,7 @@ def decode_attention(
     """``softmax(masked(q k^T)) v`` for ``q [L, R, D]`` (already scaled), ``k [L, T, D]``, ``v [L, T, E]``, float32, C-contiguous.
 
     Row ``r`` is query ``r % sq``; ``offset``/``window`` as in
-    :func:`lowering.attention_kernel.blocked_attention`; rows that see no key
+    :func:`lowering.kernels.attention_kernel.blocked_attention`; rows that see no key
     are zeros.  ``keys``: only the first ``keys`` of ``k``/``v`` are the cache (a buffer with room to grow; default all).
     Work is split over batch x KV heads, and over keys as well
     when there are fewer heads than threads (flash-decoding: each key slice

@@ -14,7 +14,7 @@ reader of the cast is
 
 :func:`contract_stored` widens the weight as it reads it: for a few rows of
 activations (decode), bfloat16 goes through the compiled kernel
-(:func:`lowering.compiled.bf16_matmul`), which reads the weight's own 2 bytes
+(:func:`lowering.kernels.compiled.bf16_matmul`), which reads the weight's own 2 bytes
 an element; otherwise (prefill, float16, or without numba) blocks of weight
 rows are converted to float32 on graphc's threads, one cache-sized block per
 thread at a time, each multiplied with single-threaded BLAS.  The results are
@@ -33,7 +33,7 @@ from graphc.ops import Einsum
 from graphc.tensor_ops import Gather
 
 from .compiled import bf16_matmul, use_compiled
-from .kernels import default_threads, run_blocks
+from .softmax import default_threads, run_blocks
 
 __all__ = ["StoredWeight", "LOW_PRECISION", "MIN_STORED_BYTES", "COMPILED_MAX_ROWS", "stored_operand", "contract_stored", "keeps_stored"]
 

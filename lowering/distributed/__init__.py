@@ -1,0 +1,2 @@
+"""Tensor-parallel runs: the sharded runner and its Dask executor.
+"""
