@@ -16,6 +16,8 @@ from graphc.tensor_ops import Slice
 from graphc.ops import CausalMask, Einsum, Op, Repeat, Reshape, Transpose
 
 from .infra import Miss, Pass, PassContext, Rule
+from .patterns import Bindings, Pat, pattern_rule
+from .uses import only_reader, remove_if_dead
 
 __all__ = [
     "remove_if_dead",
@@ -33,28 +35,12 @@ CONSTANT_FOLD_LIMIT = 1 << 26
 """Largest result (in elements) that constant folding computes ahead of time."""
 
 
-def remove_if_dead(graph: Graph, name: str) -> None:
-    """Remove the node producing ``name`` if none of its outputs is read, then its operands' producers likewise."""
-    stack = [name]
-    while stack:
-        node = graph.producer(stack.pop())
-        if node is not None and all(graph.use_count(o) == 0 for o in node.outputs):
-            inputs = node.inputs
-            graph.remove_node(node.name)
-            stack.extend(inputs)
-
-
 def shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
     """The initializer ``name`` holding ``value``, made once per graph (rewrites of several layers share it, so their nodes merge)."""
     have = graph.initializers.get(name)
     if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
         return name
     return graph.add_initializer(graph.fresh_name(name) if have is not None or name in graph.types else name, value).name
-
-
-def only_reader(graph: Graph, value: str, reader: str) -> bool:
-    """True when node ``reader`` is the sole reader of ``value`` (once) and ``value`` is no graph output."""
-    return not graph.is_output(value) and graph.use_count(value) == 1 and value in graph.nodes[reader].inputs
 
 
 def _bypass(graph: Graph, node: Node, rule: str) -> Miss | Node:
@@ -90,16 +76,14 @@ def _do_remove_identity(graph: Graph, node: Node, ctx: PassContext) -> str:
     return _do_bypass(graph, node, ctx)
 
 
-def _match_reshape_chain(graph: Graph, node: Node, ctx: PassContext) -> object:
-    inner = graph.producer(node.inputs[0])
-    return node if inner is not None and isinstance(inner.op, Reshape) else None
+RESHAPE_OF_RESHAPE = Pat.op(Reshape, name="outer", inputs=(Pat.op(Reshape, name="inner", inputs=(Pat.var("x"),)),))
 
 
-def _rewrite_reshape_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
-    inner = graph.nodes[node.inputs[0]]
-    graph.redefine(node.name, node.op, [inner.inputs[0]])
+def _rewrite_reshape_chain(graph: Graph, b: Bindings, ctx: PassContext) -> str:
+    outer, inner, x = b["outer"], b["inner"], b["x"]
+    graph.redefine(outer.name, outer.op, [x])
     remove_if_dead(graph, inner.name)
-    return f"reshape of reshape {inner.name!r} now reads {inner.inputs[0]!r} directly"
+    return f"reshape of reshape {inner.name!r} now reads {x!r} directly"
 
 
 def _match_identity_transpose(graph: Graph, node: Node, ctx: PassContext) -> object:
@@ -107,15 +91,13 @@ def _match_identity_transpose(graph: Graph, node: Node, ctx: PassContext) -> obj
     return _bypass(graph, node, "identity transpose") if perm == tuple(range(len(perm))) else None
 
 
-def _match_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> object:
-    inner = graph.producer(node.inputs[0])
-    return node if inner is not None and isinstance(inner.op, Transpose) else None
+TRANSPOSE_OF_TRANSPOSE = Pat.op(Transpose, name="outer", inputs=(Pat.op(Transpose, name="inner", inputs=(Pat.var("x"),)),))
 
 
-def _rewrite_transpose_chain(graph: Graph, node: Node, ctx: PassContext) -> str:
-    inner = graph.nodes[node.inputs[0]]
-    p1, p2 = inner.op_as(Transpose).perm, node.op_as(Transpose).perm
-    graph.redefine(node.name, Transpose(tuple(p1[j] for j in p2)), [inner.inputs[0]])
+def _rewrite_transpose_chain(graph: Graph, b: Bindings, ctx: PassContext) -> str:
+    outer, inner = b["outer"], b["inner"]
+    p1, p2 = inner.op_as(Transpose).perm, outer.op_as(Transpose).perm
+    graph.redefine(outer.name, Transpose(tuple(p1[j] for j in p2)), [b["x"]])
     remove_if_dead(graph, inner.name)
     return f"composed with transpose {inner.name!r}"
 
@@ -202,17 +184,12 @@ def _rewrite_transpose_into_einsum(graph: Graph, m: tuple[Node, int], ctx: PassC
     return f"absorbed transpose {t.name!r}: {spec} -> {new_spec}"
 
 
-def _match_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -> object:
-    prod = graph.producer(node.inputs[0])
-    if prod is None or not isinstance(prod.op, Einsum):
-        return None
-    if not only_reader(graph, prod.name, node.name):
-        return Miss(f"einsum {prod.name!r} has other readers, so its layout stays")
-    return node
+TRANSPOSE_OF_EINSUM = Pat.op(Transpose, name="t", inputs=(Pat.op(Einsum, name="e", single_use=True),))
+"""A transpose of an einsum read by nothing else (with other readers the einsum's layout stays: a Miss)."""
 
 
-def _rewrite_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -> str:
-    e = graph.nodes[node.inputs[0]]
+def _rewrite_einsum_into_transpose(graph: Graph, b: Bindings, ctx: PassContext) -> str:
+    node, e = b["t"], b["e"]
     spec = e.op_as(Einsum).parsed
     out = "".join(spec.output[p] for p in node.op_as(Transpose).perm)
     new_spec = ",".join(spec.inputs) + "->" + out
@@ -223,15 +200,15 @@ def _rewrite_einsum_into_transpose(graph: Graph, node: Node, ctx: PassContext) -
 
 LAYOUT_RULES = (
     Rule("remove_identity_reshape", (Reshape,), _match_noop_reshape, _do_remove_identity),
-    Rule("fold_reshape_chain", (Reshape,), _match_reshape_chain, _rewrite_reshape_chain),
+    pattern_rule("fold_reshape_chain", RESHAPE_OF_RESHAPE, _rewrite_reshape_chain),
     Rule("remove_identity_transpose", (Transpose,), _match_identity_transpose, _do_bypass),
-    Rule("fold_transpose_chain", (Transpose,), _match_transpose_chain, _rewrite_transpose_chain),
+    pattern_rule("fold_transpose_chain", TRANSPOSE_OF_TRANSPOSE, _rewrite_transpose_chain),
     Rule("fold_transpose_in_merge", (Reshape,), _match_transpose_in_merge, _rewrite_transpose_in_merge),
     Rule("remove_unit_repeat", (Repeat,), _match_unit_repeat, _do_bypass),
     Rule("remove_whole_slice", (Slice,), _match_whole_slice, _do_bypass),
     Rule("remove_vacuous_causal_mask", (CausalMask,), _match_vacuous_mask, _do_bypass),
     Rule("fold_transpose_into_einsum", (Einsum,), _match_transpose_into_einsum, _rewrite_transpose_into_einsum),
-    Rule("fold_einsum_into_transpose", (Transpose,), _match_einsum_into_transpose, _rewrite_einsum_into_transpose),
+    pattern_rule("fold_einsum_into_transpose", TRANSPOSE_OF_EINSUM, _rewrite_einsum_into_transpose),
 )
 
 

@@ -17,7 +17,7 @@ from graphc.errors import OptimizerError
 from graphc.graph import Graph, Node
 from graphc.ops import Op
 
-from .cleanup import only_reader
+from .uses import only_reader
 from .infra import Miss, PassContext, Rule
 
 __all__ = ["Pat", "Bindings", "pattern_rule"]
