@@ -50,7 +50,9 @@ def _add_common_args(p: argparse.ArgumentParser, default: object) -> None:
 
 def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src = p.add_argument_group("graph")
-    src.add_argument("model", nargs="?", default=None, help="an ONNX model (.onnx) to import instead of a preset")
+    src.add_argument(
+        "model", nargs="?", default=None, help="an ONNX model (.onnx) to import, or a checkpoint folder (config.json, *.safetensors), instead of a preset"
+    )
     src.add_argument("--strict", action="store_true", help="with an ONNX model: refuse ops graphc does not model (default: carry them through)")
     src.add_argument(
         "--attention-semantics",
@@ -154,6 +156,21 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
         return g, {"batch": batch, "seq": seq, "past_seq": args.past}
     g = sdpa_graph(cfg, dtype=dtype) if args.core else attention_layer_graph(cfg, seed=args.seed, dtype=dtype)
     return g, {"batch": batch, "seq": seq}
+
+
+def _open_checkpoint_folder(args: argparse.Namespace) -> None:
+    """A checkpoint folder as the positional argument means ``--hf-config DIR/config.json --weights DIR`` (the weights only
+    when the folder holds safetensors); either flag given as well wins."""
+    folder = getattr(args, "model", None)
+    if folder is None or not os.path.isdir(folder):
+        return
+    from .checkpoint import Checkpoint
+
+    ckpt = Checkpoint(folder)
+    args.model = None
+    args.hf_config = args.hf_config or str(ckpt.config)
+    if hasattr(args, "weights") and not args.weights and any(ckpt.folder.glob("*.safetensors")):
+        args.weights = str(ckpt.folder)
 
 
 def _import_onnx(path: str, strict: bool, semantics: str = "onnx-1.23") -> Graph:
@@ -571,6 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("a command is needed: compare, export, show, optimize, info or generate (see graphc --help)")
         if args.memory_cap is not None:
             memory.set_memory_cap(args.memory_cap, "set by --memory-cap")
+        _open_checkpoint_folder(args)
         code = int(args.func(args))
         sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
         return code

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from onnx import numpy_helper
 import pytest
 
 from graphc.checkpoint import Checkpoint
@@ -118,3 +119,34 @@ def test_the_tokenizer_reads_what_transformers_reads(folder):
         assert ids == fast(text).input_ids
         assert tok.decode(ids) == fast.decode(ids, skip_special_tokens=True)
     assert np.all(np.array(tok.encode("the")) < tok.vocab_size)
+
+
+@pytest.mark.parametrize("command", [["info"], ["compare", "--layers", "1", "--seq", "4", "--backends", "numpy,ort-cpu"], ["show", "--layers", "1"]])
+def test_a_checkpoint_folder_is_taken_where_a_checkpoint_is_meant(folder, command, capsys):
+    """``graphc CMD DIR`` is ``graphc CMD --hf-config DIR/config.json --weights DIR``: the same printout."""
+    assert main([command[0], str(folder), *command[1:]]) == 0
+    by_folder = capsys.readouterr().out
+    assert main([command[0], "--hf-config", str(folder / "config.json"), "--weights", str(folder), *command[1:]]) == 0
+    by_flags = capsys.readouterr().out
+    strip = lambda text: [line.split()[:4] for line in text.splitlines()]  # noqa: E731 - a compare row's timings differ
+    assert strip(by_folder) == strip(by_flags)
+
+
+def test_export_of_a_checkpoint_folder_runs_its_weights(folder, tmp_path):
+    import onnx
+
+    assert main(["export", str(folder), "--layers", "1", "-o", str(tmp_path / "stack.onnx")]) == 0
+
+    model = onnx.load(str(tmp_path / "stack.onnx"))
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(folder / "model.safetensors"))
+    q = stored["model.layers.0.self_attn.q_proj.weight"]
+    found = [numpy_helper.to_array(t) for t in model.graph.initializer if numpy_helper.to_array(t).size == q.size]
+    assert any(np.array_equal(a.reshape(-1), q.reshape(-1)) or np.array_equal(a.T.reshape(-1), q.reshape(-1)) for a in found)
+
+
+def test_a_folder_without_config_is_named(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["info", str(tmp_path / "empty")]) == 2
+    assert "no config.json" in capsys.readouterr().err
