@@ -34,9 +34,10 @@ class Tokenizer:
             raise SerializationError(f"{path}: not a tokenizers tokenizer.json ({type(e).__name__}: {str(e)[:200]})") from None
         self.path = path
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, with the special tokens the tokenizer adds (a BOS for Llama)."""
-        return list(self._tok.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``, with the special tokens the tokenizer adds (a BOS for Llama) unless ``add_special_tokens``
+        is False (a chat template's text carries its own)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``, special tokens left out (as ``tokenizer.decode(..., skip_special_tokens=True)``)."""
@@ -74,6 +75,42 @@ class Checkpoint:
             raise SerializationError(f"{self.folder}: no tokenizer.json; pass token ids with --prompt-ids instead of text")
         return Tokenizer(path)
 
+    def chat_template(self) -> str:
+        """The chat template transformers applies: ``chat_template.jinja``, else ``tokenizer_config.json``'s
+        ``chat_template`` (a string, or the one named ``default`` of a list)."""
+        path = self.folder / "chat_template.jinja"
+        if path.exists():
+            require_regular_file(path, "chat template")
+            return path.read_text()
+        found = _json(self.folder / "tokenizer_config.json").get("chat_template")
+        if isinstance(found, list):
+            found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(found, str) or not found:
+            raise SerializationError(f"{self.folder}: no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
+        return found
+
+    def chat_prompt(self, user: str) -> list[int]:
+        """The ids of one user message in the checkpoint's chat template, with the assistant's turn opened (as
+        transformers' ``apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)``)."""
+        try:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise SerializationError("chat templates need the jinja2 library: pip install jinja2") from None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        special = {k: _token_text(v) for k, v in _json(self.folder / "tokenizer_config.json").items() if k.endswith("_token")}
+        try:
+            text = env.from_string(self.chat_template()).render(
+                messages=[{"role": "user", "content": user}], add_generation_prompt=True, **{k: v for k, v in special.items() if v}
+            )
+        except SerializationError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template error, named
+            raise SerializationError(f"{self.folder}: the chat template failed: {type(e).__name__}: {e}") from None
+        return self.tokenizer().encode(text, add_special_tokens=False)
+
     def generation_defaults(self) -> dict[str, Any]:
         """``eos_token_id`` (a list) and ``pad_token_id`` as transformers' ``generate`` takes them: ``generation_config.json``
         first, then ``config.json``; ``pad_token_id`` falls back to the first eos (as transformers does), else 0."""
@@ -89,6 +126,23 @@ class Checkpoint:
         if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
             raise SerializationError(f"{self.folder}: pad_token_id must be a token id, got {pad!r}")
         return {"eos_token_id": eos_ids, "pad_token_id": pad}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string, or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_template_error(message: str) -> None:
+    raise SerializationError(f"the chat template refused the conversation: {message}")
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -51,7 +51,10 @@ def _add_common_args(p: argparse.ArgumentParser, default: object) -> None:
 def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src = p.add_argument_group("graph")
     src.add_argument(
-        "model", nargs="?", default=None, help="an ONNX model (.onnx) to import, or a checkpoint folder (config.json, *.safetensors), instead of a preset"
+        "model",
+        nargs="?",
+        default=None,
+        help="an ONNX model (.onnx) to import, or a checkpoint folder (config.json, *.safetensors), instead of a preset",
     )
     src.add_argument("--strict", action="store_true", help="with an ONNX model: refuse ops graphc does not model (default: carry them through)")
     src.add_argument(
@@ -168,6 +171,7 @@ def _open_checkpoint_folder(args: argparse.Namespace) -> None:
 
     ckpt = Checkpoint(folder)
     args.model = None
+    args.checkpoint_folder = str(ckpt.folder)
     args.hf_config = args.hf_config or str(ckpt.config)
     if hasattr(args, "weights") and not args.weights and any(ckpt.folder.glob("*.safetensors")):
         args.weights = str(ckpt.folder)
@@ -279,9 +283,12 @@ def _load_inputs(path: str) -> dict[str, np.ndarray]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Export a graph to ONNX."""
+    """Export a graph to ONNX (a checkpoint folder to a folder: the whole causal LM, as optimum and genai load it)."""
     from lowering.exporter.onnx_export import export
 
+    folder = getattr(args, "checkpoint_folder", None)
+    if folder is not None and not args.output.endswith(".onnx"):
+        return _export_checkpoint(args, folder)
     g, _ = _graph(args)
     fused = args.attention != "decomposed"
     hints = _hints(args.hint)
@@ -292,6 +299,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.output}: {len(model.graph.node)} nodes ({', '.join(ops)}), opset {args.opset}, IR {model.ir_version}"
         + (", attention " + args.attention if fused else "")
+    )
+    return 0
+
+
+def _export_checkpoint(args: argparse.Namespace, folder: str) -> int:
+    from lowering.exporter.checkpoint_export import export_checkpoint
+
+    if args.no_optimize or args.decode or args.core or args.graph:
+        raise UsageError(
+            "a checkpoint folder exports the whole model (one decode step with its KV cache): drop --no-optimize, --decode, --core, --graph"
+        )
+    done = export_checkpoint(folder, args.output, layers=args.layers, attention=args.attention, opset=args.opset, hints=_hints(args.hint))
+    print(
+        f"wrote {args.output}/: model.onnx ({done.nodes} nodes, opset {done.opset}) and model.onnx.data, genai_config.json, "
+        f"{', '.join(done.copied)} (loads in optimum's ORTModelForCausalLM and onnxruntime-genai)"
     )
     return 0
 
@@ -520,7 +542,7 @@ def _add_export_and_show(sub: Any, common: argparse.ArgumentParser) -> None:
 
     e = sub.add_parser("export", parents=[common], help="export a graph to ONNX")
     _add_graph_args(e, sizes=False)
-    e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    e.add_argument("-o", "--output", required=True, help="the .onnx file to write (from a checkpoint folder: a folder, the whole LM)")
     e.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     e.add_argument(
         "--attention", default="decomposed", choices=ATTENTION_MODES, help="auto: fused op per attention where it is faster for --hint sizes"

@@ -57,6 +57,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
         args.pad_token_id = defaults["pad_token_id"] if args.pad_token_id is None else args.pad_token_id
         args.eos_token_id = defaults["eos_token_id"] if args.eos_token_id is None else args.eos_token_id
     args.pad_token_id = 0 if args.pad_token_id is None else args.pad_token_id
+    if args.chat and not args.prompt:
+        raise UsageError("--chat applies the chat template to --prompt TEXT messages; give --prompt")
     if not args.prompt and not args.prompt_ids:
         raise UsageError("generate needs a prompt: --prompt TEXT (with a checkpoint folder's tokenizer) or --prompt-ids 1,2,3")
     tokenizer = None
@@ -67,7 +69,7 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
             raise UsageError("--prompt TEXT needs the checkpoint folder (its tokenizer.json): graphc generate DIR --prompt ...")
         tokenizer = folder.tokenizer()
         texts = list(args.prompt)
-        encoded = [tokenizer.encode(t) for t in texts]
+        encoded = [folder.chat_prompt(t) if args.chat else tokenizer.encode(t) for t in texts]
         if not all(encoded):
             raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
         prompts = encoded + prompts
@@ -257,6 +259,7 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="a checkpoint folder (config.json, *.safetensors, tokenizer.json, generation_config.json)")  # fmt: skip
     g.add_argument("--prompt", action="append", default=None, metavar="TEXT", help="a text prompt (the folder's tokenizer); repeat for a batch")
     g.add_argument("--ids", action="store_true", help="with --prompt, print the token ids too")
+    g.add_argument("--chat", action="store_true", help="each --prompt is a user message in the checkpoint's chat template (needs jinja2)")
     g.add_argument("--hf-config", default=None, metavar="CONFIG.json", help="the model's transformers config.json (default: DIR's)")
     g.add_argument("--weights", default=None, metavar="PATH", help="safetensors file or checkpoint folder (default: DIR, else seeded random weights)")
     g.add_argument("--layers", type=int, default=None, help="use the first N layers only (default: all)")

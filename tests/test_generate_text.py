@@ -150,3 +150,101 @@ def test_a_folder_without_config_is_named(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["info", str(tmp_path / "empty")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def _ort_greedy(model: Path, prompts: list[list[int]], new: int, pad: int) -> list[list[int]]:
+    """Greedy decoding as optimum's ORTModelForCausalLM drives an export: left-padded ids, the mask, positions from the
+    mask's running sum, the whole prompt first, then one token a step with ``present.*`` fed back as ``past_key_values.*``."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    past = {i.name: i.shape for i in sess.get_inputs() if i.name.startswith("past_key_values.")}
+    width = max(len(p) for p in prompts)
+    ids = np.array([[pad] * (width - len(p)) + p for p in prompts], np.int64)
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts], np.int64)
+    cache = {n: np.zeros((len(prompts), s[1], 0, s[3]), np.float32) for n, s in past.items()}
+    out: list[list[int]] = [[] for _ in prompts]
+    for _ in range(new):
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -ids.shape[1] :]
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **cache}
+        results = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items() if k in names})))
+        token = results["logits"][:, -1].argmax(-1)
+        for row, t in zip(out, token):
+            row.append(int(t))
+        cache = {n: results[n.replace("past_key_values", "present")] for n in past}
+        ids, mask = token[:, None].astype(np.int64), np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+    return out
+
+
+def test_export_of_a_folder_is_the_whole_lm_as_optimum_and_genai_load_it(folder, tmp_path, capsys):
+    """``graphc export DIR -o OUT``: model.onnx with optimum's names (run here as optimum drives it) gives graphc
+    generate's tokens for a left-padded batch; the loaders' files sit beside it."""
+    out = tmp_path / "exported"
+    assert main(["export", str(folder), "-o", str(out)]) == 0
+    assert "model.onnx" in capsys.readouterr().out
+    assert {"model.onnx", "model.onnx.data", "config.json", "generation_config.json", "tokenizer.json", "genai_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    genai = json.loads((out / "genai_config.json").read_text())
+    assert genai["model"]["decoder"]["num_key_value_heads"] == 2 and genai["search"]["past_present_share_buffer"] is False
+    prompts = [[1, 5, 9, 13, 17, 21], [1, 8, 6, 4]]
+    assert main(["generate", str(folder), "--prompt-ids", "1,5,9,13,17,21", "--prompt-ids", "1,8,6,4", "--max-new-tokens", "6",
+                 "--backends", "numpy", "--eos-token-id", "999"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    want = [[int(t) for t in line.split("|")[1].split()] for line in printed.splitlines() if line.strip().startswith("[") and "|" in line]
+    assert _ort_greedy(out / "model.onnx", prompts, 6, pad=0) == want
+
+
+def test_export_of_a_folder_into_a_file_is_refused(folder, tmp_path):
+    from graphc.errors import ExportError
+    from lowering.exporter.checkpoint_export import export_checkpoint
+
+    with pytest.raises(ExportError, match="writes a folder"):
+        export_checkpoint(folder, tmp_path / "model.onnx")
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}the {{ m['content'] }} {% else %}a {{ m['content'] }}"
+    "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}was {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_folder(folder, tmp_path_factory) -> Path:
+    import shutil
+
+    out = tmp_path_factory.mktemp("llama_chat")
+    for p in folder.iterdir():
+        shutil.copy(p, out / p.name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return out
+
+
+def test_the_chat_template_gives_transformers_ids(chat_folder):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(chat_folder)
+    for text in PROMPTS:
+        want = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert Checkpoint(chat_folder).chat_prompt(text) == list(want)
+
+
+def test_generate_chat_prints_transformers_text(chat_folder, capsys):
+    import torch
+    import transformers
+
+    assert main(["generate", str(chat_folder), "--chat", "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--backends", "numpy"]) == 0
+    printed = capsys.readouterr().out
+    tok = transformers.AutoTokenizer.from_pretrained(chat_folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_folder)
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=6, do_sample=False)
+    text = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert text.strip() and text in printed
+
+
+def test_chat_without_a_template_is_named(folder, capsys):
+    assert main(["generate", str(folder), "--chat", "--prompt", "the cat", "--max-new-tokens", "2", "--backends", "numpy"]) == 2
+    assert "no chat template" in capsys.readouterr().err
