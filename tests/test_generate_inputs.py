@@ -233,3 +233,18 @@ def test_a_negative_token_or_position_is_an_error_on_every_backend_and_in_the_ex
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         with pytest.raises(Exception, match="out of data bounds"):
             session.run(None, bad)
+
+
+def test_a_missing_layer_tensor_is_named_with_its_layer():
+    from graphc.attention import decoder_stack_graph
+    from graphc.attention.decoder import decoder_weight_shapes
+    from graphc.errors import WeightError
+
+    cfg = graphc.attention.decoder_configs_from_hf(
+        {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 64, "num_hidden_layers": 2}  # fmt: skip
+    )
+    weights = {f"model.layers.{i}.{k}": np.zeros(s, np.float32) for i, c in enumerate(cfg) for k, s in decoder_weight_shapes(c).items()}
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(WeightError, match=r"decoder layer 'model.layers.1' weights: missing \['model.layers.1.self_attn.k_proj.weight'\]"):
+        decoder_stack_graph(cfg, weights=weights)

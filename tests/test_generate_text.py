@@ -232,7 +232,6 @@ def test_the_chat_template_gives_transformers_ids(chat_folder):
 
 
 def test_generate_chat_prints_transformers_text(chat_folder, capsys):
-    import torch
     import transformers
 
     assert main(["generate", str(chat_folder), "--chat", "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--backends", "numpy"]) == 0

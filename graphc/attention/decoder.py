@@ -140,14 +140,16 @@ def _norm(g: Graph, cfg: DecoderConfig, x: Value, name: str) -> Value:
     return layer_norm(g, x, f"{name}.weight", f"{name}.bias", cfg.norm_eps, name=g.fresh_name(f"{name}_out"))
 
 
-def _check(cfg: DecoderConfig, weights: Mapping[str, np.ndarray], dtype: str) -> None:
+def _check(cfg: DecoderConfig, weights: Mapping[str, np.ndarray], dtype: str, prefix: str = "") -> None:
+    """The layer's weights against its config; errors name each tensor with ``prefix`` (``model.layers.3.``)."""
     expected = decoder_weight_shapes(cfg)
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
+    missing = [prefix + n for n in sorted(set(expected) - set(weights))]
+    extra = [prefix + n for n in sorted(set(weights) - set(expected))]
     if missing or extra:
-        raise WeightError(f"decoder layer weights: missing {missing}, unexpected {extra}; this config takes {sorted(expected)}")
+        where = f"decoder layer {prefix.rstrip('.')!r}" if prefix else "decoder layer"
+        raise WeightError(f"{where} weights: missing {missing}, unexpected {extra}; this config takes {sorted(expected)}")
     for name, shape in expected.items():
-        check_weight(name, weights[name], shape, dtype)
+        check_weight(prefix + name, weights[name], shape, dtype)
 
 
 def check_weight(name: str, arr: object, shape: tuple[int, ...], dtype: str) -> None:
@@ -171,15 +173,17 @@ def decoder_layer_graph(
     mask_per_query: bool = True,
     past_lengths: bool = False,
     position_ids: bool = False,
+    weights_prefix: str = "",
 ) -> Graph:
     """One decoder layer: ``x_BSM`` -> ``out_BSM`` (with ``kv_cache``: also ``past_key``/``past_value`` in, ``present_*`` out).
 
     ``mask``/``mask_per_query``: an ``attn_mask`` input as :func:`~graphc.attention.attention_layer_graph` takes it;
     ``past_lengths``/``position_ids`` (with ``kv_cache``): ragged caches and explicit RoPE positions, as
-    :func:`~graphc.attention.kv_cache_graph` takes them.
+    :func:`~graphc.attention.kv_cache_graph` takes them.  ``weights_prefix``: how the checkpoint names this layer's
+    tensors (``model.layers.3.``), for the errors.
     """
     weights = init_decoder_weights(cfg, seed, dtype) if weights is None else weights
-    _check(cfg, weights, dtype)
+    _check(cfg, weights, dtype, weights_prefix)
     g = Graph(name or "decoder_layer")
     for n, arr in weights.items():
         if not n.startswith("self_attn."):
@@ -282,6 +286,7 @@ def decoder_stack_graph(
             mask_per_query=mask_per_query,
             past_lengths=past_lengths,
             position_ids=position_ids,
+            weights_prefix=prefix,
         )
         bindings: dict[str, Value | str] = {"x_BSM": x}
         for shared in ("attn_mask", "past_lengths", "position_ids"):
