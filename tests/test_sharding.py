@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from reference import ref_sdpa
 
@@ -10,6 +11,7 @@ import graphc
 from graphc import AttentionConfig
 from graphc.errors import BackendUnavailableError, InputError, ShardingError
 from graphc.sharding import shard
+from graphc.tensor_ops import Slice
 from lowering.distributed.sharded import LocalExecutor, Resident, ShardedRunner
 from lowering import NumpyInterpreter, prepare, random_inputs, run
 from lowering.exporter.onnx_export import export
@@ -453,3 +455,38 @@ def test_the_bytes_a_decode_step_sends_do_not_grow_with_the_context():
     again = runner.run(feeds)  # a mask that does not extend the last one: sent whole, and the numbers are the unsharded graph's
     assert runner.last.bytes_sent > sent[-1]
     np.testing.assert_allclose(again["logits"], run(g, feeds, "numpy")["logits"], **TOL)
+
+
+@pytest.mark.parametrize("family,exporter", [("llama", "legacy"), ("mistral", "legacy"), ("gemma2", "dynamo")])
+def test_an_imported_torch_onnx_export_shards_with_its_rotary_slices(family, exporter, tmp_path):
+    """torch.onnx writes RoPE's rotate-half as Slices of the head-split Q/K: the plan splits them by head like the rest,
+    and the shards' result equals onnxruntime on the original file."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import onnxruntime as ort
+    from real_exports import export_model, feeds
+
+    from graphc.onnx_import import from_onnx
+
+    path = tmp_path / "m.onnx"
+    export_model(family, exporter, "eager", False, path)
+    model = onnx.load(str(path))
+    inputs = feeds(model, batch=2, seq=7, past=0, pad=2)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)
+    g = graphc.optimize(from_onnx(path)).graph
+    got = ShardedRunner(shard(g, 2), LocalExecutor(2)).run({k: inputs[k] for k in g.inputs})
+    np.testing.assert_allclose(got[g.outputs[0]], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_fused_qkv_slice_is_refused_by_name():
+    """GPT-2's and Phi-3's fused QKV projection is sliced along the head axis: no KV-head split exists, and the error says so."""
+    g = graphc.Graph("fused")
+    x = g.input("x", ["b", "s", 3 * 64])
+    q = g.add_node(Slice(2, 0, 64), [x], "q").name
+    qh = g.reshape(q, ["b", "s", 4, 16], name="q_heads")
+    kh = g.reshape(g.add_node(Slice(2, 64, 128), [x], "k").name, ["b", "s", 4, 16], name="k_heads")
+    vh = g.reshape(g.add_node(Slice(2, 128, 192), [x], "v").name, ["b", "s", 4, 16], name="v_heads")
+    out = g.attention(g.transpose(qh, (0, 2, 1, 3)), g.transpose(kh, (0, 2, 1, 3)), g.transpose(vh, (0, 2, 1, 3)), scale=0.25)
+    g.output(out)
+    with pytest.raises(ShardingError, match="slices along the head axis"):
+        shard(g, 2)

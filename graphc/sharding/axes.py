@@ -22,7 +22,7 @@ from graphc.dims import Dim, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.ops import Concat, Einsum, GroupOp, Op, Repeat, Reshape, Transpose, op_registrar
 from graphc.rotary import Rotary
-from graphc.tensor_ops import Reduce
+from graphc.tensor_ops import Reduce, Slice
 
 __all__ = ["AxisClasses", "link_axes", "ELEMENTWISE", "AXIS_RULES", "axis_rule"]
 
@@ -163,6 +163,15 @@ def _link_concat(c: AxisClasses, g: Graph, node: Node) -> None:
         if i != node.op_as(Concat).axis % rank:
             for name in node.inputs:
                 c.union((name, i), (node.outputs[0], i))
+
+
+@axis_rule(Slice)
+def _link_slice(c: AxisClasses, g: Graph, node: Node) -> None:  # RoPE's rotate-half: every axis but the sliced one maps one to one
+    x, out = node.inputs[0], node.outputs[0]
+    rank = len(g.types[x].shape)
+    for i in range(rank):
+        if i != node.op_as(Slice).axis % rank:
+            c.union((x, i), (out, i))
 
 
 @axis_rule(Reduce)

@@ -32,10 +32,11 @@ import numpy as np
 
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_symbols, format_shape, normalize_dim
-from graphc.errors import ShardingError
+from graphc.errors import OpError, ShapeMismatchError, ShardingError
 from graphc.graph import Graph, Node
 from graphc.ops import Einsum, Op, Repeat, Reshape, TensorType, payload_fields
 from graphc.rotary import Positions
+from graphc.tensor_ops import Slice
 
 from .axes import AxisClasses, link_axes
 
@@ -276,6 +277,8 @@ def _shard_op(g: Graph, node: Node, split: Mapping[str, int], n: int) -> Op:
         shape[out_axis] = _split_size(shape[out_axis], n)
         return replace(op, shape=tuple(shape))
     rank = len(g.types[node.outputs[0]].shape)
+    if isinstance(op, Slice) and (out_axis == op.axis % rank or split.get(node.inputs[0]) == op.axis % rank):
+        raise ShardingError(f"node {node.name!r} slices along the head axis (a fused QKV projection); graphc cannot split it by KV-head group")
     if isinstance(op, Repeat) and out_axis is not None and out_axis == op.axis % rank and node.inputs[0] not in split:
         return replace(op, repeats=op.repeats // n)  # multi-query: the one KV head repeated for this shard's query heads only
     return op
@@ -297,7 +300,10 @@ def _stage_graph(
                     arr = _part(arr, axis, shard, n)
                 sg.add_initializer(v, arr, copy=axis is not None)
         op = _shard_op(g, node, split, n) if shard is not None else node.op
-        got = sg.add_multi_node(op, node.inputs, node.outputs)
+        try:
+            got = sg.add_multi_node(op, node.inputs, node.outputs)
+        except (ShapeMismatchError, OpError) as e:  # the head axis is merged into another (batch * heads) or sliced
+            raise ShardingError(f"node {node.name!r} ({node.op.kind}) does not split by KV-head group on shard {shard}: {e}") from None
         for o, value in zip(node.outputs, got):
             want = _shard_type(g.types[o], split.get(o) if shard is not None else None, parts)
             if tuple(value.type.shape) != tuple(want.shape):
@@ -309,6 +315,15 @@ def _stage_graph(
     return sg
 
 
+def _dims_in(value: object) -> list[Dim]:
+    """The dims in a dim-valued attribute: one dim, ``None``, or (nested) tuples of them (an opaque node's output shapes)."""
+    if value is None:
+        return []
+    if isinstance(value, tuple):
+        return [d for v in value for d in _dims_in(v)]
+    return [value] if isinstance(value, (int, str)) else []
+
+
 def _check_bound(sg: Graph, stage: int) -> None:
     """Every symbolic size a stage uses must be bound by its inputs' shapes, or the stage cannot run alone."""
     bound = {sym for v in sg.inputs for d in sg.types[v].shape for sym in dim_symbols(d)}
@@ -316,10 +331,8 @@ def _check_bound(sg: Graph, stage: int) -> None:
         used = {sym for o in node.outputs for d in sg.types[o].shape for sym in dim_symbols(d)}
         for f in payload_fields(node.op):
             if "Dim" in str(f.type) or "Shape" in str(f.type):  # size-valued attributes: offsets, target shapes
-                value = getattr(node.op, f.name)
-                for d in value if isinstance(value, tuple) else (value,):
-                    if d is not None:
-                        used |= dim_symbols(d)
+                for d in _dims_in(getattr(node.op, f.name)):
+                    used |= dim_symbols(d)
         if used - bound:
             raise ShardingError(
                 f"stage {stage}: node {node.name!r} uses sizes {sorted(used - bound)} that none of the stage's inputs "
