@@ -250,3 +250,34 @@ def test_cli_generate_user_errors_are_one_line(tmp_path, capsys, extra, fragment
     assert main(["generate", "--hf-config", str(tmp_path / "config.json"), "--quiet", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("backend", installed("numpy", "ort-cpu"))
+def test_bfloat16_logits_are_no_farther_from_float32_than_transformers_bfloat16(family, backend, tmp_path):
+    """A bfloat16 checkpoint (weights that bfloat16 holds exactly, logits of std 2-4): graphc's bfloat16 logits sit no
+    farther from the float32 model's than transformers' own bfloat16 model's do (graphc computes in float32 between
+    bfloat16 tensors; transformers rounds after every op)."""
+    from graphc.attention.hf_lm import causal_lm_from_hf
+    from graphc.weights import load_weights
+    from lowering import prepare
+
+    names = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
+    cfg = getattr(transformers, names[family])(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((torch.randn_like(p) * (1.0 if p.ndim == 1 else 0.3)).to(torch.bfloat16).float())
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want32 = model(ids).logits.numpy()
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()(ids).logits.float().numpy()
+    g = causal_lm_from_hf(tmp_path / "config.json", load_weights(tmp_path), dtype="bfloat16")
+    feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, 12), np.int64), "position_ids": np.arange(12)[None]}
+    feeds |= {n: np.zeros((1, 2, 0, 16), "bfloat16") for n in g.inputs if n.startswith("past_key_values.")}
+    ours = prepare(g, backend).run(feeds)["logits"].astype(np.float32)
+    assert np.abs(ours - want32).max() <= np.abs(theirs - want32).max(), (np.abs(ours - want32).max(), np.abs(theirs - want32).max())
