@@ -248,3 +248,15 @@ def test_a_missing_layer_tensor_is_named_with_its_layer():
     del weights["model.layers.1.self_attn.k_proj.weight"]
     with pytest.raises(WeightError, match=r"decoder layer 'model.layers.1' weights: missing \['model.layers.1.self_attn.k_proj.weight'\]"):
         decoder_stack_graph(cfg, weights=weights)
+
+
+def test_a_prompt_row_of_padding_only_is_refused():
+    """A row whose attention_mask marks no token has no prompt: transformers attends it to its padding, graphc refuses it."""
+    from graphc.attention import causal_lm_graph
+    from graphc.attention.hf_lm import causal_lm_config_from_hf
+
+    cfg = causal_lm_config_from_hf({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                    "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 50})  # fmt: skip
+    lm = causal_lm_graph(cfg, seed=0, logits="last")
+    with pytest.raises(InputError, match="attention_mask row 1 marks no token"):
+        generate(lm, [[1, 2, 3], [4, 5, 6]], 2, attention_mask=np.array([[1, 1, 1], [0, 0, 0]]))

@@ -172,6 +172,9 @@ def generate(
         if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
             raise InputError(f"attention_mask must be 0/1 of the prompts' shape {list(ids.shape)}, got {mask.dtype}{list(mask.shape)}")
         mask = mask.astype(np.int64)
+        empty = np.flatnonzero(mask.sum(axis=1) == 0)
+        if empty.size:  # transformers attends such a row to its padding (an artefact of its mask fill); graphc refuses it
+            raise InputError(f"attention_mask row {int(empty[0])} marks no token: every prompt needs at least one (1 token, 0 padding)")
     if ids.size and (ids.min() < 0 or ids.max() >= lm.vocab_size):
         raise InputError(f"token ids must be in 0..{lm.vocab_size - 1} (the vocabulary), got {int(ids.min())}..{int(ids.max())}")
     eos = _eos_ids(eos_token_id)
