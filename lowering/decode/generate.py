@@ -78,9 +78,12 @@ def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int = 
         return prompts.astype(np.int64), np.ones(prompts.shape, np.int64)
     rows = [list(p) for p in prompts]
     if not rows or not all(rows):
-        raise InputError("prompts must be a non-empty list of non-empty token id lists")
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for r in rows for t in r):
-        raise InputError("prompt token ids must be ints")
+        empty = next((i for i, r in enumerate(rows) if not r), None)
+        where = f"prompt {empty} is empty" if empty is not None else "no prompt given"
+        raise InputError(f"prompts must be a non-empty list of non-empty token id lists: {where}")
+    bad = next(((i, t) for i, r in enumerate(rows) for t in r if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise InputError(f"prompt token ids must be ints: prompt {bad[0]} holds {type(bad[1]).__name__} {bad[1]!r}")
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad_token_id, np.int64)
     mask = np.zeros((len(rows), width), np.int64)
