@@ -152,6 +152,25 @@ def test_contrib_norms_and_rotary_match_onnxruntime() -> None:
         np.testing.assert_allclose(got["sum"], want[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skip_layer_normalization_matches_onnxruntime(with_bias) -> None:
+    """com.microsoft SkipLayerNormalization (onnxruntime-genai's and the transformers optimizer's GPT-2/BERT files):
+    LayerNorm of input + skip (+ bias) with gamma and beta, and the sum as the fourth output."""
+    hidden = 16
+    ins = ["x", "skip", "gamma", "beta"] + (["bias"] if with_bias else [])
+    nodes = [helper.make_node("SkipLayerNormalization", ins, ["y", "", "", "sum"], domain="com.microsoft", epsilon=1e-5)]
+    inits = [numpy_helper.from_array(_w(hidden), n) for n in ("gamma", "beta")] + ([numpy_helper.from_array(_w(hidden), "bias")] if with_bias else [])
+    inputs = [helper.make_tensor_value_info(n, F, ["batch", "seq", hidden]) for n in ("x", "skip")]
+    model = _model(nodes, inputs, [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("sum", F, None)], inits, ms=True)
+    feeds = {"x": _w(2, 5, hidden), "skip": _w(2, 5, hidden)}
+    want = _ort(model, feeds)
+    g = from_onnx(model, strict=True)
+    for backend in ("numpy", "ort-cpu"):
+        got = run(optimize(g).graph, feeds, backend=backend)
+        np.testing.assert_allclose(got["y"], want[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["sum"], want[1], rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- ops graphc does not model
 def _cumsum_model() -> onnx.ModelProto:
     nodes = [

@@ -297,6 +297,20 @@ def _skip_simplified(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [_finish_norm(ctx, y, dtype, ins[2]), mean, inv, x]
 
 
+def _skip_layer_norm(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """com.microsoft ``SkipLayerNormalization(input, skip, gamma, beta?, bias?)``: LayerNorm of ``input + skip (+ bias)``,
+    computed in float32 for low-precision inputs as onnxruntime does; outputs, mean, 1/std and the sum."""
+    x = ctx.add(Binary("add"), [ctx.tensor(ins[0], "input"), ctx.tensor(ins[1], "skip")], "skip_sum")
+    if len(ins) > 4 and ins[4] is not None:
+        x = ctx.add(Binary("add"), [x, ctx.tensor(ins[4], "bias")], "skip_bias_sum")
+    dtype = ctx.graph.types[x].dtype
+    stash = "float32" if dtype in LOW_PRECISION_DTYPES else dtype
+    xs = x if dtype == stash else ctx.add(Cast(stash), [x], "norm_in")
+    mean = ctx.add(Reduce("mean", (-1,), True), [xs], "skip_mean")
+    y, inv = _rms(ctx, ctx.add(Binary("sub"), [xs, mean], "norm_centered"), -1, attrs.get("epsilon", 1e-12), stash)
+    return [_finish_norm(ctx, y, dtype, ins[2], ins[3] if len(ins) > 3 else None), mean, inv, x]
+
+
 # ---------------------------------------------------------------- rotary
 def _rotate(ctx: ImportContext, x: str, cos: str, sin: str, rot_dim: int, interleaved: bool) -> str:
     """Rotate the first ``rot_dim`` features of ``x [B, S, N, D]`` by ``cos``/``sin`` ``[B, S, 1, rot_dim/2]``."""
@@ -407,5 +421,6 @@ FUSED_CONVERTERS: dict[tuple[str, str], Converter] = {
     ("com.microsoft", "RotaryEmbedding"): _rotary_ms,
     ("com.microsoft", "SimplifiedLayerNormalization"): _rms_norm,
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): _skip_simplified,
+    ("com.microsoft", "SkipLayerNormalization"): _skip_layer_norm,
 }
 """Fused-op converters by (domain, op type); ``""`` is the standard domain."""
