@@ -262,3 +262,21 @@ def test_an_undecided_shape_division_is_converted_again_after_the_unification(mo
     g = _check(model, feeds)
     assert len(passes) == 1
     assert not any(isinstance(n.op, Arange) for n in g.nodes.values())  # the quotient folded: positions over x's length
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_tile_by_a_count_known_only_at_run_time_matches_onnxruntime(axis):
+    """``Tile`` whose repeat count is a dim (here the batch size): a size-1 axis broadcasts, any other axis is copied
+    whole that many times, as onnxruntime tiles it."""
+    reps = [1, 1, 1]
+    nodes = [
+        helper.make_node("Shape", ["n"], ["n_shape"]),
+        helper.make_node("Gather", ["n_shape", "zero"], ["count"]),
+        helper.make_node("Concat", [("count" if a == axis else f"one{a}") for a in range(3)], ["reps"], axis=0),
+        helper.make_node("Tile", ["x", "reps"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero")]
+    inits += [numpy_helper.from_array(np.array([r], np.int64), f"one{a}") for a, r in enumerate(reps)]
+    model = _model(nodes, [_vi("x", F, [1, "s", 3]), _vi("n", F, ["k"])], [_vi("y", F, None)], inits)
+    rng = np.random.default_rng(2)
+    _check(model, {"x": rng.standard_normal((1, 4, 3), np.float32), "n": np.zeros(5, np.float32)})

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dims import Dim, dim_add, dim_max, dim_sub, format_shape, normalize_dim
+from ..dims import Dim, dim_add, dim_max, dim_mul, dim_sub, format_shape, normalize_dim
 from ..errors import GraphcError
 from ..ops import (
     UNARY_FUNCTIONS,
@@ -37,7 +37,7 @@ from ..ops import (
     broadcast_shapes,
 )
 from ..rotary import Positions
-from ..tensor_ops import Arange, Gather, GatherElements, Reduce, Slice
+from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 from .triangles import NEG_INF_LIKE, tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
@@ -567,15 +567,25 @@ def _expand(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _tile(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``Tile``: a size-1 axis repeated a constant number of times is a :class:`Repeat` (the optimizer's repeat_kv
+    rules read it); a symbolic count broadcasts; any other axis is copied whole ``r`` times (a new size-1 axis
+    before it broadcast to ``r``, then merged: ``out[i] = x[i mod n]``)."""
     x = ctx.tensor(ins[0])
     reps = ctx.ints(ins[1], "Tile repeats")
-    shape = ctx.graph.types[x].shape
+    if len(reps) != ctx.graph.types[x].rank:
+        raise ctx.error(f"Tile repeats has {len(reps)} entries for a rank-{ctx.graph.types[x].rank} input; ONNX needs one per axis")
     for axis, r in enumerate(reps):
+        r = ctx.resolve(r)
+        shape = ctx.graph.types[x].shape
         if r == 1:
             continue
-        if shape[axis] != 1 or not isinstance(r, int):
-            raise ctx.error(f"Tile by {r!r} of axis {axis} (size {shape[axis]!r}) is supported only for size-1 axes and constant repeats")
-        x = ctx.add(Repeat(axis, r), [x], "tile")
+        if shape[axis] == 1:
+            grown = tuple(r if i == axis else d for i, d in enumerate(shape))
+            x = ctx.add(Repeat(axis, r) if isinstance(r, int) else BroadcastTo(grown), [x], "tile")
+            continue
+        split = ctx.add(Reshape((*shape[:axis], 1, *shape[axis:])), [x], "tile_axis")
+        copies = ctx.add(BroadcastTo((*shape[:axis], r, *shape[axis:])), [split], "tile_copies")
+        x = ctx.add(Reshape((*shape[:axis], dim_mul(r, shape[axis]), *shape[axis + 1 :])), [copies], "tile")
     return [x]
 
 
