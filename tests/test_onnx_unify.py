@@ -280,3 +280,11 @@ def test_tile_by_a_count_known_only_at_run_time_matches_onnxruntime(axis):
     model = _model(nodes, [_vi("x", F, [1, "s", 3]), _vi("n", F, ["k"])], [_vi("y", F, None)], inits)
     rng = np.random.default_rng(2)
     _check(model, {"x": rng.standard_normal((1, 4, 3), np.float32), "n": np.zeros(5, np.float32)})
+
+
+def test_two_expressions_with_a_common_factor_unify():
+    """A mixture-of-experts export's top-2 rows: ``2*unk`` (an opaque dim) meets ``2*batch*seq``; dividing out the 2
+    unifies ``unk`` with ``batch*seq``."""
+    from graphc.onnx_import.unify import choose
+
+    assert choose("2*unk", "2*batch*seq", {"batch": 0, "seq": 1, "unk": 2}) == ("unk", "batch*seq")

@@ -22,6 +22,7 @@ and ``graphc info model.onnx`` shows it in the input shapes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..dims import (
@@ -98,8 +99,11 @@ def choose(x: Dim, y: Dim, free: Mapping[str, int], atoms: bool = True) -> tuple
     """
     fx, fy = _free(x, free), _free(y, free)
     options = [(sym, other) for sym, other in ((fx, y), (fy, x)) if sym is not None and sym not in dim_symbols(other)]
-    if not options:  # expressions: solve x - y = 0 for a free symbol of coefficient +-1 (s15 + s70 = s70 + s89 -> s15 = s89)
+    if not options:  # expressions: solve x - y = 0 for a free symbol of coefficient +-1 (s15 + s70 = s70 + s89 -> s15 = s89),
+        # after dividing out a factor every term shares (2*unk = 2*batch*seq -> unk = batch*seq: a mixture-of-experts' top-2 rows)
         terms = dim_terms(dim_sub(x, y))
+        common = math.gcd(*(abs(c) for _, c in terms)) if terms else 1
+        terms = [(t, c // common) for t, c in terms] if common > 1 else terms
         for syms, coef in terms:
             if len(syms) == 1 and syms[0] in free and abs(coef) == 1 and all(syms[0] not in t for t, _ in terms if t != syms):
                 rest: Dim = 0
