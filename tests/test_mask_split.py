@@ -22,7 +22,7 @@ HEADS, KV_HEADS, D = 4, 2, 8
 MIN32 = float(np.finfo(np.float32).min)
 
 
-def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False):
+def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False, scale_after=False):
     """Scores of GQA heads plus ``Where(causal & window & padding, 0, fill)``, written as an exporter writes them."""
     g = Graph("masked")
     ids = g.input("ids", ["b", "s"], "int64")
@@ -49,8 +49,12 @@ def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False):
         keep = add(Where(), [keep, add(Compare("greater"), [key_pos, lower_edge], "in_window"), false], "and_window")
     keep = add(Where(), [keep, add(Reshape(("b", 1, 1, total)), [pad], "pad4"), false], "and_pad")
     bias = add(Where(), [keep, const("zero", np.float32(0)), const("fill", np.float32(fill))], "bias")
-    s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
-    p = add(Softmax(-1), [add(Binary("add"), [s, bias], "masked")], "probs")
+    if scale_after:  # (q k^T + mask) * scale: the scale acts on the mask too
+        s = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores")
+        p = add(Softmax(-1), [add(Scale(D**-0.5), [add(Binary("add"), [s, bias], "masked")], "scaled")], "probs")
+    else:
+        s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+        p = add(Softmax(-1), [add(Binary("add"), [s, bias], "masked")], "probs")
     g.output(add(Einsum("bhqk,bhkd->bhqd"), [p, v], "out"))
     return g
 
@@ -131,3 +135,19 @@ def test_graphc_export_reimports_as_the_same_causal_attention(window, cache, tmp
     want, got = run(g, inputs), run(optimize(back).graph, dict(zip(back.inputs, (inputs[n] for n in g.inputs))))
     for a, b in zip(g.outputs, back.outputs):
         np.testing.assert_allclose(got[b], want[a], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fill", [MIN32, -np.inf])
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_scale_after_the_mask_is_read_as_the_attention_scale(fill, window):
+    """``softmax((q k^T + mask) * c)``: a positive scale leaves a mask that only hides keys hiding the same keys, so the
+    attention is recognised with scale ``c`` and the same causal structure, and computes the graph as written."""
+    g = _masked_attention(fill=fill, window=window, scale_after=True)
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert len(attention) == 1
+    assert (attention[0].scale, attention[0].causal_offset, attention[0].window) == (pytest.approx(D**-0.5), 0, window)
+    for seq, pad in ((5, 0), (6, 4)):
+        feeds = _feeds(g, seq, 0, pad, seed=seq)
+        want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+        np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)

@@ -221,12 +221,14 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
     return a
 
 
+_MIN_SCALE_THROUGH_MASK = 1e-6
+"""A scale after a position mask moves to the scores when at least this: ``finfo.min * c`` still hides a key."""
+
+
 def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
     """``s + m``; an exporter's ``Where(causal & window & padding, 0, fill)`` is read back as the op's causal mask."""
     if node.op_as(Binary).fn != "add":
         return None
-    if sc.scale != 1.0:
-        return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
     full = graph.types[node.name].shape
     cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
     if len(cands) != 1:
@@ -234,9 +236,13 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     pos = cands[0]
     if sc.mask is not None:
         return Miss("more than one user mask on one softmax")
+    split = split_additive_mask(graph, node.inputs[1 - pos]) if sc.offset is None else None
+    if sc.scale != 1.0 and (split is None or sc.scale < _MIN_SCALE_THROUGH_MASK):
+        # c * (s + Where(keep, 0, fill)) hides the same keys as (c * s) + Where(keep, 0, fill) for c > 0 (fill * c still
+        # swamps every score); any other mask would be scaled too
+        return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
     sc.mask, sc.mask_kind = node.inputs[1 - pos], "additive"
     sc.view_for_rows = sc.view_for_rows or full
-    split = split_additive_mask(graph, sc.mask) if sc.offset is None else None
     if split is not None:
         sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
         sc.mask, sc.mask_kind, sc.more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
