@@ -307,16 +307,22 @@ def test_safetensors_weights_give_the_state_dicts_numbers(tmp_path):
 @pytest.mark.parametrize(
     "change, fragment",
     [
-        (lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "missing ['mlp.up_proj.weight']"),
+        (
+            lambda w: w.pop("model.layers.1.mlp.up_proj.weight"),
+            "decoder layer 'model.layers.1' weights: missing ['model.layers.1.mlp.up_proj.weight']",
+        ),
         (
             lambda w: w.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((31, 32), np.float32)}),
-            "'self_attn.q_proj.weight' is float32[31, 32], expected float32[32, 32]",
+            "'model.layers.0.self_attn.q_proj.weight' is float32[31, 32], expected float32[32, 32]",
         ),
         (
             lambda w: w.update({"model.layers.0.mlp.gate_proj.weight": np.zeros((64, 32), np.float16)}),
-            "'mlp.gate_proj.weight' is float16[64, 32], expected float32",
+            "'model.layers.0.mlp.gate_proj.weight' is float16[64, 32], expected float32",
         ),
-        (lambda w: w.update({"model.layers.0.mlp.gate_projection.weight": np.zeros(2, np.float32)}), "unexpected ['mlp.gate_projection.weight']"),
+        (
+            lambda w: w.update({"model.layers.0.mlp.gate_projection.weight": np.zeros(2, np.float32)}),
+            "unexpected ['model.layers.0.mlp.gate_projection.weight']",
+        ),
     ],
 )
 def test_a_wrong_weight_is_named(tmp_path, change, fragment):
