@@ -100,15 +100,12 @@ def _rewrite_scale_over_bias(graph: Graph, m: tuple[Node, Node], ctx: PassContex
     return f"scale distributed over both terms of {add.name!r}"
 
 
-def _match_scale_through_rotary(graph: Graph, node: Node, ctx: PassContext) -> object:
-    rot = graph.producer(node.inputs[0])
-    if rot is None or not isinstance(rot.op, Rotary):
-        return None
-    return (node, rot) if only_reader(graph, rot.name, node.name) else Miss(f"{rot.name!r} has other readers")
+SCALE_OF_ROTARY = Pat.op(Scale, name="scale", inputs=(Pat.op(Rotary, name="rot", single_use=True),))
+"""A scale of a rotary read by nothing else."""
 
 
-def _rewrite_scale_through_rotary(graph: Graph, m: tuple[Node, Node], ctx: PassContext) -> str:
-    node, rot = m  # Rotary is linear in x: scale(rotary(x)) = rotary(scale(x))
+def _rewrite_scale_through_rotary(graph: Graph, b: Bindings, ctx: PassContext) -> str:
+    node, rot = b["scale"], b["rot"]  # Rotary is linear in x: scale(rotary(x)) = rotary(scale(x))
     x, positions = rot.inputs
     scaled = graph.insert_before(rot.name, node.op, [x], f"{x}_scaled")
     graph.redefine(node.name, rot.op, [scaled.name, positions])
@@ -117,7 +114,7 @@ def _rewrite_scale_through_rotary(graph: Graph, m: tuple[Node, Node], ctx: PassC
 
 
 SCALE_RULES = (
-    Rule("scale_through_rotary", (Scale,), _match_scale_through_rotary, _rewrite_scale_through_rotary),
+    pattern_rule("scale_through_rotary", SCALE_OF_ROTARY, _rewrite_scale_through_rotary),
     pattern_rule("merge_scales", SCALE_OF_SCALE, _merge_scales),
     Rule("scale_into_einsum_operand", (Scale,), _match_scale_into_einsum, _rewrite_scale_into_einsum),
     Rule("scale_over_bias", (Scale,), _match_scale_over_bias, _rewrite_scale_over_bias),
