@@ -14,7 +14,7 @@ from graphc import Graph, optimize
 from graphc.ops import Binary, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
 from graphc.optimizer import Target, lower
 from graphc.rotary import Positions
-from graphc.tensor_ops import ShapeValues
+from graphc.tensor_ops import BroadcastTo, ShapeValues
 from lowering import random_inputs, run, unavailable_reason
 
 KEEP_ALL = Target("keep", lambda graph, node, ctx: None)
@@ -22,7 +22,7 @@ HEADS, KV_HEADS, D = 4, 2, 8
 MIN32 = float(np.finfo(np.float32).min)
 
 
-def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False, scale_after=False):
+def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False, scale_after=False, expanded=False):
     """Scores of GQA heads plus ``Where(causal & window & padding, 0, fill)``, written as an exporter writes them."""
     g = Graph("masked")
     ids = g.input("ids", ["b", "s"], "int64")
@@ -49,6 +49,8 @@ def _masked_attention(fill=MIN32, window=None, cache=False, flipped=False, scale
         keep = add(Where(), [keep, add(Compare("greater"), [key_pos, lower_edge], "in_window"), false], "and_window")
     keep = add(Where(), [keep, add(Reshape(("b", 1, 1, total)), [pad], "pad4"), false], "and_pad")
     bias = add(Where(), [keep, const("zero", np.float32(0)), const("fill", np.float32(fill))], "bias")
+    if expanded:  # optimum's files expand the mask to the scores' shape before the add
+        bias = add(BroadcastTo(("b", HEADS, "s", total)), [bias], "bias_expanded")
     if scale_after:  # (q k^T + mask) * scale: the scale acts on the mask too
         s = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores")
         p = add(Softmax(-1), [add(Scale(D**-0.5), [add(Binary("add"), [s, bias], "masked")], "scaled")], "probs")
@@ -151,3 +153,16 @@ def test_a_scale_after_the_mask_is_read_as_the_attention_scale(fill, window):
         feeds = _feeds(g, seq, 0, pad, seed=seq)
         want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
         np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_mask_expanded_to_the_scores_shape_is_told_from_the_scores(cache):
+    """optimum's files add a mask already expanded to ``[batch, heads, queries, keys]``: both operands of the add are
+    score-shaped, and the one that reads as a position mask is the mask."""
+    g = _masked_attention(cache=cache, expanded=True)
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert len(attention) == 1 and attention[0].causal_offset == ("p" if cache else 0)
+    feeds = _feeds(g, 5, 3 if cache else 0, 2, seed=1)
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)

@@ -231,6 +231,9 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
         return None
     full = graph.types[node.name].shape
     cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
+    if len(cands) == 2 and sc.offset is None:  # a mask expanded to the scores' shape: the one that reads as a position mask
+        masks = [i for i in cands if split_additive_mask(graph, node.inputs[i]) is not None]
+        cands = [1 - masks[0]] if len(masks) == 1 else cands
     if len(cands) != 1:
         return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
     pos = cands[0]

@@ -28,7 +28,7 @@ from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Reshape, Where
 from graphc.rotary import Positions
-from graphc.tensor_ops import Arange, ShapeValues
+from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
 
 __all__ = ["MaskSplit", "split_additive_mask", "FILL_LIMIT"]
 
@@ -179,6 +179,8 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
     ``keep`` may hold one causal bound (and one window edge with it) and any other bool conjuncts; without a causal
     bound it is a plain bool mask (BERT's padding)."""
     node = graph.producer(mask)
+    while node is not None and isinstance(node.op, BroadcastTo):  # a mask expanded to the scores' shape (optimum's files)
+        node = graph.producer(node.inputs[0])
     if node is None or not isinstance(node.op, Where):
         return None
     found = _planes(graph, node)
