@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphc import Graph, optimize
-from graphc.ops import Binary, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
+from graphc.ops import Binary, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
 from graphc.optimizer import Target, lower
 from graphc.rotary import Positions
 from graphc.tensor_ops import BroadcastTo, ShapeValues
@@ -164,5 +164,32 @@ def test_a_mask_expanded_to_the_scores_shape_is_told_from_the_scores(cache):
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
     assert len(attention) == 1 and attention[0].causal_offset == ("p" if cache else 0)
     feeds = _feeds(g, 5, 3 if cache else 0, 2, seed=1)
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("alibi_last", [False, True])
+def test_an_alibi_bias_and_a_causal_mask_are_one_attention(alibi_last):
+    """ALiBi models add a per-head bias ``slope[h] * j`` and the causal mask, in either order: the position mask gives
+    the causal offset and the bias stays the op's additive mask."""
+    g = Graph("alibi")
+    q = g.input("q", ["b", HEADS, "s", D])
+    k, v = g.input("k", ["b", HEADS, "s", D]).name, g.input("v", ["b", HEADS, "s", D]).name
+    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
+    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
+    key_pos = add(Reshape((1, 1, 1, "s")), [add(Positions(2), [k], "kpos")], "kpos4")
+    query_pos = add(Reshape((1, 1, "s", 1)), [add(Positions(2), [q], "qpos")], "qpos4")
+    keep = add(Compare("less_equal"), [key_pos, query_pos], "causal")
+    causal = add(Where(), [keep, const("zero", np.float32(0)), const("fill", np.float32(-np.inf))], "causal_bias")
+    slopes = const("slopes", (2.0 ** -np.arange(1, HEADS + 1, dtype=np.float32)).reshape(1, HEADS, 1, 1))
+    alibi = add(Binary("mul"), [slopes, add(Cast("float32"), [key_pos], "kpos_f")], "alibi")
+    s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+    first, second = (causal, alibi) if alibi_last else (alibi, causal)
+    masked = add(Binary("add"), [add(Binary("add"), [s, first], "masked1"), second], "masked2")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"))
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert len(attention) == 1 and (attention[0].causal_offset, attention[0].mask) == (0, "additive")
+    feeds = random_inputs(g, seed=3, b=2, s=6)
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)

@@ -237,9 +237,12 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if len(cands) != 1:
         return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
     pos = cands[0]
-    if sc.mask is not None:
-        return Miss("more than one user mask on one softmax")
     split = split_additive_mask(graph, node.inputs[1 - pos]) if sc.offset is None else None
+    if sc.mask is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
+        if sc.mask_kind != "additive" or split is None or split.keep or sc.scale != 1.0:
+            return Miss("more than one user mask on one softmax")
+        sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
+        return node.inputs[pos]
     if sc.scale != 1.0 and (split is None or sc.scale < _MIN_SCALE_THROUGH_MASK):
         # c * (s + Where(keep, 0, fill)) hides the same keys as (c * s) + Where(keep, 0, fill) for c > 0 (fill * c still
         # swamps every score); any other mask would be scaled too
