@@ -42,7 +42,7 @@ from .mapped import check_mapped_files
 from .ops import Op, TensorType, check_dtype, payload_fields
 from .values import Node, Value, ValueLike
 
-__all__ = ["Value", "Node", "Graph", "GraphMark", "ValueLike", "map_op_dims"]
+__all__ = ["Value", "Node", "Graph", "GraphMark", "ValueLike", "map_op_dims", "op_dims"]
 
 _NAME = re.compile(r"[A-Za-z_/][A-Za-z0-9_.:/\-]*\Z")
 _GAP = 1 << 20  # spacing of order keys; an insertion between two adjacent keys renumbers
@@ -57,15 +57,30 @@ class GraphMark:
     initializers: int
 
 
+def _dim_fields(op: Op) -> list[str]:
+    """The attributes of ``op`` typed as a dim or a shape (``Dim``, ``Dim | None``, ``Shape``, tuples of them)."""
+    return [f.name for f in payload_fields(op) if "Dim" in str(f.type) or "Shape" in str(f.type)]
+
+
 def map_op_dims(op: Op, fn: Callable[[Dim], Dim]) -> Op:
-    """``op`` with ``fn`` applied to each attribute typed as a dim or a shape (``Dim``, ``Dim | None``, ``Shape``,
-    tuples of them); the same object when nothing changes."""
-    fields = payload_fields(op)
-    values = {f.name: getattr(op, f.name) for f in fields}
-    mapped = {f.name: _map_nested(values[f.name], fn) for f in fields if "Dim" in str(f.type) or str(f.type) == "Shape"}
-    if all(mapped[k] == values[k] for k in mapped):
+    """``op`` with ``fn`` applied to each dim-valued attribute; the same object when nothing changes."""
+    mapped = {name: _map_nested(getattr(op, name), fn) for name in _dim_fields(op)}
+    if all(value == getattr(op, name) for name, value in mapped.items()):
         return op
-    return type(op)(**{**values, **mapped})
+    return type(op)(**{**{f.name: getattr(op, f.name) for f in payload_fields(op)}, **mapped})
+
+
+def op_dims(op: Op) -> list[Dim]:
+    """Every dim in ``op``'s dim-valued attributes (offsets, bounds, target shapes, an opaque node's output shapes)."""
+    return [d for name in _dim_fields(op) for d in _flatten(getattr(op, name))]
+
+
+def _flatten(value: Any) -> list[Dim]:
+    if value is None:
+        return []
+    if isinstance(value, tuple):
+        return [d for v in value for d in _flatten(v)]
+    return [value]
 
 
 def _map_nested(value: Any, fn: Callable[[Dim], Dim]) -> Any:

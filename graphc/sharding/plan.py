@@ -33,8 +33,8 @@ import numpy as np
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_symbols, format_shape, normalize_dim
 from graphc.errors import OpError, ShapeMismatchError, ShardingError
-from graphc.graph import Graph, Node
-from graphc.ops import Einsum, Op, Repeat, Reshape, TensorType, payload_fields
+from graphc.graph import Graph, Node, op_dims
+from graphc.ops import Einsum, Op, Repeat, Reshape, TensorType
 from graphc.rotary import Positions
 from graphc.tensor_ops import Slice
 
@@ -315,24 +315,12 @@ def _stage_graph(
     return sg
 
 
-def _dims_in(value: object) -> list[Dim]:
-    """The dims in a dim-valued attribute: one dim, ``None``, or (nested) tuples of them (an opaque node's output shapes)."""
-    if value is None:
-        return []
-    if isinstance(value, tuple):
-        return [d for v in value for d in _dims_in(v)]
-    return [value] if isinstance(value, (int, str)) else []
-
-
 def _check_bound(sg: Graph, stage: int) -> None:
     """Every symbolic size a stage uses must be bound by its inputs' shapes, or the stage cannot run alone."""
     bound = {sym for v in sg.inputs for d in sg.types[v].shape for sym in dim_symbols(d)}
     for node in sg.topological_order():
         used = {sym for o in node.outputs for d in sg.types[o].shape for sym in dim_symbols(d)}
-        for f in payload_fields(node.op):
-            if "Dim" in str(f.type) or "Shape" in str(f.type):  # size-valued attributes: offsets, target shapes
-                for d in _dims_in(getattr(node.op, f.name)):
-                    used |= dim_symbols(d)
+        used |= {sym for d in op_dims(node.op) for sym in dim_symbols(d)}  # size-valued attributes: offsets, target shapes
         if used - bound:
             raise ShardingError(
                 f"stage {stage}: node {node.name!r} uses sizes {sorted(used - bound)} that none of the stage's inputs "
