@@ -295,20 +295,22 @@ class ImportContext:
         if conflict is not None:
             raise DimConflict(conflict[0], conflict[1], ShapeMismatchError(f"dims {a!r} and {b!r} must be equal"))
 
-    def checkpoint(self, index: int, op_type: str) -> Checkpoint:
-        """The import's state before node ``index`` is converted (the value map is copied only before a ``Div`` or
-        ``Equal``, the nodes a later unification may send the import back to)."""
-        env = dict(self.env) if op_type in _UNDECIDABLE else None
+    def checkpoint(self, index: int, op_type: str, ins: Sequence[Imported | None]) -> Checkpoint:
+        """The import's state before node ``index`` is converted.  The value map is copied only before a ``Div`` or
+        ``Equal`` of shape values alone (no graph value among ``ins``): the nodes a later unification may send the
+        import back to."""
+        given = [x for x in ins if x is not None]
+        undecidable = op_type in _UNDECIDABLE and bool(given) and not any(isinstance(x, str) for x in given)
+        env = dict(self.env) if undecidable else None
         return Checkpoint(index, self.graph.mark(), env, dict(self.free), len(self.notes), dict(self.unfolded))
 
     def note_unfolded(self, here: Checkpoint, ins: Sequence[Imported | None], outs: Sequence[Imported | None]) -> None:
         """After a ``Div`` or ``Equal`` of shape values that made a run-time tensor (``(b*t) / b2`` before ``b2`` is
         known to be ``b``: the dim arithmetic that can be undecided), remember its symbols: unifying one of them later
         sends the import back to ``here`` to convert the node again."""
-        given = [x for x in ins if x is not None]
-        if here.env is None or not given or any(isinstance(x, str) for x in given) or not any(isinstance(o, str) for o in outs):
+        if here.env is None or not any(isinstance(o, str) for o in outs):
             return
-        for s in {s for x in given for d in _lazy_dims(x) for s in dim_symbols(d)}:
+        for s in {s for x in ins if x is not None for d in _lazy_dims(x) for s in dim_symbols(d)}:
             self.unfolded.setdefault(s, here)
 
     def unify_conflict(self, conflict: DimConflict, here: Checkpoint) -> int:

@@ -292,9 +292,9 @@ def _import_graph(
     nodes, index = list(model.graph.node), 0
     while index < len(nodes):  # one pass; a unification converts the node again (or goes back to a Div it decides)
         node = ctx.node = nodes[index]
-        here = ctx.checkpoint(index, node.op_type)
+        ins = [ctx.get(i) for i in node.input]
+        here = ctx.checkpoint(index, node.op_type, ins)
         try:
-            ins = [ctx.get(i) for i in node.input]
             schemas.check(node, [ctx.dtype_of(x) if x is not None else None for x in ins], ctx.where())
             _convert_node(ctx, node, ins, opsets, bound)
             ctx.note_unfolded(here, ins, [ctx.env.get(o) for o in node.output if o])
