@@ -78,20 +78,24 @@ class Checkpoint:
     def chat_template(self) -> str:
         """The chat template transformers applies: ``chat_template.jinja``, else ``tokenizer_config.json``'s
         ``chat_template`` (a string, or the one named ``default`` of a list)."""
+        return self._chat_template(_json(self.folder / "tokenizer_config.json"))
+
+    def _chat_template(self, tokenizer_config: dict[str, Any]) -> str:
         path = self.folder / "chat_template.jinja"
         if path.exists():
             require_regular_file(path, "chat template")
             return path.read_text()
-        found = _json(self.folder / "tokenizer_config.json").get("chat_template")
+        found = tokenizer_config.get("chat_template")
         if isinstance(found, list):
             found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
         if not isinstance(found, str) or not found:
             raise SerializationError(f"{self.folder}: no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
         return found
 
-    def chat_prompt(self, user: str) -> list[int]:
+    def chat_prompt(self, user: str, tokenizer: Tokenizer | None = None) -> list[int]:
         """The ids of one user message in the checkpoint's chat template, with the assistant's turn opened (as
-        transformers' ``apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)``)."""
+        transformers' ``apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)``);
+        ``tokenizer``: the folder's, when already loaded."""
         try:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -100,16 +104,17 @@ class Checkpoint:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_template_error
-        special = {k: _token_text(v) for k, v in _json(self.folder / "tokenizer_config.json").items() if k.endswith("_token")}
+        config = _json(self.folder / "tokenizer_config.json")
+        special = {k: _token_text(v) for k, v in config.items() if k.endswith("_token")}
         try:
-            text = env.from_string(self.chat_template()).render(
+            text = env.from_string(self._chat_template(config)).render(
                 messages=[{"role": "user", "content": user}], add_generation_prompt=True, **{k: v for k, v in special.items() if v}
             )
         except SerializationError:
             raise
         except Exception as e:  # noqa: BLE001 - a template error, named
             raise SerializationError(f"{self.folder}: the chat template failed: {type(e).__name__}: {e}") from None
-        return self.tokenizer().encode(text, add_special_tokens=False)
+        return (tokenizer or self.tokenizer()).encode(text, add_special_tokens=False)
 
     def generation_defaults(self) -> dict[str, Any]:
         """``eos_token_id`` (a list) and ``pad_token_id`` as transformers' ``generate`` takes them: ``generation_config.json``

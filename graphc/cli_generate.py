@@ -69,7 +69,7 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
             raise UsageError("--prompt TEXT needs the checkpoint folder (its tokenizer.json): graphc generate DIR --prompt ...")
         tokenizer = folder.tokenizer()
         texts = list(args.prompt)
-        encoded = [folder.chat_prompt(t) if args.chat else tokenizer.encode(t) for t in texts]
+        encoded = [folder.chat_prompt(t, tokenizer) if args.chat else tokenizer.encode(t) for t in texts]
         if not all(encoded):
             raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
         prompts = encoded + prompts
