@@ -19,10 +19,13 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from graphc import optimize
-from graphc.attention.hf_lm import causal_lm_from_hf
+from graphc.attention import CausalLMConfig
+from graphc.attention.hf import read_hf_config
+from graphc.attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
 from graphc.checkpoint import Checkpoint
 from graphc.errors import ExportError
 from graphc.weights import load_weights
@@ -80,7 +83,8 @@ def export_checkpoint(
     copied = tuple(name for name in LOADER_FILES if _copy(ckpt.folder / name, target / name))
     if layers is not None:
         _set_layers(target / "config.json", layers)
-    (target / "genai_config.json").write_text(json.dumps(_genai_config(ckpt, target / "config.json"), indent=2) + "\n")
+    genai = _genai_config(ckpt, causal_lm_config_from_hf(ckpt.config, layers), read_hf_config(ckpt.config))
+    (target / "genai_config.json").write_text(json.dumps(genai, indent=2) + "\n")
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     return ExportedCheckpoint(target / "model.onnx", len(model.graph.node), version, copied)
 
@@ -101,37 +105,34 @@ def _set_layers(config: Path, layers: int) -> None:
     config.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def _genai_config(ckpt: Checkpoint, config: Path) -> dict[str, Any]:
-    """onnxruntime-genai's description of the exported decoder (names, head counts, search defaults)."""
-    cfg = json.loads(config.read_text())
-    text = cfg.get("text_config", cfg)
-    heads = int(text.get("num_attention_heads", text.get("n_head", 0)))
-    hidden = int(text.get("hidden_size", text.get("n_embd", 0)))
-    layers = int(text.get("num_hidden_layers", text.get("n_layer", 0)))
+def _genai_config(ckpt: Checkpoint, lm: CausalLMConfig, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """onnxruntime-genai's description of the exported decoder: names, the head counts of the model graphc built
+    (read from the config as the model itself was, by its family), search defaults."""
+    attention = lm.layers[0].attention
     defaults = ckpt.generation_defaults()
     eos = defaults["eos_token_id"]
     inputs = {name: name for name in ("input_ids", "attention_mask", "position_ids")}
     inputs |= {"past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
-    context = int(text.get("max_position_embeddings", text.get("n_positions", 2048)))
+    context = cfg.get("max_position_embeddings", cfg.get("n_positions", 2048))
     return {
         "model": {
-            "bos_token_id": text.get("bos_token_id") if isinstance(text.get("bos_token_id"), int) else 0,
-            "context_length": context,
+            "bos_token_id": cfg["bos_token_id"] if isinstance(cfg.get("bos_token_id"), int) else 0,
+            "context_length": context if isinstance(context, int) else 2048,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": "model.onnx",
-                "head_size": int(text.get("head_dim") or hidden // max(heads, 1)),
-                "hidden_size": hidden,
+                "head_size": attention.hd,
+                "hidden_size": attention.d_model,
                 "inputs": inputs,
                 "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
-                "num_attention_heads": heads,
-                "num_hidden_layers": layers,
-                "num_key_value_heads": int(text.get("num_key_value_heads") or heads),
+                "num_attention_heads": attention.n_heads,
+                "num_hidden_layers": len(lm.layers),
+                "num_key_value_heads": attention.n_kv_heads,
             },
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "pad_token_id": defaults["pad_token_id"],
-            "type": str(cfg.get("model_type", "decoder")),
-            "vocab_size": int(text.get("vocab_size", 0)),
+            "type": str(cfg["model_type"]),
+            "vocab_size": lm.vocab_size,
         },
         "search": {
             "do_sample": False,
