@@ -19,8 +19,8 @@ is uniform over all keys; the split records that as ``empty_rows="mean"``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
@@ -146,8 +146,13 @@ def _disjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None
     out.append(value)
 
 
-def _is_float(arr: np.ndarray | None, test: Callable[[float], bool]) -> bool:
-    return arr is not None and str(arr.dtype) in FLOAT_DTYPES and test(float(arr))
+def _is_zero(arr: np.ndarray | None) -> bool:
+    return arr is not None and str(arr.dtype) in FLOAT_DTYPES and float(arr) == 0.0
+
+
+def _is_fill(arr: np.ndarray | None) -> TypeGuard[np.ndarray]:
+    """A float scalar that hides a key it is added to (``-inf``, or at most :data:`FILL_LIMIT`)."""
+    return arr is not None and str(arr.dtype) in FLOAT_DTYPES and float(arr) <= FILL_LIMIT
 
 
 def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str], np.ndarray] | None:
@@ -156,12 +161,12 @@ def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str],
     export: ``j > i + offset``, or before the window), each negated into what it keeps."""
     cond, x, y = node.inputs
     vx, vy = _scalar(graph, x), _scalar(graph, y)
-    if vx is not None and vy is not None and _is_float(vx, lambda v: v == 0.0) and _is_float(vy, lambda v: v <= FILL_LIMIT):
+    if _is_zero(vx) and _is_fill(vy):
         parts: list[str] = []
         _conjuncts(graph, cond, parts)
         planes = [(p, _half_plane(graph, p)) for p in parts]
         return [pl for _, pl in planes if pl is not None], [p for p, pl in planes if pl is None], vy
-    if vx is not None and vy is not None and _is_float(vy, lambda v: v == 0.0) and _is_float(vx, lambda v: v <= FILL_LIMIT):
+    if _is_zero(vy) and _is_fill(vx):
         hidden: list[str] = []
         _disjuncts(graph, cond, hidden)
         found = [_half_plane(graph, p) for p in hidden]
