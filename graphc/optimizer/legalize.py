@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from graphc.attention_op import Attention
 from graphc.dims import check_sizes
+from graphc.errors import UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.mapped import check_mapped_files
 from graphc.ops import payload_fields
@@ -31,7 +32,7 @@ from .infra import Pass, PassContext, PassManager, RewritePass, Rule
 from .planning import SPLIT_RULE
 from .precision import has_low_precision, promote_low_precision
 
-__all__ = ["Target", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
+__all__ = ["Target", "LOW_PRECISION_MODES", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
 
 AttentionPolicy = Callable[[Graph, Node, PassContext], "str | type[Attention] | None"]
 """Decides one ``Attention`` node, once: ``None`` keeps it for the backend's kernel, an ``Attention`` subclass (a form,
@@ -50,6 +51,9 @@ class Target:
     ``max_einsum_operands``: longer einsums are split pairwise; ``description``
     is shown in reports; ``kernel`` names the form a kept ``Attention`` node
     takes on the backend (recorded in the optimizer's trace, shown by ``--explain``).
+    ``low_precision``: how a float16/bfloat16 graph computes: ``"float32"`` between low-precision storage
+    (CPU backends), or ``"storage"``: contractions, attention and data movement in the storage dtype, the rest
+    in float32 (GPU backends, whose fused kernels accumulate in float32 inside; :mod:`graphc.optimizer.precision`).
     """
 
     name: str
@@ -57,7 +61,15 @@ class Target:
     max_einsum_operands: int = 2
     description: str = ""
     kernel: Callable[[Graph, Node, PassContext], str] | None = None
+    low_precision: str = "float32"
 
+    def __post_init__(self) -> None:
+        if self.low_precision not in LOW_PRECISION_MODES:
+            raise UnknownNameError("low-precision mode", self.low_precision, LOW_PRECISION_MODES)
+
+
+LOW_PRECISION_MODES = ("float32", "storage")
+"""How a target computes a float16/bfloat16 graph (:attr:`Target.low_precision`)."""
 
 REFERENCE_TARGET = Target("reference", description="every composite op decomposed; reference semantics only")
 
@@ -129,7 +141,10 @@ def lower(
     ctx = ctx or PassContext()
     ctx.hints = {**dict(ctx.hints), **check_sizes(sizes, "sizes")}
     ctx.target = target
-    work = promote_low_precision(graph) if has_low_precision(graph) else graph.copy()
+    low = has_low_precision(graph)
+    work = promote_low_precision(graph) if low and target.low_precision == "float32" else graph.copy()
     PassManager(LOWERING_STAGES, verify=verify).run(work, ctx)
+    if low and target.low_precision == "storage":  # after the attention decisions: a kept attention reads float16 itself
+        work = promote_low_precision(work, storage=True)
     work.verify()
     return work

@@ -64,11 +64,12 @@ def export_checkpoint(
     attention: str = "decomposed",
     opset: int | None = None,
     hints: dict[str, int] | None = None,
+    device: str = "cpu",
 ) -> ExportedCheckpoint:
     """Export the checkpoint in ``folder`` (``save_pretrained``'s layout) as a whole causal LM into the folder ``out``.
 
     ``layers``: the first N decoder layers only; ``dtype``: convert the weights (default: as stored); ``attention``,
-    ``opset`` and ``hints`` as :func:`~lowering.export`.
+    ``opset``, ``hints`` and ``device`` (``"cuda"``: float16 computed in float16, fused CUDA attention) as :func:`~lowering.export`.
     """
     ckpt = Checkpoint(Path(folder))
     target = Path(out)
@@ -79,7 +80,9 @@ def export_checkpoint(
     target.mkdir(parents=True, exist_ok=True)
     graph = causal_lm_from_hf(ckpt.config, load_weights(ckpt.folder), n_layers=layers, dtype=dtype, logits="all")
     optimized = optimize(graph, hints=hints).graph
-    model = export(optimized, target / "model.onnx", opset=opset or DEFAULT_OPSET, attention=attention, hints=hints, external_data=True)
+    model = export(
+        optimized, target / "model.onnx", opset=opset or DEFAULT_OPSET, attention=attention, hints=hints, external_data=True, device=device
+    )
     copied = tuple(name for name in LOADER_FILES if _copy(ckpt.folder / name, target / name))
     if layers is not None:
         _set_layers(target / "config.json", layers)

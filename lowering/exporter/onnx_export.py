@@ -165,7 +165,8 @@ def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
-    """onnxruntime's ``com.microsoft.GroupQueryAttention`` on packed ``[B, S, H*D]`` Q/K/V."""
+    """onnxruntime's ``com.microsoft.GroupQueryAttention`` on packed ``[B, S, H*D]`` Q/K/V.  Without a cache the presents
+    are still named (unused): onnxruntime's CUDA kernel refuses to run without them."""
     op = node.op_as(Attention)
     g = b.graph
     ins = list(node.inputs)
@@ -190,7 +191,7 @@ def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
         helper.make_node(
             "GroupQueryAttention",
             inputs,
-            [packed, *node.outputs[1:]],
+            [packed, *(node.outputs[1:] if past else (b.fresh(f"{node.name}_present_key"), b.fresh(f"{node.name}_present_value")))],
             name=b.fresh(f"n_{node.name}"),
             domain="com.microsoft",
             num_heads=int(n_heads),
@@ -404,8 +405,11 @@ def export(
     external_data: bool = False,
     ctx: PassContext | None = None,
     place_weights: Callable[[str, np.ndarray], onnx.TensorProto] | None = None,
+    device: str = "cpu",
 ) -> onnx.ModelProto:
     """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
+
+    ``device``: ``"cpu"`` or ``"cuda"``, the onnxruntime provider the model is for (:func:`~lowering.exporter.targets.onnx_target`).
 
     ``ctx``: a :class:`~graphc.optimizer.PassContext` whose trace records the export's lowering (each attention
     recognised and the form chosen for it, what ``graphc optimize --explain -o X.onnx`` prints).
@@ -444,7 +448,7 @@ def export(
         if out in graph.inputs or out in graph.initializers:
             raise ExportError(f"graph output {out!r} is a graph input or initializer; ONNX needs outputs computed by nodes")
     ctx = PassContext() if ctx is None else ctx
-    lowered = lower(graph, onnx_target(attention, opset), {**(hints or {}), **(sizes or {})}, ctx)
+    lowered = lower(graph, onnx_target(attention, opset, device), {**(hints or {}), **(sizes or {})}, ctx)
     if attention in ("onnx-attention", "ort-gqa", "chunked"):
         _require_attention(lowered, attention, ctx)
     b = OnnxBuilder(lowered)
