@@ -194,7 +194,10 @@ def _backend_row(
     release_mapped_pages()
     reset_resident_peak()
     start = time.perf_counter()
-    runner = prepare(graph, backend, **decode_options(backend, sizes, args.threads))
+    options = decode_options(backend, sizes, args.threads)
+    if args.tf32 and backend == "ort-cuda":
+        options["tf32"] = True
+    runner = prepare(graph, backend, **options)
     prepared = time.perf_counter() - start
     generation = _warm_and_generate(graph, prompts, args, runner, progress, tag)
     peak = resident_peak_bytes()
@@ -273,6 +276,7 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights without --weights")
     g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
+    g.add_argument("--tf32", action="store_true", help="let ort-cuda run float32 MatMul in TF32 (default off)")
     g.add_argument(
         "--shards",
         type=int,

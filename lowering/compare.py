@@ -30,7 +30,7 @@ from .backends.registry import backend_names, get_backend, prepare
 from .backends.inputs import format_sizes, check_inputs, random_inputs, symbol_bindings
 from .kernels.softmax import default_threads
 
-__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS", "TOLERANCES", "default_tolerance"]
+__all__ = ["compare", "ComparisonReport", "BackendResult", "DEFAULT_BACKENDS", "MAX_REPEATS", "TOLERANCES", "TF32_TOLERANCE", "default_tolerance"]
 
 DEFAULT_BACKENDS = ("numpy", "onnx-reference", "ort-cpu", "ort-cuda", "torch")
 MAX_REPEATS = 10_000
@@ -122,9 +122,19 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
 
-TOLERANCES = {"float64": (1e-4, 1e-3), "float32": (1e-4, 1e-3), "float16": (1e-3, 4e-3), "bfloat16": (1e-2, 3e-2)}
-"""Default ``(atol, rtol)`` per output dtype: float32 runs against the float64 reference, and low-precision
-outputs carry their own rounding (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16) on top."""
+TOLERANCES = {"float64": (1e-4, 1e-3), "float32": (1e-4, 1e-3), "float16": (1e-2, 1e-2), "bfloat16": (8e-2, 8e-2)}
+"""Default ``(atol, rtol)`` per output dtype, against the float64 reference.
+
+float32: float32 arithmetic, far under 1e-3 of the reference.  float16: a float16 graph computed as GPU kernels
+compute it (contractions and attention in float16 with float32 accumulation, every intermediate rounded to float16;
+``lowering.exporter.targets.onnx_target(..., device="cuda")``) differs from the float64 reference by that rounding:
+on the mistral-7b layer at 512 tokens, at most 4.2e-3 (outputs up to 3.5; 1.5e-3 norm-wise), which the old
+``(1e-3, 4e-3)`` failed 3.3-fold and even float32 computation between float16 tensors failed 1.4-fold.  The bound
+allows about 2.4x that (``tests/test_precision.py`` pins it).  bfloat16 keeps 3 fewer mantissa bits: 8x float16's."""
+
+TF32_TOLERANCE = (5e-3, 1e-2)
+"""``(atol, rtol)`` of float32 outputs when onnxruntime's CUDA provider is asked for TF32 MatMul (``tf32=True``): TF32
+keeps float16's 10-bit mantissa, so float16's bound (measured on the mistral-7b layer at 512 tokens: 3.25e-3)."""
 
 
 def default_tolerance(graph: Graph) -> tuple[float, float]:
@@ -184,7 +194,7 @@ def compare(
     ``inputs`` default to seeded random arrays with symbolic dims sized by
     ``sizes``; ``options`` maps a backend name to its options (for example
     ``{"ort-cpu": {"threads": 2}}``); ``hints`` size dims for the optimizer.
-    ``atol``/``rtol`` default per output dtype (:data:`TOLERANCES`).
+    ``atol``/``rtol`` default per output dtype (:data:`TOLERANCES`; :data:`TF32_TOLERANCE` where ``{"tf32": True}``).
     ``progress`` is called with a line of text at each step (with each
     backend's elapsed time when it finishes).  The float64 reference run is
     checked against the memory cap (:mod:`graphc.memory`) before anything is
@@ -196,7 +206,7 @@ def compare(
     reference is then that model run by onnxruntime (or ONNX's reference
     evaluator), not graphc's own import (:mod:`lowering.backends.onnx_reference`).
     """
-    atol, rtol = _check_arguments(graph, backends, repeats, atol, rtol)
+    atol, rtol = _check_arguments(graph, backends, repeats, atol, rtol, options)
     plan = None
     from graphc.sharding import shard
 
@@ -257,8 +267,19 @@ def _inputs(
     return inputs, bindings
 
 
-def _check_arguments(graph: Graph, backends: Sequence[str], repeats: int, atol: float | None, rtol: float | None) -> tuple[float, float]:
-    """Refuse bad ``compare`` arguments before anything runs; returns the tolerances (defaults per output dtype)."""
+def _check_arguments(
+    graph: Graph,
+    backends: Sequence[str],
+    repeats: int,
+    atol: float | None,
+    rtol: float | None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[float, float]:
+    """Refuse bad ``compare`` arguments before anything runs; returns the tolerances (defaults per output dtype, and
+    :data:`TF32_TOLERANCE` at least where a backend's options ask for TF32)."""
+    if any(dict(o).get("tf32") for o in (options or {}).values()):
+        tf32 = [max(a, b) for a, b in zip(default_tolerance(graph), TF32_TOLERANCE)]
+        atol, rtol = (tf32[0] if atol is None else atol), (tf32[1] if rtol is None else rtol)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
         raise GraphcError(f"repeats must be an int in 1..{MAX_REPEATS}, got {repeats!r}")
     default_atol, default_rtol = default_tolerance(graph)

@@ -55,7 +55,7 @@ def test_widened_interface_is_exact():
 
 
 def test_compare_tolerances_follow_the_output_dtype():
-    for dtype, tol in (("float32", (1e-4, 1e-3)), ("float16", (1e-3, 4e-3)), ("bfloat16", (1e-2, 3e-2))):
+    for dtype, tol in (("float32", (1e-4, 1e-3)), ("float16", (1e-2, 1e-2)), ("bfloat16", (8e-2, 8e-2))):
         g = graphc.sdpa_graph(AttentionConfig(16, 2, 1, head_dim=8), dtype=dtype)
         assert default_tolerance(g) == tol
         report = compare(g, sizes={"batch": 1, "seq": 5}, backends=["numpy", "ort-cpu"], repeats=1)

@@ -19,6 +19,7 @@ with the basic rewrites only; every other run uses the fully optimized one.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,18 @@ from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, plan_session_
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .runner import Runner, StepFn
 
-__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache"]
+__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER"]
+
+DEVICE_OF_PROVIDER = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
+"""Where each execution provider keeps its tensors: the device of its decode cache and of the export's target."""
+
+
+def provider_entry(provider: str, tf32: bool = False) -> str | tuple[str, dict[str, str]]:
+    """The ``providers`` entry of ``provider`` as graphc runs it: onnxruntime's CUDA provider computes float32 MatMul in
+    TF32 unless told ``use_tf32=0``, so float32 is float32 there unless ``tf32`` asks otherwise."""
+    if provider == "CUDAExecutionProvider":
+        return provider, {"use_tf32": "1" if tf32 else "0"}
+    return provider
 
 _PROTOBUF_LIMIT = 2**31 - 1
 
@@ -62,12 +74,22 @@ class _Sessions:
     """The runner's sessions: fully optimized, and (built on first need) basic rewrites only."""
 
     def __init__(
-        self, name: str, graph: Graph, model: bytes, weights: SessionWeights, provider: str, threads: int | None, isolate: bool, spin: bool = False
+        self,
+        name: str,
+        graph: Graph,
+        model: bytes,
+        weights: SessionWeights,
+        provider: str,
+        threads: int | None,
+        isolate: bool,
+        spin: bool = False,
+        tf32: bool = False,
     ) -> None:
         self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
         self.weights = weights
         self.spin = spin
-        self.providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+        entry = provider_entry(provider, tf32)
+        self.providers: list[Any] = [entry] if provider == "CPUExecutionProvider" else [entry, "CPUExecutionProvider"]
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
         self.native: Any = None
         self.outputs: list[str] = []
@@ -123,8 +145,13 @@ def prepare_ort(
     isolate: bool = False,
     spin: bool = False,
     inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
+    tf32: bool = False,
 ) -> Runner:
     """Export ``graph`` and build its session: a :class:`~lowering.backends.runner.Runner`, as every backend returns.
+
+    On CUDA the model is exported for CUDA (float16 contractions and attention in float16, onnxruntime's fused
+    kernels; :func:`lowering.exporter.targets.onnx_target`), float32 MatMul runs in float32 unless ``tf32=True``,
+    and a decode loop's cache stays on the GPU (:class:`OrtKVCache`).
 
     ``spin=False`` (default) turns off onnxruntime's spinning intra-op threads, which otherwise
     compete with NumPy's and torch's thread pools in the same process (``compare`` runs them all).
@@ -139,7 +166,10 @@ def prepare_ort(
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
-    proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights)
+    device = DEVICE_OF_PROVIDER.get(provider, "cpu")
+    if not isinstance(tf32, bool) or (tf32 and device != "cuda"):
+        raise BackendError(f"tf32 (TF32 MatMul on onnxruntime's CUDA provider) must be a bool, True only on ort-cuda; got {tf32!r} on {name}")
+    proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
     if weights.widen:
         weights.widen_casts(proto)
     if weights.inline_bytes >= _PROTOBUF_LIMIT:
@@ -149,7 +179,7 @@ def prepare_ort(
         )
     model = proto.SerializeToString()
     del proto
-    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin)
+    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32)
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
@@ -163,16 +193,18 @@ def prepare_ort(
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
     decode: dict[str, Any] = {}  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
     if native is not None:
-        decode = {"caches": OrtKVCache, "stepper": _ort_step(native, list(sessions.outputs))}
+        decode = {"caches": partial(OrtKVCache, device=device), "stepper": _ort_step(native, list(sessions.outputs), device)}
     return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe(), **decode)
 
 
 class OrtKVCache(ArrayKVCache):
-    """onnxruntime's decode cache: ``OrtValue`` s that go from one step's outputs to the next step's inputs, never through NumPy."""
+    """onnxruntime's decode cache: ``OrtValue`` s on the provider's device (``"cpu"`` or ``"cuda"``) that go from one
+    step's outputs to the next step's inputs, never through NumPy (on CUDA, never through host memory)."""
 
-    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0) -> None:
+    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0, device: str = "cpu") -> None:
         import onnxruntime as ort
 
+        self.device = device  # the empty first pasts hold no bytes: host OrtValues, nothing to copy
         super().__init__(lm, batch, lambda b, h, d, dtype: ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, d, dtype)))
 
     @property
@@ -187,13 +219,22 @@ class OrtKVCache(ArrayKVCache):
         return self.length
 
 
-def _ort_step(session: Any, names: list[str]) -> StepFn:
-    """A decode step on ``session``: NumPy inputs wrapped as ``OrtValue`` s (no copy), the cache's ``OrtValue`` s as they are."""
+def _ort_step(session: Any, names: list[str], device: str = "cpu") -> StepFn:
+    """A decode step on ``session`` through an IO binding: NumPy inputs bound from host memory, the cache's ``OrtValue`` s
+    bound where they are, the outputs a cache keeps left on ``device`` and the others (the logits) copied to NumPy."""
     import onnxruntime as ort
 
     def step(inputs: Mapping[str, Any], keep: Sequence[str]) -> dict[str, Any]:
-        feeds = {k: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
-        outs = session.run_with_ort_values(names, feeds)
+        io = session.io_binding()
+        for k, v in inputs.items():
+            if isinstance(v, ort.OrtValue):
+                io.bind_ortvalue_input(k, v)
+            else:
+                io.bind_cpu_input(k, np.ascontiguousarray(v))
+        for n in names:
+            io.bind_output(n, device if n in keep else "cpu")
+        session.run_with_iobinding(io)
+        outs = io.get_outputs()
         return {n: (o if n in keep else o.numpy()) for n, o in zip(names, outs)}
 
     return step

@@ -76,10 +76,10 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
     return Runner("numpy", provider, graph, interp.run, caches=numpy_cache)
 
 
-def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None) -> Any:
+def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None, device: str = "cpu") -> Any:
     from ..exporter.onnx_export import DEFAULT_OPSET, export
 
-    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), place_weights=place_weights)
+    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), place_weights=place_weights, device=device)
 
 
 def _reference(graph: Graph, opset: int | None = None, attention: str = "decomposed", sizes: Sizes = None) -> Runner:
@@ -134,10 +134,11 @@ def _ort(provider: str) -> Callable[..., Runner]:
         isolate: bool = False,
         spin: bool = False,
         inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
+        tf32: bool = False,
     ) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        return build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin, inline_weights_max_bytes)
+        return build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin, inline_weights_max_bytes, tf32)
 
     return prepare_ort
 

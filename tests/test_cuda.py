@@ -1,0 +1,212 @@
+"""ort-cuda: what an export for CUDA is (checked here on any machine) and what it computes (on a machine with a GPU).
+
+The structure runs everywhere: a float16 graph exported for CUDA keeps its contractions and attention in float16
+(no Cast around them), the CUDA attention policy picks onnxruntime's fused kernels per shape, float32 on CUDA asks
+for float32 MatMul (TF32 off), and the decode step runs through an IO binding (here on CPU ``OrtValue`` s).  The
+numbers of a CUDA export are checked on the CPU provider too (onnxruntime's CPU kernels take float16), against
+float64.  The tests named ``*cuda*`` that need a GPU skip without ``CUDAExecutionProvider``;
+``benchmarks/gpu_check.py`` runs them on a GPU with the speed checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import graphc
+from graphc.attention.hf_lm import causal_lm_config_from_hf
+from graphc.errors import BackendError, UnknownNameError
+from lowering import export, generate, prepare, random_inputs, run
+from lowering.backends.ort_backend import OrtKVCache, provider_entry
+from lowering.backends.registry import decode_options
+from lowering.compare import TF32_TOLERANCE, TOLERANCES, compare
+from lowering.decode.generate import lm_interface
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDAExecutionProvider is not available (onnxruntime-gpu on a machine with an NVIDIA GPU)")
+MISTRAL = graphc.preset("mistral-7b")
+TINY_LM = dict(
+    model_type="mistral", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=16, vocab_size=300, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512, sliding_window=None,
+)  # fmt: skip
+
+
+def _core(q_len: int, kv_len: int, dtype: str = "float16", batch: int = 1) -> graphc.Graph:
+    return graphc.optimize(graphc.sdpa_graph(MISTRAL, batch=batch, q_len=q_len, kv_len=kv_len, causal=True, dtype=dtype)).graph
+
+
+def _producers(model) -> dict[str, str]:
+    return {o: n.op_type for n in model.graph.node for o in n.output}
+
+
+@pytest.mark.parametrize("q_len, kv_len, fused", [(1, 4096, "Attention"), (1024, 1024, "Attention"), (4096, 4096, "GroupQueryAttention")])
+def test_cuda_export_runs_float16_attention_in_float16_with_the_fused_kernel_per_shape(q_len, kv_len, fused):
+    model = export(_core(q_len, kv_len), device="cuda", attention="auto")
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops[fused] == 1 and "MatMul" not in ops, ops
+    float_casts = [n for n in model.graph.node if n.op_type == "Cast" and n.attribute[0].i != 6]  # int32 lengths are GQA's own inputs
+    assert not float_casts
+    node = next(n for n in model.graph.node if n.op_type == fused)
+    made_by = _producers(model)
+    assert all(made_by.get(i) != "Cast" for i in node.input[:3])  # no Cast pair around the fused op
+    assert not [n for n in model.graph.node if n.op_type == "Cast" and set(n.input) & set(node.output)]
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+    assert {types[n] for n in types} == {10}  # float16 in and out
+
+
+def test_cpu_export_of_the_same_graph_computes_in_float32():
+    ops = Counter(n.op_type for n in export(_core(1, 4096), attention="auto").graph.node)
+    assert ops["Cast"] >= 2 and "Attention" not in ops  # grouped MatMuls in float32 between float16 tensors
+
+
+def test_cuda_policy_keeps_float32_attention_as_grouped_matmuls(tmp_path):
+    from graphc.optimizer import PassContext
+
+    ctx = PassContext()
+    model = export(_core(1024, 1024, "float32"), device="cuda", attention="auto", ctx=ctx)
+    ops = {n.op_type for n in model.graph.node}
+    assert "Attention" not in ops and "GroupQueryAttention" not in ops and "MatMul" in ops
+    assert "float32 attention runs as grouped MatMuls" in ctx.trace.explain()
+
+
+def test_unknown_export_device_is_refused():
+    with pytest.raises(UnknownNameError, match="unknown export device 'tpu'.*cpu, cuda"):
+        export(_core(1, 8), device="tpu")
+
+
+def test_storage_precision_layer_is_within_the_float16_tolerance_of_float64():
+    """The mistral-7b layer exported for CUDA, run by onnxruntime's CPU kernels in float16, against float64."""
+    g = graphc.optimize(graphc.attention_layer_graph(MISTRAL, seed=0, dtype="float16"), hints={"batch": 1, "seq": 128}).graph
+    feeds = random_inputs(g, batch=1, seq=128)
+    want = run(g, feeds, "numpy", compute_dtype="float64")["out_BSM"].astype(np.float64)
+    model = export(g, device="cuda", attention="auto", sizes={"batch": 1, "seq": 128})
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["Attention"] == 1
+    made_by = _producers(model)
+    attention = next(n for n in model.graph.node if n.op_type == "Attention")
+    assert all(made_by.get(i) != "Cast" for i in attention.input[:3])  # float16 from the rotary products straight in
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})[0].astype(np.float64)
+    atol, rtol = TOLERANCES["float16"]
+    err = np.abs(got - want)
+    assert np.all(err <= atol + rtol * np.abs(want)), float(err.max())
+    assert err.max() > 1e-4  # float16 rounding is really there: the check is not vacuous
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4 * 2.0**-10  # a few float16 epsilons, norm-wise
+
+
+def test_storage_precision_lm_step_keeps_norms_in_float32():
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), dtype="float16", logits="last")
+    sizes = {"batch": 1, "seq": 1, "past_seq": 16}
+    model = export(graphc.optimize(g, hints=sizes).graph, device="cuda", attention="auto", sizes=sizes)
+    made_by = _producers(model)
+    elem = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    reductions = [n for n in model.graph.node if n.op_type.startswith("Reduce")]
+    assert reductions and all(made_by.get(n.input[0]) == "Cast" for n in reductions)  # widened before the statistic
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert matmuls and not any(elem.get(n.output[0]) == 1 for n in matmuls)  # no float32 MatMul output
+
+
+def test_storage_precision_lm_logits_match_float64_on_cpu_kernels():
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), dtype="float16", logits="last")
+    sizes = {"batch": 2, "seq": 5, "past_seq": 3}
+    opt = graphc.optimize(g, hints=sizes).graph
+    feeds = random_inputs(g, seed=3, **sizes)
+    want = run(g, feeds, "numpy", compute_dtype="float64")["logits"].astype(np.float64)
+    model = export(opt, device="cuda", attention="auto", sizes=sizes)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})))
+    atol, rtol = TOLERANCES["float16"]
+    assert np.all(np.abs(got["logits"].astype(np.float64) - want) <= atol + rtol * np.abs(want))
+
+
+def test_float32_on_cuda_is_float32_unless_tf32_is_asked_for():
+    assert provider_entry("CUDAExecutionProvider") == ("CUDAExecutionProvider", {"use_tf32": "0"})
+    assert provider_entry("CUDAExecutionProvider", tf32=True) == ("CUDAExecutionProvider", {"use_tf32": "1"})
+    assert provider_entry("CPUExecutionProvider") == "CPUExecutionProvider"
+    with pytest.raises(BackendError, match="True only on ort-cuda"):
+        prepare(_core(1, 8, "float32"), "ort-cpu", tf32=True)
+
+
+def test_compare_states_the_tf32_tolerance_when_tf32_is_asked_for():
+    g = graphc.sdpa_graph(graphc.AttentionConfig(16, 2, 1, head_dim=8))
+    report = compare(g, sizes={"batch": 1, "seq": 4}, backends=["numpy", "ort-cuda"], repeats=1, options={"ort-cuda": {"tf32": True}})
+    assert (report.atol, report.rtol) == TF32_TOLERANCE
+    assert "tolerance |err| <= 0.005 + 0.01*|ref|" in str(report)
+    plain = compare(g, sizes={"batch": 1, "seq": 4}, backends=["numpy"], repeats=1)
+    assert (plain.atol, plain.rtol) == TOLERANCES["float32"]
+
+
+def test_decode_steps_run_through_an_io_binding_with_the_cache_left_in_ortvalues():
+    g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last")).graph
+    runner = prepare(g, "ort-cpu", **decode_options("ort-cpu", {"batch": 1, "seq": 1, "past_seq": 8}))
+    seen = []
+    step = runner.stepper
+    assert step is not None
+
+    def spy(inputs, keep):
+        seen.append({k: type(v).__name__ for k, v in inputs.items()})
+        return step(inputs, keep)
+
+    runner.stepper = spy
+    out = generate(g, [[3, 1, 4, 1, 5]], 4, runner=runner)
+    want = generate(g, [[3, 1, 4, 1, 5]], 4, backend="numpy")
+    assert out.tokens() == want.tokens()
+    assert all(v == "OrtValue" for k, v in seen[-1].items() if k.startswith("past_key_values"))
+    assert seen[-1]["input_ids"] == "ndarray"
+
+
+@needs_cuda
+def test_ort_cuda_main_job_layer_passes_with_default_options():
+    g = graphc.attention_layer_graph(MISTRAL, seed=0)
+    report = compare(g, sizes={"batch": 1, "seq": 128}, backends=["ort-cuda"], repeats=1)
+    assert report.ok, str(report)
+    assert (report.atol, report.rtol) == TOLERANCES["float32"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_len, kv_len", [(1, 512), (256, 256), (2048, 2048)])
+def test_ort_cuda_float16_core_within_tolerance_and_nothing_on_the_cpu(q_len, kv_len):
+    g = _core(q_len, kv_len)
+    feeds = random_inputs(g, seed=2)
+    want = run(g, feeds, "numpy", compute_dtype="float64")
+    got = run(g, feeds, "ort-cuda", attention="auto")
+    atol, rtol = TOLERANCES["float16"]
+    for name in want:
+        np.testing.assert_allclose(got[name].astype(np.float64), want[name].astype(np.float64), atol=atol, rtol=rtol)
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    session = ort.InferenceSession(
+        export(g, device="cuda", attention="auto").SerializeToString(), so, providers=[provider_entry("CUDAExecutionProvider")]
+    )
+    session.run(None, feeds)
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    os.remove(profile)
+    on_cpu = {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["args"].get("provider") == "CPUExecutionProvider"}
+    assert not on_cpu & {"Attention", "GroupQueryAttention", "MatMul", "Softmax"}, on_cpu
+
+
+@needs_cuda
+def test_ort_cuda_generate_keeps_the_cache_on_the_gpu_and_matches_cpu_tokens():
+    g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last")).graph
+    runner = prepare(g, "ort-cuda", **decode_options("ort-cuda", {"batch": 2, "seq": 1, "past_seq": 8}))
+    assert isinstance(runner.new_cache(lm_interface(g), 2, 8), OrtKVCache)
+    step, seen = runner.stepper, []
+    assert step is not None
+
+    def spy(inputs, keep):
+        seen.append({k: v.device_name().lower() for k, v in inputs.items() if k.startswith("past_key_values")})
+        outs = step(inputs, keep)
+        seen.append({k: v.device_name().lower() for k, v in outs.items() if k in keep})
+        return outs
+
+    runner.stepper = spy
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    assert generate(g, prompts, 6, runner=runner).tokens() == generate(g, prompts, 6, backend="ort-cpu").tokens()
+    assert all(set(s.values()) == {"cuda"} for s in seen[1:]), seen[:3]  # after the (empty) first pasts: on the GPU
