@@ -233,8 +233,8 @@ def decompose_rotary(graph: Graph, node_name: str) -> str:
     def add(o: Op, inputs: Sequence[str], label: str) -> str:
         return graph.insert_before(node_name, o, inputs, f"{node_name}_{label}").name
 
-    def const(label: str, arr: np.ndarray) -> str:
-        return graph.add_initializer(graph.fresh_name(f"{node_name}_{label}"), arr).name
+    def const(label: str, arr: np.ndarray) -> str:  # one per graph and value: every layer's tables then merge (CSE)
+        return graph.shared_initializer(f"rotary_{label}", arr)
 
     per_batch = graph.types[pos].rank == 2
     lead = "bs" if per_batch else "s"

@@ -37,10 +37,7 @@ CONSTANT_FOLD_LIMIT = 1 << 26
 
 def shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
     """The initializer ``name`` holding ``value``, made once per graph (rewrites of several layers share it, so their nodes merge)."""
-    have = graph.initializers.get(name)
-    if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
-        return name
-    return graph.add_initializer(graph.fresh_name(name) if have is not None or name in graph.types else name, value).name
+    return graph.shared_initializer(name, value)
 
 
 def _bypass(graph: Graph, node: Node, rule: str) -> Miss | Node:

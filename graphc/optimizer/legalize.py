@@ -54,6 +54,7 @@ class Target:
     ``low_precision``: how a float16/bfloat16 graph computes: ``"float32"`` between low-precision storage
     (CPU backends), or ``"storage"``: contractions, attention and data movement in the storage dtype, the rest
     in float32 (GPU backends, whose fused kernels accumulate in float32 inside; :mod:`graphc.optimizer.precision`).
+    ``passes``: the target's own rewrites to its ops (e.g. an RMS norm to one fused op), run after legalisation.
     """
 
     name: str
@@ -62,6 +63,7 @@ class Target:
     description: str = ""
     kernel: Callable[[Graph, Node, PassContext], str] | None = None
     low_precision: str = "float32"
+    passes: tuple[Pass, ...] = ()
 
     def __post_init__(self) -> None:
         if self.low_precision not in LOW_PRECISION_MODES:
@@ -143,7 +145,8 @@ def lower(
     ctx.target = target
     low = has_low_precision(graph)
     work = promote_low_precision(graph) if low and target.low_precision == "float32" else graph.copy()
-    PassManager(LOWERING_STAGES, verify=verify).run(work, ctx)
+    stages = (*LOWERING_STAGES[:3], *target.passes, *LOWERING_STAGES[3:])  # the target's rewrites after legalize
+    PassManager(stages, verify=verify).run(work, ctx)
     if low and target.low_precision == "storage":  # after the attention decisions: a kept attention reads float16 itself
         work = promote_low_precision(work, storage=True)
     work.verify()

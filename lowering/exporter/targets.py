@@ -17,6 +17,7 @@ from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
 
 from ..kernels.attention_kernel import is_key_mask_shape
+from .norm_form import fuse_rms_norm
 from .forms import (
     ChunkedCausalAttention,
     OnnxAttention,
@@ -135,10 +136,10 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
         raise UnknownNameError("attention mode", mode, ATTENTION_MODES)
     if device not in DEVICES:
         raise UnknownNameError("export device", device, DEVICES)
-    precision = "storage" if device == "cuda" else "float32"
-    suffix = "-cuda" if device == "cuda" else ""
+    cuda = device == "cuda"
+    precision, suffix, passes = ("storage", "-cuda", (fuse_rms_norm,)) if cuda else ("float32", "", ())
     if mode == "decomposed":
-        return Target(f"onnx-decomposed{suffix}", description="MatMul/Softmax nodes", low_precision=precision)
+        return Target(f"onnx-decomposed{suffix}", description="MatMul/Softmax nodes", low_precision=precision, passes=passes)
     if mode in _NAMED_FORMS:  # asked for by name: an attention it cannot carry is an error
         form = _NAMED_FORMS[mode]
 
@@ -173,7 +174,8 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
         return "" if rows is None else f"{rows} query rows per KV head"
 
     where = " for CUDA" if device == "cuda" else ""
-    return Target(f"onnx-{mode}{suffix}", policy, description=f"ONNX export{where}, attention={mode}", kernel=kernel, low_precision=precision)
+    description = f"ONNX export{where}, attention={mode}"
+    return Target(f"onnx-{mode}{suffix}", policy, description=description, kernel=kernel, low_precision=precision, passes=passes)
 
 
 TARGET_NAMES = ("numpy", "reference", "torch", *(f"onnx-{m}" for m in ATTENTION_MODES), *(f"onnx-{m}-cuda" for m in ATTENTION_MODES))
