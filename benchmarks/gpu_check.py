@@ -1,6 +1,6 @@
 """graphc on onnxruntime's CUDA provider, every GPU check in one run (a few minutes on one NVIDIA GPU).
 
-    python benchmarks/gpu_check.py [--out DIR] [--only main,tests,conformance,core,generate,model7b] [--smoke]
+    python benchmarks/gpu_check.py [--out DIR] [--only gemv,core,generate,tests,main,model7b,conformance] [--smoke]
 
 Needs onnxruntime-gpu (CUDAExecutionProvider) and torch with CUDA in the same Python; graphc importable (installed,
 or the checkout on PYTHONPATH).  Sections:
@@ -9,6 +9,8 @@ or the checkout on PYTHONPATH).  Sections:
   (``--decode --past 4096``) and a float16 run (``--seq 2048 --dtype float16``), default options: PASS or FAIL per backend.
 - ``tests``: the suite's CUDA tests (``pytest -k cuda``).
 - ``conformance``: ONNX's Attention backend cases through graphc's import on ort-cuda.
+- ``gemv``: one decode-step projection (a 4096 x 14336 float16 weight) as onnxruntime ``MatMul``, ``Gemm(transB=1)``
+  and torch ``F.linear``: the weights' read bandwidth a decode step can reach at best.
 - ``core``: the attention core of mistral-7b (32 query heads, 8 KV heads, head dim 128) per case: torch SDPA,
   onnxruntime's own fused fp16 ops as hand-written one-node models (``Attention``-23, ``com.microsoft.GroupQueryAttention``)
   and graphc's CUDA export (``device="cuda"``, attention ``auto``), all with inputs and outputs bound on the GPU (IO
@@ -461,7 +463,42 @@ def model_7b() -> dict[str, Any]:
     return out
 
 
+def gemv() -> list[dict[str, Any]]:
+    """One decode-step projection, ``[1, 4096]`` times mistral-7b's 4096 x 14336 MLP weight in float16, three ways:
+    onnxruntime ``MatMul`` over the weight stored ``[K, N]`` (graphc's ``Transpose`` + ``MatMul`` once onnxruntime folds the
+    transpose), onnxruntime ``Gemm(transB=1)`` over the ``[N, K]`` weight as checkpoints store it, and torch's ``F.linear``:
+    GB/s of weight read by each, against the device's copy bandwidth."""
+    import torch
+    import torch.nn.functional as F
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N = (64, 128) if SMOKE else (4096, 14336)
+    w = np.random.default_rng(0).standard_normal((N, K), dtype=np.float32).astype(np.float16) * np.float16(K**-0.5)
+    x = torch.randn(1, K, dtype=torch.float16, device=torch_device())
+
+    def model(node: Any, weight: np.ndarray) -> bytes:
+        g = helper.make_graph(
+            [node], "gemv", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, K])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, N])], [numpy_helper.from_array(weight, "w")],
+        )  # fmt: skip
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+
+    out = {"y": ((1, N), torch.float16)}
+    matmul, *_ = bound_session(model(helper.make_node("MatMul", ["x", "w"], ["y"]), np.ascontiguousarray(w.T)), {"x": x}, out)
+    gemm, *_ = bound_session(model(helper.make_node("Gemm", ["x", "w"], ["y"], transB=1), w), {"x": x}, out)
+    tw = torch.from_numpy(w).to(torch_device())
+    times = alternate({"ort MatMul [K,N]": matmul, "ort Gemm transB [N,K]": gemm, "torch F.linear": lambda: F.linear(x, tw)}, n=100)
+    copy = RESULTS.get("env", {}).get("copy_gb_per_s")
+    rows = []
+    for name, ms in times.items():
+        gbs = w.nbytes / ms / 1e6
+        rows.append({"variant": name, "ms": round(ms, 4), "gb_per_s": round(gbs), "of_copy": round(gbs / copy, 2) if copy else None})
+        say(f"  [1,{K}] x [{K},{N}] fp16 | {name} | {ms * 1e3:.1f} us | {gbs:.0f} GB/s" + (f" = {gbs / copy:.0%} of copy" if copy else ""))
+    return rows
+
+
 SECTIONS: dict[str, Callable[[], Any]] = {
+    "gemv": gemv,
     "core": core,
     "generate": generate_2layer,
     "tests": cuda_tests,

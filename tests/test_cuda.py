@@ -228,3 +228,14 @@ def test_ort_cuda_generate_keeps_the_cache_on_the_gpu_and_matches_cpu_tokens():
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     assert generate(g, prompts, 6, runner=runner).tokens() == generate(g, prompts, 6, backend="ort-cpu").tokens()
     assert all(set(s.values()) == {"cuda"} for s in seen[1:]), seen[:3]  # after the (empty) first pasts: on the GPU
+
+
+def test_cli_exports_for_cuda_and_refuses_tf32_without_ort_cuda(tmp_path, capsys):
+    from graphc.cli import main
+
+    out = tmp_path / "layer.onnx"
+    args = ["export", "--heads", "8", "--kv-heads", "2", "--head-dim", "16", "-o", str(out), "--attention", "auto"]
+    assert main([*args, "--device", "cuda", "--hint", "seq=1", "--hint", "batch=1"]) == 0
+    assert "for CUDA" in capsys.readouterr().out and out.exists()
+    assert main(["compare", "--heads", "8", "--kv-heads", "2", "--head-dim", "16", "--seq", "4", "--backends", "numpy", "--tf32"]) == 2
+    assert "--tf32 asks ort-cuda for TF32 MatMul; add ort-cuda to --backends" in capsys.readouterr().err
