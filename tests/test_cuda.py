@@ -239,3 +239,12 @@ def test_cli_exports_for_cuda_and_refuses_tf32_without_ort_cuda(tmp_path, capsys
     assert "for CUDA" in capsys.readouterr().out and out.exists()
     assert main(["compare", "--heads", "8", "--kv-heads", "2", "--head-dim", "16", "--seq", "4", "--backends", "numpy", "--tf32"]) == 2
     assert "--tf32 asks ort-cuda for TF32 MatMul; add ort-cuda to --backends" in capsys.readouterr().err
+
+
+def test_bfloat16_graphs_still_compute_in_float32_on_cuda():
+    model = export(_core(1, 64, "bfloat16"), device="cuda", attention="auto")
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert "Attention" not in ops and ops["Cast"] >= 3  # widened to float32 around grouped MatMuls, as on the CPU
+    matmul_out = {o for n in model.graph.node if n.op_type == "MatMul" for o in n.output}
+    elem = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    assert all(elem.get(o, 1) == 1 for o in matmul_out)  # float32 MatMuls

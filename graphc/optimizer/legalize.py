@@ -52,8 +52,10 @@ class Target:
     is shown in reports; ``kernel`` names the form a kept ``Attention`` node
     takes on the backend (recorded in the optimizer's trace, shown by ``--explain``).
     ``low_precision``: how a float16/bfloat16 graph computes: ``"float32"`` between low-precision storage
-    (CPU backends), or ``"storage"``: contractions, attention and data movement in the storage dtype, the rest
+    (CPU backends), or ``"storage"``: a float16 graph's contractions, attention and data movement in float16, the rest
     in float32 (GPU backends, whose fused kernels accumulate in float32 inside; :mod:`graphc.optimizer.precision`).
+    A graph holding bfloat16 is computed in float32 under either (no GPU run has checked onnxruntime's bfloat16
+    CUDA kernels for every op the export uses).
     ``passes``: the target's own rewrites to its ops (e.g. an RMS norm to one fused op), run after legalisation.
     """
 
@@ -144,10 +146,11 @@ def lower(
     ctx.hints = {**dict(ctx.hints), **check_sizes(sizes, "sizes")}
     ctx.target = target
     low = has_low_precision(graph)
-    work = promote_low_precision(graph) if low and target.low_precision == "float32" else graph.copy()
+    storage = low and target.low_precision == "storage" and not any(t.dtype == "bfloat16" for t in graph.types.values())
+    work = promote_low_precision(graph) if low and not storage else graph.copy()
     stages = (*LOWERING_STAGES[:3], *target.passes, *LOWERING_STAGES[3:])  # the target's rewrites after legalize
     PassManager(stages, verify=verify).run(work, ctx)
-    if low and target.low_precision == "storage":  # after the attention decisions: a kept attention reads float16 itself
+    if storage:  # after the attention decisions: a kept attention reads float16 itself
         work = promote_low_precision(work, storage=True)
     work.verify()
     return work
