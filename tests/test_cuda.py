@@ -248,3 +248,30 @@ def test_bfloat16_graphs_still_compute_in_float32_on_cuda():
     matmul_out = {o for n in model.graph.node if n.op_type == "MatMul" for o in n.output}
     elem = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
     assert all(elem.get(o, 1) == 1 for o in matmul_out)  # float32 MatMuls
+
+
+def _rms_norm_graph(eps_input: bool = False, share_inv_rms: bool = False) -> graphc.Graph:
+    g = graphc.Graph("rms_norm")
+    x = g.input("x", ["batch", 16], "float16")
+    eps = g.input("eps", [], "float16") if eps_input else g.constant("eps", np.array(1e-5, np.float16))
+    w = g.constant("w", (1 + 0.1 * np.random.default_rng(0).standard_normal(16)).astype(np.float16))
+    inv = g.reciprocal(g.sqrt(g.add(g.scale(g.einsum("bc,bc->b", x, x), 1 / 16), eps)), name="inv_rms")
+    g.output(g.einsum("bc,c->bc", g.einsum("b,bc->bc", inv, x), w, name="y"))
+    if share_inv_rms:
+        g.output(inv)
+    return g
+
+
+@pytest.mark.parametrize("variant", ["fused", "epsilon is an input", "inv_rms read twice"])
+def test_rms_norm_fuses_only_where_the_pattern_is_whole(variant):
+    g = _rms_norm_graph(eps_input=variant == "epsilon is an input", share_inv_rms=variant == "inv_rms read twice")
+    model = export(g, device="cuda")
+    fused = [n for n in model.graph.node if n.op_type == "SimplifiedLayerNormalization"]
+    assert len(fused) == (variant == "fused"), [n.op_type for n in model.graph.node]
+    feeds = {"x": (3 * np.random.default_rng(1).standard_normal((4, 16))).astype(np.float16)}
+    if variant == "epsilon is an input":
+        feeds["eps"] = np.array(1e-5, np.float16)
+    want = run(g, feeds, "numpy", compute_dtype="float64")["y"].astype(np.float64)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(["y"], feeds)[0].astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)

@@ -12,7 +12,7 @@ kernel, ``stash_type=1``).  graphc's importer reads that op back as the same pie
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,9 +21,9 @@ import numpy as np
 
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, Dims, Einsum, Op, Scale, TensorType, Unary, register_op
-from graphc.optimizer import PassContext, RewritePass, Rule
+from graphc.optimizer import Bindings, Miss, Pat, PassContext, RewritePass, Rule
 
-__all__ = ["OrtRMSNorm", "fuse_rms_norm", "match_rms_norm"]
+__all__ = ["OrtRMSNorm", "RMS_NORM", "fuse_rms_norm", "match_rms_norm"]
 
 
 @register_op
@@ -47,65 +47,72 @@ class OrtRMSNorm(Op):
         return 4 * math.prod(out_shapes[0])
 
 
-def _einsum(graph: Graph, value: str) -> tuple[Node, list[str], str] | None:
-    node = graph.producer(value)
-    if node is None or not isinstance(node.op, Einsum):
-        return None
-    ins, out = node.op_as(Einsum).spec.split("->")
-    return node, ins.split(","), out
+def _terms(op: Einsum) -> tuple[list[str], str]:
+    ins, out = op.spec.split("->")
+    return ins.split(","), out
 
 
-def _only(graph: Graph, value: str, kinds: tuple[type[Op], ...]) -> Node | None:
-    """The producer of ``value`` when it is one of ``kinds`` and ``value`` has a single reader."""
-    node = graph.producer(value)
-    if node is None or not isinstance(node.op, kinds) or graph.use_count(value) != 1 or graph.is_output(value):
-        return None
-    return node
+def _times_weight(op: Einsum) -> bool:  # y[..., c] = y0[..., c] * w[c]
+    (a, *rest), out = _terms(op)
+    return rest == [out[-1]] and a == out
 
 
-RMSNormMatch = tuple[str, str, str, float, list[str]]
-"""``(last node, x, weight, epsilon, the pattern's other nodes)``."""
+def _row_times_value(op: Einsum) -> bool:  # y0[..., c] = r[...] * x[..., c]
+    terms, out = _terms(op)
+    return terms == [out[:-1], out]
 
 
-def match_rms_norm(graph: Graph, node: Node, ctx: PassContext) -> RMSNormMatch | None:
-    """The RMS norm ``node`` ends, written as graphc builds it (see the module's text), or None."""
-    last = _einsum(graph, node.name)
-    if last is None or len(last[1]) != 2 or len(last[1][1]) != 1 or last[1][0] != last[2] or last[1][1] != last[2][-1]:
-        return None  # not y = y0[..., c] * w[c]
-    step0, weight = node.inputs
-    scaled = _einsum(graph, step0)
-    if scaled is None or graph.use_count(step0) != 1 or scaled[1] != [last[2][:-1], last[2]] or scaled[2] != last[2]:
-        return None  # not y0 = inv_rms[...] * x[..., c]
-    inv_rms, x = scaled[0].inputs
-    chain: list[Node] = []
-    value = inv_rms
-    for kinds, fn in (((Unary,), "reciprocal"), ((Unary,), "sqrt"), ((Binary,), "add")):
-        link = _only(graph, value, kinds)
-        if link is None or getattr(link.op, "fn", None) != fn:
-            return None
-        chain.append(link)
-        value = link.inputs[0]
-    add = chain[-1]
-    eps = add.inputs[1]
+def _sum_of_squares(op: Einsum) -> bool:  # s[...] = sum_c x[..., c] * x[..., c]
+    terms, out = _terms(op)
+    return len(terms) == 2 and terms[0] == terms[1] and out == terms[0][:-1]
+
+
+def _fn(name: str) -> Callable[[Any], bool]:
+    return lambda op: op.fn == name
+
+
+RMS_NORM = Pat.op(Einsum, where=_times_weight, inputs=(
+    Pat.op(Einsum, where=_row_times_value, name="normalized", single_use=True, inputs=(
+        Pat.op(Unary, where=_fn("reciprocal"), name="inv_rms", single_use=True, inputs=(
+            Pat.op(Unary, where=_fn("sqrt"), name="rms", single_use=True, inputs=(
+                Pat.op(Binary, where=_fn("add"), name="plus_eps", single_use=True, inputs=(
+                    Pat.op(Scale, name="mean", single_use=True, inputs=(
+                        Pat.op(Einsum, where=_sum_of_squares, name="sum_sq", single_use=True, inputs=(Pat.var("x"), Pat.var("x"))),
+                    )),
+                    Pat.var("eps"),
+                )),
+            )),
+        )),
+        Pat.var("x"),
+    )),
+    Pat.var("weight"),
+))  # fmt: skip
+"""``weight * x / sqrt(mean(x * x) + eps)`` as graphc's builders write an RMS norm (each inner value read once)."""
+
+_PARTS = ("sum_sq", "mean", "plus_eps", "rms", "inv_rms", "normalized")
+
+
+def match_rms_norm(graph: Graph, node: Node, ctx: PassContext) -> tuple[Node, Bindings] | Miss | None:
+    """``node`` and the bindings of :data:`RMS_NORM` when ``node`` ends an RMS norm over the last axis with a scalar
+    constant epsilon; a :class:`~graphc.optimizer.Miss` saying why a near match is not one; else None."""
+    got = RMS_NORM.match(graph, node.outputs[0])
+    if got is None or isinstance(got, Miss):
+        return got
+    eps, width = got["eps"], graph.types[got["x"]].shape[-1]
     if not graph.is_constant(eps) or graph.initializers[eps].size != 1:
-        return None
-    mean = _only(graph, value, (Scale,))
-    sums = _einsum(graph, mean.inputs[0]) if mean is not None else None
-    width = graph.types[x].shape[-1]
-    if mean is None or sums is None or graph.use_count(mean.inputs[0]) != 1 or tuple(sums[0].inputs) != (x, x) or not isinstance(width, int):
-        return None
-    if sums[1] != [last[2], last[2]] or sums[2] != last[2][:-1] or not math.isclose(mean.op_as(Scale).factor, 1 / width, rel_tol=1e-6):
-        return None
-    parts = [sums[0].name, mean.name, *(n.name for n in reversed(chain)), scaled[0].name]
-    return node.name, x, weight, float(graph.initializers[eps].reshape(()).astype(np.float64)), parts
+        return Miss(f"RMS norm of {got['x']!r}: its epsilon {eps!r} is not a scalar constant")
+    if not isinstance(width, int) or not math.isclose(got["mean"].op_as(Scale).factor, 1 / width, rel_tol=1e-6):
+        return Miss(f"RMS norm of {got['x']!r}: the sum of squares is not divided by the axis' {width} elements")
+    return node, got
 
 
-def _rewrite(graph: Graph, m: RMSNormMatch, ctx: PassContext) -> str:
-    last, x, weight, eps, parts = m
-    graph.redefine(last, OrtRMSNorm(eps), [x, weight])
-    for name in reversed(parts):  # each read only by the next, the last by the node just redefined
-        graph.remove_node(name)
-    return f"RMS norm of {x!r} fused into SimplifiedLayerNormalization (eps {eps:g}; {len(parts) + 1} ops -> 1)"
+def _rewrite(graph: Graph, m: tuple[Node, Bindings], ctx: PassContext) -> str:
+    node, got = m
+    eps = float(graph.initializers[got["eps"]].reshape(()).astype(np.float64))
+    graph.redefine(node.name, OrtRMSNorm(eps), [got["x"], got["weight"]])
+    for part in reversed(_PARTS):  # each read only by the next, the last by the node just redefined
+        graph.remove_node(got[part].name)
+    return f"RMS norm of {got['x']!r} fused into SimplifiedLayerNormalization (eps {eps:g}; {len(_PARTS) + 1} ops -> 1)"
 
 
 def _match(graph: Graph, node: Node, ctx: PassContext) -> Any:
