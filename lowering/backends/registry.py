@@ -244,7 +244,8 @@ def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", 
     Options: ``numpy``: ``compute_dtype``, ``threads``, ``reference``; ONNX backends: ``opset``,
     ``attention`` (``decomposed``, ``onnx-attention``, ``ort-gqa``, ``auto``);
     onnxruntime: ``threads``, ``isolate`` (run in a worker process, so that a
-    crash inside onnxruntime is a :class:`BackendError`); ``torch``: ``device``, ``threads``.
+    crash inside onnxruntime is a :class:`BackendError`); ``ort-cuda``: ``tf32`` (TF32 MatMul; default off);
+    ``torch``: ``device``, ``threads``.
     """
     get_backend(backend)
     sizes = check_inputs(graph, inputs)
