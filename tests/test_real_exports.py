@@ -22,7 +22,7 @@ from graphc.cli import main  # noqa: E402
 from graphc.errors import InputError  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
 from graphc.optimizer import Target, lower  # noqa: E402
-from lowering import run  # noqa: E402
+from lowering import prepare, run  # noqa: E402
 from lowering.exporter.targets import NUMPY_TARGET  # noqa: E402
 
 SLIDING = {"mistral", "gemma2"}  # families with a sliding window of 16: their caches keep min(past + new, 15) keys
@@ -70,12 +70,13 @@ def test_export_imports_with_outputs_equal_to_onnxruntime(case, tmp_path):
         assert op.window == (16 if layer in WINDOWED.get(family, ()) else None), (layer, op)
         assert "Repeat" not in {lowered.producer(i).op.kind for i in node.inputs if lowered.producer(i) is not None}  # no K/V copy
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    runners = {backend: prepare(optimized, backend) for backend in ("numpy", "ort-cpu", "torch")}  # one each, every size
     for batch, seq, past, pad in SLIDING_SIZES if cache and family in SLIDING else SIZES[cache]:
         f = feeds(model, batch, seq, past, pad)
         want = session.run(None, f)
         mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
-        for backend in ("numpy", "ort-cpu", "torch"):
-            got = run(optimized, mine, backend=backend)
+        for backend, runner in runners.items():
+            got = runner.run(mine)
             for name, w in zip(optimized.outputs, want):
                 assert got[name].shape == w.shape, (backend, name)
                 np.testing.assert_allclose(got[name], w, rtol=1e-3, atol=1e-4, err_msg=f"{backend} {name} at {batch, seq, past, pad}")
