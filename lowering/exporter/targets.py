@@ -103,14 +103,15 @@ CUDA_GQA_MIN_QUERIES = 2048
 """On CUDA, ``auto`` carries a causal self-attention (no cache, no mask) of at least this many queries as
 ``com.microsoft.GroupQueryAttention`` (its flash kernel), a shorter one and every decode step as the standard
 ``Attention`` op.  From onnxruntime 1.31.1's own fp16 kernels on an H200 (hand-written one-node models, mistral-7b
-heads): prefill of 1024 tokens 0.079 ms (Attention-23) vs 0.092 (GroupQueryAttention), of 4096 tokens 0.543 vs 0.433."""
+heads; ``benchmarks/gpu_check.py``, docs/gpu.md): prefill of 1024 tokens 0.084 ms (Attention-23) vs 0.097
+(GroupQueryAttention), of 4096 tokens 0.540 vs 0.433."""
 
 
 def _cuda_auto_policy(graph: Graph, node: Node, ctx: PassContext, opset: int) -> str | type[Attention]:
-    """``auto`` on CUDA: a fused op wherever one carries the node, in float16/bfloat16; float32 keeps grouped MatMuls
-    (onnxruntime's fused CUDA attention kernels are half-precision kernels)."""
+    """``auto`` on CUDA: a fused op wherever one carries a float16 node; float32 keeps grouped MatMuls (onnxruntime's
+    fused CUDA attention kernels are half-precision kernels)."""
     if graph.types[node.inputs[0]].dtype == "float32":
-        return "auto (cuda): float32 attention runs as grouped MatMuls; the fused CUDA kernels are float16/bfloat16"
+        return "auto (cuda): float32 attention runs as grouped MatMuls; the fused CUDA kernels are half-precision kernels"
     queries = ctx.known_size(graph.types[node.inputs[0]].shape[2])
     op = node.op_as(Attention)
     long_prefill = queries is not None and queries >= CUDA_GQA_MIN_QUERIES and not op.kv_cache
@@ -130,8 +131,9 @@ _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttenti
 def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset`` for ``device`` (one of
     :data:`DEVICES`): its policy gives each kept ``Attention`` its form (:mod:`lowering.exporter.forms`), or the reason
-    it is decomposed.  For ``"cuda"``, float16/bfloat16 graphs compute in their storage dtype (``low_precision="storage"``)
-    and ``auto`` picks onnxruntime's fused CUDA kernels (:data:`CUDA_GQA_MIN_QUERIES`)."""
+    it is decomposed.  For ``"cuda"``, a float16 graph computes in float16 where GPU kernels do (``low_precision="storage"``),
+    RMS norms become one op (:mod:`lowering.exporter.norm_form`), and ``auto`` picks onnxruntime's fused CUDA kernels
+    (:data:`CUDA_GQA_MIN_QUERIES`)."""
     if mode not in ATTENTION_MODES:
         raise UnknownNameError("attention mode", mode, ATTENTION_MODES)
     if device not in DEVICES:
@@ -173,7 +175,7 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
         rows = _rows_per_kv_head(graph, node, ctx)
         return "" if rows is None else f"{rows} query rows per KV head"
 
-    where = " for CUDA" if device == "cuda" else ""
+    where = " for CUDA" if cuda else ""
     description = f"ONNX export{where}, attention={mode}"
     return Target(f"onnx-{mode}{suffix}", policy, description=description, kernel=kernel, low_precision=precision, passes=passes)
 
