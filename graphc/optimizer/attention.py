@@ -33,7 +33,7 @@ from graphc.dims import Dim, dim_div, dim_prod
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 
-from .cleanup import only_reader, remove_if_dead, shared_constant
+from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
 from .masks import split_additive_mask
 
@@ -487,7 +487,7 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
         if mask is None:
             mask = extra
             continue
-        false = shared_constant(graph, "attention_false", np.array(False))
+        false = graph.shared_initializer("attention_false", np.array(False))
         mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
     inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
     scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)

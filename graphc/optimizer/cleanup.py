@@ -6,7 +6,6 @@ by another value declines with a :class:`~graphc.optimizer.infra.Miss`.
 
 from __future__ import annotations
 
-import numpy as np
 
 from graphc.dims import dim_prod, eval_shape, is_static, normalize_dim
 from graphc.graph import Graph, Node
@@ -23,7 +22,6 @@ __all__ = [
     "remove_if_dead",
     "mask_hides_nothing",
     "only_reader",
-    "shared_constant",
     "dead_code_elimination",
     "common_subexpression_elimination",
     "LAYOUT_RULES",
@@ -33,11 +31,6 @@ __all__ = [
 
 CONSTANT_FOLD_LIMIT = 1 << 26
 """Largest result (in elements) that constant folding computes ahead of time."""
-
-
-def shared_constant(graph: Graph, name: str, value: np.ndarray) -> str:
-    """The initializer ``name`` holding ``value``, made once per graph (rewrites of several layers share it, so their nodes merge)."""
-    return graph.shared_initializer(name, value)
 
 
 def _bypass(graph: Graph, node: Node, rule: str) -> Miss | Node:

@@ -18,7 +18,6 @@ from graphc.graph import Graph
 from graphc.ops import Binary, CausalMask, Compare, Concat, Einsum, Op, Reshape, Scale, Softmax, Unary, Where
 from graphc.tensor_ops import BroadcastTo, Reduce
 
-from .cleanup import shared_constant
 
 __all__ = ["decompose_attention"]
 
@@ -69,7 +68,7 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
     dtype = graph.types[s].dtype
     p = add(Softmax(-1), [s], "probs")
     if empty is not None:  # the rows' value: zeros, or the mean of V over every key
-        row_value = shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        row_value = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
         if op.empty_rows == "mean":
             row_value = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
             row_value = add(Reshape((b, hkv, 1, 1, dv)), [row_value], "v_mean_5d") if g > 1 else row_value
@@ -101,8 +100,8 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
     empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
     if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
         # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
-        fill = shared_constant(graph, f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
-        zero = shared_constant(graph, f"attention_zero_{dtype}", np.zeros((), dtype))
+        fill = graph.shared_initializer(f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
+        zero = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
         mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
         bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
         bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
@@ -116,7 +115,7 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
         if mask is not None:
             s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
         if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
-            neg_inf = shared_constant(graph, f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
+            neg_inf = graph.shared_initializer(f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
             empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
     return s, empty
 

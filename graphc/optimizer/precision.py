@@ -69,13 +69,15 @@ def promote_low_precision(graph: Graph, storage: bool = False) -> Graph:
             converted[value, dtype] = g.add_node(Cast(dtype), [value], g.fresh_name(f"{value}_{suffix}")).name
         return converted[value, dtype]
 
-    def widened(g: Graph, node: Node, operands: list[str]) -> bool:  # a float32 stand-in for a low-precision operand
-        return any(g.types[v].dtype != graph.types[i].dtype for v, i in zip(operands, node.inputs))
+    def in_float32(g: Graph, node: Node, operands: list[str]) -> bool:  # under ``storage``: does ``node`` run in float32?
+        if isinstance(node.op, Einsum) and len(set(node.inputs)) < len(node.inputs):  # a sum of squares (a norm's)
+            return True
+        if isinstance(node.op, STORAGE_PRECISION_OPS):
+            return False
+        return needs_float32(node.op) or any(g.types[v].dtype != graph.types[i].dtype for v, i in zip(operands, node.inputs))
 
     def on_node(g: Graph, node: Node, operands: list[str]) -> list[str]:
-        statistic = isinstance(node.op, Einsum) and len(set(node.inputs)) < len(node.inputs)  # a sum of squares (a norm's)
-        promote = statistic or (not isinstance(node.op, STORAGE_PRECISION_OPS) and (needs_float32(node.op) or widened(g, node, operands)))
-        if storage and not promote:  # as written: each operand in the dtype the graph gave it
+        if storage and not in_float32(g, node, operands):  # as written: each operand in the dtype the graph gave it
             wanted = [graph.types[i].dtype for i in node.inputs]
             ins = [as_dtype(g, v, d) if d in LOW_PRECISION_DTYPES else v for v, d in zip(operands, wanted)]
             return [v.name for v in g.add_multi_node(node.op, ins, node.outputs)]

@@ -19,7 +19,6 @@ with the basic rewrites only; every other run uses the fully optimized one.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -165,10 +164,10 @@ def prepare_ort(
         raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {inline_weights_max_bytes!r}")
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
-    weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     device = DEVICE_OF_PROVIDER.get(provider, "cpu")
     if not isinstance(tf32, bool) or (tf32 and device != "cuda"):
         raise BackendError(f"tf32 (TF32 MatMul on onnxruntime's CUDA provider) must be a bool, True only on ort-cuda; got {tf32!r} on {name}")
+    weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
     if weights.widen:
         weights.widen_casts(proto)
@@ -193,18 +192,18 @@ def prepare_ort(
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
     decode: dict[str, Any] = {}  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
     if native is not None:
-        decode = {"caches": partial(OrtKVCache, device=device), "stepper": _ort_step(native, list(sessions.outputs), device)}
+        decode = {"caches": OrtKVCache, "stepper": _ort_step(native, list(sessions.outputs), device)}
     return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe(), **decode)
 
 
 class OrtKVCache(ArrayKVCache):
-    """onnxruntime's decode cache: ``OrtValue`` s on the provider's device (``"cpu"`` or ``"cuda"``) that go from one
-    step's outputs to the next step's inputs, never through NumPy (on CUDA, never through host memory)."""
+    """onnxruntime's decode cache: ``OrtValue`` s that go from one step's outputs to the next step's inputs, never through
+    NumPy; they stay where the step left them (:func:`_ort_step`: on CUDA, on the GPU).  The empty first pasts hold no
+    bytes, so they are host ``OrtValue`` s on every provider."""
 
-    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0, device: str = "cpu") -> None:
+    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0) -> None:
         import onnxruntime as ort
 
-        self.device = device  # the empty first pasts hold no bytes: host OrtValues, nothing to copy
         super().__init__(lm, batch, lambda b, h, d, dtype: ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, d, dtype)))
 
     @property

@@ -113,16 +113,14 @@ def _cuda_auto_policy(graph: Graph, node: Node, ctx: PassContext, opset: int) ->
     if graph.types[node.inputs[0]].dtype == "float32":
         return "auto (cuda): float32 attention runs as grouped MatMuls; the fused CUDA kernels are half-precision kernels"
     queries = ctx.known_size(graph.types[node.inputs[0]].shape[2])
-    op = node.op_as(Attention)
-    long_prefill = queries is not None and queries >= CUDA_GQA_MIN_QUERIES and not op.kv_cache
-    if long_prefill and unsupported(OrtGroupQueryAttention, graph, node, ctx, opset) is None:
+    long_prefill = queries is not None and queries >= CUDA_GQA_MIN_QUERIES and not node.op_as(Attention).kv_cache
+    gqa_fits = unsupported(OrtGroupQueryAttention, graph, node, ctx, opset) is None
+    if long_prefill and gqa_fits:
         return OrtGroupQueryAttention
     reason = unsupported(OnnxAttention, graph, node, ctx, opset)
     if reason is None:
         return OnnxAttention
-    if unsupported(OrtGroupQueryAttention, graph, node, ctx, opset) is None:
-        return OrtGroupQueryAttention
-    return f"auto (cuda): {reason}"
+    return OrtGroupQueryAttention if gqa_fits else f"auto (cuda): {reason}"
 
 
 _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttention, "chunked": ChunkedCausalAttention}
@@ -151,7 +149,7 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
                 raise ExportError(f"attention={mode!r} cannot carry {node.name!r}: {reason}; use attention='auto' to fall back")
             return form
 
-    elif device == "cuda":
+    elif cuda:
 
         def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | None:
             return _cuda_auto_policy(graph, node, ctx, opset)
