@@ -84,21 +84,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def bench(fn: Callable[[], object], n: int = 30, blocks: int = 3) -> float:
-    """Best of ``blocks`` blocks of ``n`` back-to-back calls, ms per call (device synchronised at each block's ends)."""
-    for _ in range(5):
-        fn()
-    sync()
-    best = []
-    for _ in range(blocks):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        best.append((time.perf_counter() - t) / n * 1e3)
-    return min(best)
-
-
 def alternate(calls: dict[str, Callable[[], object]], rounds: int = 5, n: int = 30) -> dict[str, float]:
     """ms per call of each variant: blocks of ``n`` back-to-back calls, the variants alternating block by block
     (A B C A B C ...) for ``rounds`` rounds; each variant's best block."""
@@ -126,7 +111,7 @@ def environment() -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(0)
         x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
         y = torch.empty_like(x)
-        ms = bench(lambda: y.copy_(x), n=20)
+        ms = alternate({"copy": lambda: y.copy_(x)}, rounds=3, n=20)["copy"]
         env["copy_gb_per_s"] = round(2 * x.numel() * 4 / ms / 1e6)  # bytes read + written
         del x, y
     say(json.dumps(env))
@@ -349,14 +334,20 @@ def core() -> list[dict[str, Any]]:
     return rows
 
 
-def lm_graph(layers: int, weights: dict[str, np.ndarray] | None = None) -> Any:
-    import graphc
+def lm_config(layers: int) -> Any:
+    """Mistral-7B's shape with ``layers`` layers (``--smoke``: a toy width)."""
     from graphc.attention.hf_lm import causal_lm_config_from_hf
 
     hf = dict(MISTRAL_7B, num_hidden_layers=layers)
     if SMOKE:
         hf.update(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=500)
-    return graphc.causal_lm_graph(causal_lm_config_from_hf(hf), weights, dtype="float16", logits="last")
+    return causal_lm_config_from_hf(hf)
+
+
+def lm_graph(layers: int, weights: dict[str, np.ndarray] | None = None) -> Any:
+    import graphc
+
+    return graphc.causal_lm_graph(lm_config(layers), weights, dtype="float16", logits="last")
 
 
 def timed_generation(graph: Any, prompt_lengths: list[int], new_tokens: int, rounds: int = 3) -> list[dict[str, Any]]:
@@ -447,14 +438,10 @@ def generate_2layer() -> dict[str, Any]:
 
 def model_7b() -> dict[str, Any]:
     from graphc.attention.causal_lm import init_causal_lm_weights
-    from graphc.attention.hf_lm import causal_lm_config_from_hf
 
     layers = 2 if SMOKE else 32
     t0 = time.perf_counter()
-    small = dict(MISTRAL_7B, num_hidden_layers=1)
-    if SMOKE:
-        small.update(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=500)
-    base = init_causal_lm_weights(causal_lm_config_from_hf(small), 0, "float16")
+    base = init_causal_lm_weights(lm_config(1), 0, "float16")
     weights = {}
     for name, a in base.items():
         if name.startswith("model.layers.0."):
