@@ -65,7 +65,7 @@ def test_cpu_export_of_the_same_graph_computes_in_float32():
     assert ops["Cast"] >= 2 and "Attention" not in ops  # grouped MatMuls in float32 between float16 tensors
 
 
-def test_cuda_policy_keeps_float32_attention_as_grouped_matmuls(tmp_path):
+def test_cuda_policy_keeps_float32_attention_as_grouped_matmuls():
     from graphc.optimizer import PassContext
 
     ctx = PassContext()
