@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +107,8 @@ def _operand_name(graph: "Graph", v: ValueLike) -> str:
         return v.name
     if not isinstance(v, str):
         raise GraphError(f"an operand must be a Value of graph {graph.name!r} or a value name, got {type(v).__name__} {v!r}")
-    return v
+    scoped = graph._scope + v
+    return scoped if scoped in graph._values else v
 
 
 class _TypesView(Mapping[str, TensorType]):
@@ -168,6 +170,7 @@ class Graph(GraphBuilder):
         self._head = Node("", _Sentinel(), (), ())  # circular list: head._next is the first node
         self._head._prev = self._head._next = self._head
         self._fresh: dict[str, int] = {}
+        self._scope = ""
         self._touched: set[str] | None = None
         self.assumptions: list[tuple[Dim, Dim]] = []
 
@@ -206,14 +209,35 @@ class Graph(GraphBuilder):
         if a != b and (a, b) not in self.assumptions:
             self.assumptions.append((a, b))
 
+    @contextmanager
+    def scope(self, prefix: str) -> Iterator[None]:
+        """Build under a name scope: inside ``with g.scope("model.layers.3.")`` every initializer and node output
+        is named ``prefix`` + the name given (scopes nest), :meth:`fresh_name` answers names relative to the scope,
+        and an operand given by name is looked up in the scope first, then as written.  Inputs keep their names
+        (they are the graph's interface).  So one builder writes a layer into a whole model, and each weight is
+        named once, where the checkpoint names it."""
+        if not isinstance(prefix, str):
+            raise GraphError(f"a name scope must be a string, got {type(prefix).__name__} {prefix!r}")
+        outer = self._scope
+        self._scope = outer + prefix
+        try:
+            yield
+        finally:
+            self._scope = outer
+
+    def qualified(self, name: str) -> str:
+        """``name`` as the current :meth:`scope` names it (``name`` itself outside any scope)."""
+        return self._scope + name
+
     def fresh_name(self, base: str) -> str:
-        """Return ``base`` or ``base_N``, whichever is not used yet."""
-        if base not in self._values:
+        """Return ``base`` or ``base_N``, whichever is not used yet (relative to the current :meth:`scope`)."""
+        full = self._scope + base
+        if full not in self._values:
             return base
-        i = self._fresh.get(base, 1)
-        while f"{base}_{i}" in self._values:
+        i = self._fresh.get(full, 1)
+        while f"{full}_{i}" in self._values:
             i += 1
-        self._fresh[base] = i + 1
+        self._fresh[full] = i + 1
         return f"{base}_{i}"
 
     def _claim(self, name: str) -> None:
@@ -226,6 +250,8 @@ class Graph(GraphBuilder):
     def value(self, v: ValueLike) -> Value:
         """Return the :class:`Value` of ``v`` (a name or a handle)."""
         name = _name_of(v)
+        if isinstance(v, str) and self._scope + v in self._values:
+            name = self._scope + v
         if name not in self._values:
             raise UndefinedValueError(f"value {name!r} is not defined in graph {self.name!r}")
         return self._values[name]
@@ -253,6 +279,7 @@ class Graph(GraphBuilder):
         The graph keeps a read-only array: a copy, unless ``copy=False`` and the
         array is already read-only (weights shared between graphs, memory maps).
         """
+        name = self._scope + name
         self._claim(name)
         arr = np.asarray(array)
         if copy or arr.flags.writeable:
@@ -297,7 +324,7 @@ class Graph(GraphBuilder):
         if names is None:
             base = op.kind.lower()
             names = [self.fresh_name(base)] + [self.fresh_name(f"{base}_out{i}") for i in range(1, n_out)]
-        names = list(names)
+        names = [self._scope + n for n in names]
         if len(names) != n_out:
             raise GraphError(f"{op.kind} has {n_out} output(s) but {len(names)} name(s) were given: {names}")
         for n in names:

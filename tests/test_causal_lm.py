@@ -111,6 +111,16 @@ def test_greedy_tokens_and_every_steps_logits_match_transformers(family_case):
                 np.testing.assert_allclose(a, b, **TOL, err_msg=f"{where} step {step}")
 
 
+def test_llama_weights_keep_their_checkpoint_names():
+    """Each layer is written under its checkpoint scope, so a Llama ``state_dict``'s names are the graph's initializer names."""
+    config, model = _model("llama")
+    state = _state(model)
+    g = graphc.causal_lm_from_hf(config, state)
+    assert set(state) <= set(g.initializers)
+    for name, arr in state.items():
+        np.testing.assert_array_equal(g.initializers[name], arr, err_msg=name)
+
+
 def test_the_logits_depend_on_the_padding_being_masked(family_case):
     """Guards the test above: without the mask the padded prompt's logits change; the unpadded prompt's do not."""
     family, config, model, want_tokens, want_logits = family_case

@@ -386,6 +386,40 @@ def test_multi_output_nodes_print_save_and_load():
     assert str(h) == str(g) and h.producer("present_value") is h.nodes["o"]
 
 
+def test_scope_names_what_is_built_inside_it():
+    g = Graph("scoped")
+    x = g.input("x", ["n", 3])
+    with g.scope("model.layers.0."):
+        w = g.constant("w", np.eye(3, dtype=np.float32))
+        assert g.qualified("w") == "model.layers.0.w" and w.name == "model.layers.0.w"
+        y = g.einsum("ni,ij->nj", x, "w", name="y")  # operands by name: the scope first
+        with g.scope("mlp."):
+            inner = g.input("inner", ["n", 3])  # inputs are the interface: never scoped
+            z = g.relu(g.add(y, inner), name=g.fresh_name("z"))
+            z2 = g.relu(z, name=g.fresh_name("z"))
+        assert g.value("y") is y  # value lookups by name see the scope too
+    g.output(z2)
+    g.verify()
+    assert (y.name, inner.name, z.name, z2.name) == ("model.layers.0.y", "inner", "model.layers.0.mlp.z", "model.layers.0.mlp.z_1")
+    assert g.fresh_name("y") == "y" and g.qualified("w") == "w"  # outside the scope again
+    with pytest.raises(GraphError, match="name scope must be a string"):
+        with g.scope(3):  # type: ignore[arg-type]
+            pass
+
+
+def test_scoped_build_matches_an_inlined_call():
+    """Writing a layer under a scope gives the graph that inlining the layer's own graph under that prefix gives."""
+    cfg = graphc.attention.AttentionConfig(16, 4, 2, rope=graphc.attention.RopeConfig())
+    weights = graphc.attention.init_weights(cfg, seed=3)
+    layer = graphc.attention_layer_graph(cfg, weights=weights)
+    called = Graph("stack")
+    out = called.call(layer, {"x_BSM": called.input("x_BSM", ["batch", "seq", 16])}, prefix="layers.0.")["out_BSM"]
+    called.rename_value(out.name, "out_BSM")
+    called.output("out_BSM")
+    stack = graphc.attention_stack_graph(cfg, 1, weights=[weights])
+    assert str(stack).splitlines()[1:] == str(called).splitlines()[1:] and list(stack.initializers) == list(called.initializers)
+
+
 def test_call_inlines_a_graph_with_unique_names():
     sub = Graph("sub")
     x = sub.input("x", ["n", 3])

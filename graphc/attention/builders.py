@@ -199,7 +199,7 @@ def _project(g: Graph, x: Value, prefix: str, cfg: AttentionConfig, seq: Dim, ba
 MASK_INPUTS = ("none", "bool", "additive")
 
 
-def _mask_input(g: Graph, kind: str, per_query: bool, batch: Dim, q_len: Dim, kv_len: Dim, dtype: str) -> Value | None:
+def mask_input(g: Graph, kind: str, per_query: bool, batch: Dim, q_len: Dim, kv_len: Dim, dtype: str) -> Value | None:
     """The ``attn_mask`` input of a layer (``None`` for ``kind="none"``)."""
     if kind not in MASK_INPUTS:
         raise WeightError(f"mask must be one of {MASK_INPUTS}, got {kind!r}")
@@ -302,13 +302,21 @@ def _merge_and_project(g: Graph, attn: Value, cfg: AttentionConfig, seq: Dim, ba
     return g.add(y, "o_proj.bias", name="out_BSM")
 
 
+def declare_weights(g: Graph, names: Sequence[str], weights: Mapping[str, np.ndarray]) -> None:
+    """Add the initializers ``names`` (relative to ``g``'s current scope), each read from ``weights`` under the
+    name the scope gives it: ``q_proj.weight`` inside ``model.layers.3.self_attn.`` is the checkpoint's
+    ``model.layers.3.self_attn.q_proj.weight``.  Read-only arrays (memory maps) are shared, not copied."""
+    for name in names:
+        g.add_initializer(name, weights[g.qualified(name)], copy=False)
+
+
 def _add_weights(g: Graph, cfg: AttentionConfig, weights: Mapping[str, np.ndarray] | None, seed: int, dtype: str) -> None:
     _check_dtype(dtype)
     if weights is None:
         weights = init_weights(cfg, seed, dtype)
     _check_weights(cfg, weights, dtype)
-    for wname in weight_shapes(cfg):
-        g.add_initializer(wname, weights[wname], copy=False)  # read-only arrays (memory maps) are shared, not copied
+    for name in weight_shapes(cfg):
+        g.add_initializer(name, weights[name], copy=False)  # read-only arrays (memory maps) are shared, not copied
 
 
 def attention_layer_graph(
@@ -332,11 +340,7 @@ def attention_layer_graph(
     g = Graph(name or f"attention_{cfg.kind.lower()}")
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
-    m = _mask_input(g, mask, mask_per_query, batch, seq, seq, dtype)
-    q, k, v = _project_qkv(g, cfg, x, x, seq, seq, batch)
-    q, k = _rotate(g, cfg, x, q, k, offset=0)
-    attn = attention_core(g, cfg, q, k, v, cfg.causal, 0, m)
-    g.output(_merge_and_project(g, attn, cfg, seq, batch))
+    g.output(write_self_attention(g, cfg, x, mask_input(g, mask, mask_per_query, batch, seq, seq, dtype)))
     return g
 
 
@@ -396,20 +400,46 @@ def kv_cache_graph(
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
-    m = _mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq), dtype)
+    m = mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq), dtype)
     lengths = g.input("past_lengths", [batch], "int64") if past_lengths else None
-    if lengths is not None and mask == "additive":
-        raise WeightError("past_lengths combines with a bool mask, not an additive one")
     positions = g.input("position_ids", [batch, seq], "int64") if position_ids else None
+    g.output(*write_kv_cache_attention(g, cfg, x, past_k, past_v, m, lengths, positions))
+    return g
+
+
+def write_kv_cache_attention(
+    g: Graph,
+    cfg: AttentionConfig,
+    x: Value,
+    past_k: Value,
+    past_v: Value,
+    mask: Value | None = None,
+    lengths: Value | None = None,
+    positions: Value | None = None,
+) -> tuple[Value, Value, Value]:
+    """Write one KV-cache step of a layer (weights already declared in ``g``'s scope) and return ``out_BSM``,
+    ``present_key``, ``present_value``; the arguments are :func:`kv_cache_graph`'s inputs."""
+    if lengths is not None and mask is not None and mask.type.dtype != "bool":
+        raise WeightError("past_lengths combines with a bool mask, not an additive one")
+    batch, seq = x.type.shape[0], x.type.shape[1]
+    past = past_k.type.shape[2]
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
     q, k_new = _rotate(g, cfg, x, q, k_new, offset=past, lengths=lengths, positions=positions)
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     if lengths is not None:
-        m = _past_length_mask(g, cfg, q, past_k, k_new, lengths, m)
-    attn = attention_core(g, cfg, q, k, v, cfg.causal and lengths is None, offset=past, mask=m)
-    g.output(_merge_and_project(g, attn, cfg, seq, batch), k, v)
-    return g
+        mask = _past_length_mask(g, cfg, q, past_k, k_new, lengths, mask)
+    attn = attention_core(g, cfg, q, k, v, cfg.causal and lengths is None, offset=past, mask=mask)
+    return _merge_and_project(g, attn, cfg, seq, batch), k, v
+
+
+def write_self_attention(g: Graph, cfg: AttentionConfig, x: Value, mask: Value | None = None) -> Value:
+    """Write a self-attention layer without a cache (weights already declared in ``g``'s scope); returns ``out_BSM``."""
+    batch, seq = x.type.shape[0], x.type.shape[1]
+    q, k, v = _project_qkv(g, cfg, x, x, seq, seq, batch)
+    q, k = _rotate(g, cfg, x, q, k, offset=0)
+    attn = attention_core(g, cfg, q, k, v, cfg.causal, 0, mask)
+    return _merge_and_project(g, attn, cfg, seq, batch)
 
 
 def attention_stack_graph(
@@ -425,7 +455,7 @@ def attention_stack_graph(
     kv_cache: bool = False,
     past: Dim = "past_seq",
 ) -> Graph:
-    """``n_layers`` attention layers in a row, each inlined from :func:`attention_layer_graph` with :meth:`Graph.call`.
+    """``n_layers`` attention layers in a row, each written under the name scope ``layers.{i}.``.
 
     Layer ``i``'s weights are named ``layers.{i}.q_proj.weight`` ...; ``weights``
     gives one mapping per layer, else layer ``i`` draws random weights with seed
@@ -442,32 +472,28 @@ def attention_stack_graph(
         check_allocation(n_layers * weight_bytes(cfg, dtype), f"the weights of {n_layers} {cfg.kind} layers in {dtype}")
     g = Graph(name or f"attention_stack_{cfg.kind.lower()}_{n_layers}")
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
-
-    def build(layer_weights: Mapping[str, np.ndarray] | None, layer_seed: int) -> Graph:
-        if kv_cache:
-            return kv_cache_graph(cfg, batch, seq, past, weights=layer_weights, seed=layer_seed, dtype=dtype)
-        return attention_layer_graph(cfg, batch, seq, weights=layer_weights, seed=layer_seed, dtype=dtype)
-
-    shared = build(None, seed) if tie_weights and weights is None else None
+    tied = init_weights(cfg, seed, dtype) if tie_weights and weights is None else None
+    for arr in (tied or {}).values():
+        arr.setflags(write=False)  # read-only: every layer's initializers share these arrays
     presents: list[tuple[Value, str]] = []
     for i in range(n_layers):
-        layer = shared or build(None if weights is None else weights[i], seed + i)
-        bindings: dict[str, Value | str] = {"x_BSM": x, **(layer_cache_inputs(g, i, cfg, batch, past, dtype) if kv_cache else {})}
-        outs = g.call(layer, bindings, prefix=f"layers.{i}.")
-        x = outs["out_BSM"]
-        presents += layer_presents(outs, i) if kv_cache else []
+        cache = layer_cache_inputs(g, i, cfg, batch, past, dtype) if kv_cache else None
+        with g.scope(f"layers.{i}."):
+            _add_weights(g, cfg, tied if tied is not None else None if weights is None else weights[i], seed + i, dtype)
+            if cache is not None:
+                x, k, v = write_kv_cache_attention(g, cfg, x, *cache)
+                presents += [(k, f"present_key.{i}"), (v, f"present_value.{i}")]
+            else:
+                x = write_self_attention(g, cfg, x)
     name_stack_outputs(g, x, presents)
     return g
 
 
-def layer_cache_inputs(g: Graph, i: int, cfg: AttentionConfig, batch: Dim, past: Dim, dtype: str) -> dict[str, Value | str]:
-    """A stack's ``past_key.{i}``/``past_value.{i}`` inputs for layer ``i``, keyed by the layer graph's input names."""
-    return {f"past_{kind}": g.input(f"past_{kind}.{i}", [batch, cfg.n_kv_heads, past, cfg.hd], dtype) for kind in ("key", "value")}
-
-
-def layer_presents(outs: Mapping[str, Value], i: int) -> list[tuple[Value, str]]:
-    """Layer ``i``'s ``present_key``/``present_value`` and the names the stack gives them."""
-    return [(outs[f"present_{kind}"], f"present_{kind}.{i}") for kind in ("key", "value")]
+def layer_cache_inputs(g: Graph, i: int | None, cfg: AttentionConfig, batch: Dim, past: Dim, dtype: str) -> tuple[Value, Value]:
+    """A stack's ``past_key.{i}`` and ``past_value.{i}`` inputs for layer ``i`` (a lone layer's ``past_key`` and ``past_value``: ``i`` None)."""
+    suffix = "" if i is None else f".{i}"
+    k, v = (g.input(f"past_{kind}{suffix}", [batch, cfg.n_kv_heads, past, cfg.hd], dtype) for kind in ("key", "value"))
+    return k, v
 
 
 def name_stack_outputs(g: Graph, x: Value, presents: Sequence[tuple[Value, str]]) -> None:

@@ -32,7 +32,7 @@ from graphc.memory import check_allocation
 from graphc.ops import check_dtype
 from graphc.tensor_ops import Gather
 
-from .decoder import DecoderConfig, check_weight, decoder_stack_graph, decoder_weight_shapes, init_decoder_weights
+from .decoder import DecoderConfig, check_weight, decoder_weight_shapes, init_decoder_weights, write_decoder_stack
 
 __all__ = ["CausalLMConfig", "causal_lm_graph", "causal_lm_weight_shapes", "init_causal_lm_weights", "LOGITS_KINDS", "cache_input_names"]
 
@@ -143,23 +143,6 @@ def _constant(g: Graph, base: str, value: float | int, dtype: str) -> Value:
     return g.constant(g.fresh_name(base), np.array(value, dtype=dtype))
 
 
-def _stack(cfg: CausalLMConfig, weights: Mapping[str, np.ndarray], batch: Dim, seq: Dim, past: Dim, dtype: str) -> Graph:
-    stack_weights = {n: a for n, a in weights.items() if n.startswith(("model.layers.", "model.norm."))}
-    return decoder_stack_graph(
-        list(cfg.layers),
-        weights=stack_weights,
-        kv_cache=True,
-        batch=batch,
-        seq=seq,
-        past=past,
-        dtype=dtype,
-        final_norm=True,
-        mask="bool",
-        mask_per_query=False,
-        position_ids=True,
-    )
-
-
 def _no_wrap(g: Graph, index: Value, table: Value, name: str) -> Value:
     """``index`` with every negative entry replaced by the table's row count.
 
@@ -193,12 +176,16 @@ def causal_lm_graph(
     check_dtype(dtype)
     weights = init_causal_lm_weights(cfg, seed, dtype) if weights is None else weights
     _check_weights(cfg, weights, dtype)
-    stack = _stack(cfg, weights, batch, seq, past, dtype)
     g = Graph(name or f"causal_lm_{cfg.family or 'decoder'}_{cfg.n_layers}")
     ids = g.input("input_ids", [batch, seq], "int64")
     total = dim_add(past, seq)
     mask = g.input("attention_mask", [batch, total], "int64")
     positions = g.input("position_ids", [batch, seq], "int64")
+    caches: list[tuple[Value, Value]] = []
+    for i, layer in enumerate(cfg.layers):
+        shape = [batch, layer.attention.n_kv_heads, past, layer.attention.hd]
+        key, value = cache_input_names(i)
+        caches.append((g.input(key, shape, dtype), g.input(value, shape, dtype)))
     table = g.add_initializer("model.embed_tokens.weight", weights["model.embed_tokens.weight"], copy=False)
     x = g.add_node(Gather(0), [table, _no_wrap(g, ids, table, "input_ids")], "inputs_embeds_BSM")
     if cfg.embedding_scale is not None:
@@ -207,18 +194,9 @@ def causal_lm_graph(
         table = g.add_initializer("model.embed_positions.weight", weights["model.embed_positions.weight"], copy=False)
         x = g.add(x, g.add_node(Gather(0), [table, _no_wrap(g, positions, table, "position_ids")], "position_embeds_BSM"), name="embeds_BSM")
     keep = g.compare("greater", mask, _constant(g, "zero", 0, "int64"), name="key_kept_BT")
-    bindings: dict[str, Value | str] = {
-        "x_BSM": x,
-        "attn_mask": g.reshape(keep, [batch, 1, 1, total], name="key_kept_B11T"),
-        "position_ids": positions,
-    }
-    for i, layer in enumerate(cfg.layers):
-        key, value = cache_input_names(i)
-        shape = [batch, layer.attention.n_kv_heads, past, layer.attention.hd]
-        bindings[f"past_key.{i}"] = g.input(key, shape, dtype)
-        bindings[f"past_value.{i}"] = g.input(value, shape, dtype)
-    outs = g.call(stack, bindings, prefix="")
-    h = outs["out_BSM"]
+    padding = g.reshape(keep, [batch, 1, 1, total], name="key_kept_B11T")
+    h, presents = write_decoder_stack(g, cfg.layers, x, weights, caches, (padding, None, positions), final_norm=True)
+    g.rename_value(h.name, "out_BSM")
     if logits == "last":
         h = g.add_node(Gather(1), [h, g.constant("last_position", np.array([-1], np.int64))], "last_hidden_B1M")
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else g.add_initializer("lm_head.weight", weights["lm_head.weight"], copy=False)
@@ -229,8 +207,8 @@ def causal_lm_graph(
         y = g.tanh(g.div(y, _constant(g, "softcap", c, dtype)), name="tanh_logits")
         y = g.mul(y, _constant(g, "softcap", c, dtype), name="logits")
     g.output(y)
-    for i in range(cfg.n_layers):
-        for kind in ("key", "value"):
-            g.rename_value(outs[f"present_{kind}.{i}"].name, f"present.{i}.{kind}")
+    for i, layer_presents in enumerate(presents):
+        for kind, present in zip(("key", "value"), layer_presents):
+            g.rename_value(present.name, f"present.{i}.{kind}")
             g.output(f"present.{i}.{kind}")
     return g

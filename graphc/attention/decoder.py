@@ -17,18 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from graphc.dims import Dim
+from graphc.dims import Dim, dim_add
 from graphc.errors import AttentionConfigError, WeightError
 from graphc.graph import Graph, Value
 from graphc.memory import check_allocation
 from graphc.ops import check_dtype
 
 from .blocks import ACTIVATIONS, gated_mlp, layer_norm, plain_mlp, rms_norm
-from .builders import attention_layer_graph, kv_cache_graph, layer_cache_inputs, layer_presents, name_stack_outputs, weight_shapes
+from .builders import (
+    declare_weights,
+    layer_cache_inputs,
+    mask_input,
+    name_stack_outputs,
+    weight_shapes,
+    write_kv_cache_attention,
+    write_self_attention,
+)
 from .config import AttentionConfig
 
 __all__ = [
@@ -141,15 +148,17 @@ def _norm(g: Graph, cfg: DecoderConfig, x: Value, name: str) -> Value:
 
 
 def _check(cfg: DecoderConfig, weights: Mapping[str, np.ndarray], dtype: str, prefix: str = "") -> None:
-    """The layer's weights against its config; errors name each tensor with ``prefix`` (``model.layers.3.``)."""
-    expected = decoder_weight_shapes(cfg)
-    missing = [prefix + n for n in sorted(set(expected) - set(weights))]
-    extra = [prefix + n for n in sorted(set(weights) - set(expected))]
+    """Layer ``prefix``'s weights (``weights`` holds them under their full names, ``model.layers.3.``...) against its
+    config: each one present with its shape and dtype, and no other tensor under ``prefix``."""
+    expected = {prefix + n: shape for n, shape in decoder_weight_shapes(cfg).items()}
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(n for n in weights if n.startswith(prefix) and n not in expected)
     if missing or extra:
         where = f"decoder layer {prefix.rstrip('.')!r}" if prefix else "decoder layer"
-        raise WeightError(f"{where} weights: missing {missing}, unexpected {extra}; this config takes {sorted(expected)}")
+        relative = sorted(n[len(prefix) :] for n in expected)
+        raise WeightError(f"{where} weights: missing {missing}, unexpected {extra}; this config takes {relative}")
     for name, shape in expected.items():
-        check_weight(prefix + name, weights[name], shape, dtype)
+        check_weight(name, weights[name], shape, dtype)
 
 
 def check_weight(name: str, arr: object, shape: tuple[int, ...], dtype: str) -> None:
@@ -157,6 +166,61 @@ def check_weight(name: str, arr: object, shape: tuple[int, ...], dtype: str) -> 
     if not isinstance(arr, np.ndarray) or tuple(arr.shape) != shape or str(arr.dtype) != dtype:
         got = f"{getattr(arr, 'dtype', type(arr).__name__)}{list(getattr(arr, 'shape', []))}"
         raise WeightError(f"weight {name!r} is {got}, expected {dtype}{list(shape)}")
+
+
+def layer_inputs(
+    g: Graph,
+    cfg: AttentionConfig,
+    kv_cache: bool,
+    dims: tuple[Dim, Dim, Dim],
+    dtype: str,
+    mask: str,
+    mask_per_query: bool,
+    past_lengths: bool,
+    position_ids: bool,
+) -> tuple[Value | None, Value | None, Value | None]:
+    """The inputs every layer of a stack shares: ``attn_mask``, ``past_lengths`` and ``position_ids`` (the last two
+    with ``kv_cache`` only), each ``None`` where not asked for.  ``dims`` is ``(batch, seq, past)``."""
+    batch, seq, past = dims
+    m = mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq) if kv_cache else seq, dtype)
+    lengths = g.input("past_lengths", [batch], "int64") if kv_cache and past_lengths else None
+    positions = g.input("position_ids", [batch, seq], "int64") if kv_cache and position_ids else None
+    return m, lengths, positions
+
+
+def write_decoder_layer(
+    g: Graph,
+    cfg: DecoderConfig,
+    x: Value,
+    weights: Mapping[str, np.ndarray],
+    cache: tuple[Value, Value] | None = None,
+    shared: tuple[Value | None, Value | None, Value | None] = (None, None, None),
+) -> tuple[Value, tuple[Value, Value] | None]:
+    """Write one decoder layer into ``g`` under its current scope and return ``out_BSM`` and, with ``cache``
+    (``past_key``, ``past_value``), the presents.  ``weights`` holds the layer's tensors under the names the scope
+    gives them (checked by the caller); ``shared`` is :func:`layer_inputs`' mask, past lengths and positions."""
+    declare_weights(g, [n for n in decoder_weight_shapes(cfg) if not n.startswith("self_attn.")], weights)
+    h = _norm(g, cfg, x, "input_layernorm")
+    mask, lengths, positions = shared
+    with g.scope("self_attn."):
+        declare_weights(g, list(weight_shapes(cfg.attention)), weights)
+        if cache is None:
+            a, presents = write_self_attention(g, cfg.attention, h, mask), None
+        else:
+            a, k, v = write_kv_cache_attention(g, cfg.attention, h, *cache, mask, lengths, positions)
+            presents = (k, v)
+    mlp = gated_mlp if cfg.mlp == "gated" else plain_mlp
+    if cfg.parallel:  # x + attn(n1(x)) + mlp(n2(x))
+        m = mlp(g, h if cfg.parallel_norms == 1 else _norm(g, cfg, x, "post_attention_layernorm"), "mlp.", cfg.activation, cfg.mlp_bias)
+        return g.add(g.add(x, a, name=g.fresh_name("residual_attn_BSM")), m, name="out_BSM"), presents
+    if cfg.sandwich_norms:
+        a = _norm(g, cfg, a, "post_attention_layernorm")
+    h = g.add(x, a, name=g.fresh_name("residual_attn_BSM"))
+    m = _norm(g, cfg, h, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
+    m = mlp(g, m, "mlp.", cfg.activation, cfg.mlp_bias)
+    if cfg.sandwich_norms:
+        m = _norm(g, cfg, m, "post_feedforward_layernorm")
+    return g.add(h, m, name="out_BSM"), presents
 
 
 def decoder_layer_graph(
@@ -173,60 +237,55 @@ def decoder_layer_graph(
     mask_per_query: bool = True,
     past_lengths: bool = False,
     position_ids: bool = False,
-    weights_prefix: str = "",
 ) -> Graph:
     """One decoder layer: ``x_BSM`` -> ``out_BSM`` (with ``kv_cache``: also ``past_key``/``past_value`` in, ``present_*`` out).
 
     ``mask``/``mask_per_query``: an ``attn_mask`` input as :func:`~graphc.attention.attention_layer_graph` takes it;
     ``past_lengths``/``position_ids`` (with ``kv_cache``): ragged caches and explicit RoPE positions, as
-    :func:`~graphc.attention.kv_cache_graph` takes them.  ``weights_prefix``: how the checkpoint names this layer's
-    tensors (``model.layers.3.``), for the errors.
+    :func:`~graphc.attention.kv_cache_graph` takes them.
     """
     weights = init_decoder_weights(cfg, seed, dtype) if weights is None else weights
-    _check(cfg, weights, dtype, weights_prefix)
+    _check(cfg, weights, dtype)
     g = Graph(name or "decoder_layer")
-    for n, arr in weights.items():
-        if not n.startswith("self_attn."):
-            g.add_initializer(n, arr, copy=False)
     x = g.input("x_BSM", [batch, seq, cfg.attention.d_model], dtype)
-    attn_weights = {n[len("self_attn.") :]: a for n, a in weights.items() if n.startswith("self_attn.")}
-    h = _norm(g, cfg, x, "input_layernorm")
-    masking: dict[str, Any] = {"mask": mask, "mask_per_query": mask_per_query}
-    if kv_cache:
-        layer = kv_cache_graph(
-            cfg.attention, batch, seq, past, weights=attn_weights, dtype=dtype, past_lengths=past_lengths, position_ids=position_ids, **masking
-        )
-        pk = g.input("past_key", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
-        pv = g.input("past_value", [batch, cfg.attention.n_kv_heads, past, cfg.attention.hd], dtype)
-        bindings: dict[str, Value] = {"x_BSM": h, "past_key": pk, "past_value": pv}
-    else:
-        layer = attention_layer_graph(cfg.attention, batch, seq, weights=attn_weights, dtype=dtype, **masking)
-        bindings = {"x_BSM": h}
-    for shared in ("attn_mask", "past_lengths", "position_ids"):
-        if shared in layer.inputs:
-            t = layer.types[shared]
-            bindings[shared] = g.input(shared, list(t.shape), t.dtype)
-    outs = g.call(layer, bindings, prefix="self_attn.")
-    a = outs["out_BSM"]
-    mlp = gated_mlp if cfg.mlp == "gated" else plain_mlp
-    if cfg.parallel:  # x + attn(n1(x)) + mlp(n2(x))
-        m = mlp(g, h if cfg.parallel_norms == 1 else _norm(g, cfg, x, "post_attention_layernorm"), "mlp.", cfg.activation, cfg.mlp_bias)
-        g.add(g.add(x, a, name=g.fresh_name("residual_attn_BSM")), m, name="out_BSM")
-    else:
-        if cfg.sandwich_norms:
-            a = _norm(g, cfg, a, "post_attention_layernorm")
-        h = g.add(x, a, name=g.fresh_name("residual_attn_BSM"))
-        m = _norm(g, cfg, h, "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
-        m = mlp(g, m, "mlp.", cfg.activation, cfg.mlp_bias)
-        if cfg.sandwich_norms:
-            m = _norm(g, cfg, m, "post_feedforward_layernorm")
-        g.add(h, m, name="out_BSM")
-    g.output("out_BSM")
-    if kv_cache:
-        for kind in ("key", "value"):
-            g.rename_value(outs[f"present_{kind}"].name, f"present_{kind}")
-            g.output(f"present_{kind}")
+    cache = layer_cache_inputs(g, None, cfg.attention, batch, past, dtype) if kv_cache else None
+    shared = layer_inputs(g, cfg.attention, kv_cache, (batch, seq, past), dtype, mask, mask_per_query, past_lengths, position_ids)
+    out, presents = write_decoder_layer(g, cfg, x, weights, cache, shared)
+    g.output(out)
+    for kind, value in zip(("key", "value"), presents or ()):
+        g.rename_value(value.name, f"present_{kind}")
+        g.output(f"present_{kind}")
     return g
+
+
+def write_decoder_stack(
+    g: Graph,
+    layers: Sequence[DecoderConfig],
+    x: Value,
+    weights: Mapping[str, np.ndarray],
+    caches: Sequence[tuple[Value, Value]] | None = None,
+    shared: tuple[Value | None, Value | None, Value | None] = (None, None, None),
+    final_norm: bool = False,
+) -> tuple[Value, list[tuple[Value, Value]]]:
+    """Write ``layers`` into ``g``, layer i under the scope ``model.layers.{i}.``, and the final norm
+    ``model.norm`` with ``final_norm``; returns the last hidden state and each layer's presents (with ``caches``).
+    ``weights`` holds every tensor under its full transformers name; each layer's are checked here."""
+    presents = []
+    for i, cfg in enumerate(layers):
+        prefix = f"model.layers.{i}."
+        if not any(n.startswith(prefix) for n in weights):
+            raise WeightError(f"no weights start with {prefix!r}; expected transformers' names such as {prefix}self_attn.q_proj.weight")
+        _check(cfg, weights, x.type.dtype, prefix)
+        with g.scope(prefix):
+            x, layer_presents = write_decoder_layer(g, cfg, x, weights, None if caches is None else caches[i], shared)
+        presents += [layer_presents] if layer_presents is not None else []
+    if final_norm:
+        names = ["model.norm.weight"] + (["model.norm.bias"] if layers[-1].norm == "layer" else [])
+        if any(n not in weights for n in names):
+            raise WeightError(f"final_norm needs {names} in weights")
+        declare_weights(g, names, weights)
+        x = _norm(g, layers[-1], x, "model.norm")
+    return x, presents
 
 
 def decoder_stack_graph(
@@ -262,49 +321,11 @@ def decoder_stack_graph(
     if weights is None:
         per_layer = sum(int(np.prod(s)) for s in decoder_weight_shapes(layers[0]).values()) * np.dtype(check_dtype(dtype)).itemsize
         check_allocation(per_layer * len(layers), f"the weights of {len(layers)} decoder layers in {dtype}")
+        weights = {f"model.layers.{i}.{n}": a for i, cfg in enumerate(layers) for n, a in init_decoder_weights(cfg, seed + i, dtype).items()}
     g = Graph(name or f"decoder_stack_{len(layers)}")
-    d = layers[0].attention.d_model
-    x = g.input("x_BSM", [batch, seq, d], dtype)
-    presents: list[tuple[Value, str]] = []
-    for i, cfg in enumerate(layers):
-        prefix = f"model.layers.{i}."
-        if weights is None:
-            layer_weights = init_decoder_weights(cfg, seed + i, dtype)
-        else:
-            layer_weights = {n[len(prefix) :]: a for n, a in weights.items() if n.startswith(prefix)}
-            if not layer_weights:
-                raise WeightError(f"no weights start with {prefix!r}; expected transformers' names such as {prefix}self_attn.q_proj.weight")
-        layer = decoder_layer_graph(
-            cfg,
-            layer_weights,
-            kv_cache,
-            batch,
-            seq,
-            past,
-            dtype=dtype,
-            mask=mask,
-            mask_per_query=mask_per_query,
-            past_lengths=past_lengths,
-            position_ids=position_ids,
-            weights_prefix=prefix,
-        )
-        bindings: dict[str, Value | str] = {"x_BSM": x}
-        for shared in ("attn_mask", "past_lengths", "position_ids"):
-            if shared in layer.inputs:
-                if shared not in g.types:
-                    g.input(shared, list(layer.types[shared].shape), layer.types[shared].dtype)
-                bindings[shared] = shared
-        if kv_cache:
-            bindings.update(layer_cache_inputs(g, i, cfg.attention, batch, past, dtype))
-        outs = g.call(layer, bindings, prefix=prefix)
-        x = outs["out_BSM"]
-        presents += layer_presents(outs, i) if kv_cache else []
-    if final_norm:
-        names = ["model.norm.weight"] + (["model.norm.bias"] if layers[-1].norm == "layer" else [])
-        if weights is None or any(n not in weights for n in names):
-            raise WeightError(f"final_norm needs {names} in weights")
-        for n in names:
-            g.add_initializer(n, weights[n], copy=False)
-        x = _norm(g, layers[-1], x, "model.norm")
-    name_stack_outputs(g, x, presents)
+    x = g.input("x_BSM", [batch, seq, layers[0].attention.d_model], dtype)
+    shared = layer_inputs(g, layers[0].attention, kv_cache, (batch, seq, past), dtype, mask, mask_per_query, past_lengths, position_ids)
+    caches = [layer_cache_inputs(g, i, cfg.attention, batch, past, dtype) for i, cfg in enumerate(layers)] if kv_cache else None
+    x, presents = write_decoder_stack(g, layers, x, weights, caches, shared, final_norm)
+    name_stack_outputs(g, x, [(v, f"present_{kind}.{i}") for i, kv in enumerate(presents) for kind, v in zip(("key", "value"), kv)])
     return g
