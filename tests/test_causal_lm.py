@@ -121,6 +121,29 @@ def test_llama_weights_keep_their_checkpoint_names():
         np.testing.assert_array_equal(g.initializers[name], arr, err_msg=name)
 
 
+def test_a_fixed_capacity_cache_gives_transformers_tokens_too(family_case):
+    """cache="static" (presents written into the cache's slots, every step of one shape) decodes as the growing cache does."""
+    family, config, model, want_tokens, want_logits = family_case
+    g = graphc.causal_lm_from_hf(config, _state(model), cache="static")
+    assert g.types["present.1.value"].shape == g.types["past_key_values.1.value"].shape
+    optimized = graphc.optimize(g, hints={"batch": 2, "seq": 1, "past_seq": 13}).graph
+    for graph, backends in ((g, ["numpy"]), (optimized, installed("numpy", "ort-cpu", "torch"))):
+        for backend in backends:
+            got = generate(graph, PROMPTS, NEW_TOKENS, backend=backend, keep_logits=True)
+            where = f"{family} static cache, {backend} {'optimized' if graph is optimized else 'as built'}"
+            np.testing.assert_array_equal(got.new_tokens, want_tokens, err_msg=where)
+            for step, (a, b) in enumerate(zip(got.logits, want_logits)):
+                np.testing.assert_allclose(a, b, **TOL, err_msg=f"{where} step {step}")
+
+
+def test_a_fixed_capacity_graph_refuses_more_tokens_than_it_holds():
+    config, model = _model("llama")
+    g = graphc.causal_lm_from_hf(config, _state(model), cache="static", past=10)
+    assert generate(g, PROMPTS, 5).new_tokens.shape == (2, 5)  # 6 prompt positions + 4 written = 10 slots
+    with pytest.raises(InputError, match="holds 10 positions"):
+        generate(g, PROMPTS, 6)
+
+
 def test_the_logits_depend_on_the_padding_being_masked(family_case):
     """Guards the test above: without the mask the padded prompt's logits change; the unpadded prompt's do not."""
     family, config, model, want_tokens, want_logits = family_case

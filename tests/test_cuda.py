@@ -179,6 +179,63 @@ def test_decode_steps_run_through_an_io_binding_with_the_cache_left_in_ortvalues
     assert seen[-1]["input_ids"] == "ndarray"
 
 
+def test_a_fixed_capacity_cache_is_two_buffers_the_steps_write_in_turn():
+    """cache="static": each step reads one buffer per layer and writes the other; the addresses never change."""
+    g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last", cache="static")).graph
+    assert g.types["present.0.key"].shape == g.types["past_key_values.0.key"].shape
+    runner = prepare(g, "ort-cpu", **decode_options("ort-cpu", {"batch": 2, "seq": 1, "past_seq": 12}))
+    step, seen = runner.stepper, []
+    assert step is not None
+
+    def spy(inputs, keep):
+        seen.append((inputs["past_key_values.0.key"].data_ptr(), keep["present.0.key"].data_ptr()))
+        return step(inputs, keep)
+
+    runner.stepper = spy
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    got = generate(g, prompts, 6, runner=runner, keep_logits=True)
+    want = generate(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last"), prompts, 6, keep_logits=True)
+    assert got.tokens() == want.tokens()
+    for a, b in zip(got.logits, want.logits):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
+    buffers = {seen[0][0], seen[0][1]}
+    assert len(buffers) == 2 and all({read, written} == buffers and read != written for read, written in seen)
+    assert [read for read, _ in seen[1:]] == [written for _, written in seen[:-1]]  # what one step writes, the next reads
+
+
+def test_cuda_graphs_need_ort_cuda_and_a_fixed_capacity_cache():
+    lm = causal_lm_config_from_hf(TINY_LM)
+    with pytest.raises(BackendError, match="fixed-capacity cache"):
+        prepare(graphc.causal_lm_graph(lm, seed=1, cache="static"), "ort-cpu", cuda_graph=True)
+    if HAS_CUDA:
+        with pytest.raises(BackendError, match="cache='static'"):
+            prepare(graphc.causal_lm_graph(lm, seed=1), "ort-cuda", cuda_graph=True)
+
+
+def test_the_replay_path_binds_fixed_buffers_and_gives_the_same_tokens():
+    """The CUDA-graph step's binding (small inputs and logits in buffers that keep their addresses), run on the CPU provider."""
+    from lowering.backends.ort_backend import _ort_step
+
+    g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last", cache="static")).graph
+    runner = prepare(g, "ort-cpu")
+    runner.stepper = _ort_step(runner.session, [o.name for o in runner.session.get_outputs()], "cpu", graphs=True)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    got, want = generate(g, prompts, 6, runner=runner, keep_logits=True), generate(g, prompts, 6, backend="numpy", keep_logits=True)
+    assert got.tokens() == want.tokens()
+    for a, b in zip(got.logits, want.logits):  # each step's logits its own: the fixed output buffer is copied out
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
+
+
+@needs_cuda
+def test_ort_cuda_cuda_graphs_replay_the_decode_step_with_the_same_tokens():
+    g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last", cache="static")).graph
+    runner = prepare(g, "ort-cuda", cuda_graph=True)
+    assert runner.provider.endswith("with CUDA graphs"), runner.provider
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    assert generate(g, prompts, 8, runner=runner).tokens() == generate(g, prompts, 8, backend="ort-cpu").tokens()
+    assert generate(g, prompts[:1], 8, runner=runner).tokens() == generate(g, prompts[:1], 8, backend="ort-cpu").tokens()
+
+
 @needs_cuda
 def test_ort_cuda_main_job_layer_passes_with_default_options():
     g = graphc.attention_layer_graph(MISTRAL, seed=0)

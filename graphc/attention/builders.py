@@ -23,6 +23,7 @@ from graphc.graph import Graph, Value
 from graphc.memory import check_allocation
 from graphc.ops import FLOAT_DTYPES, CausalMask, check_dtype
 from graphc.rotary import Positions
+from graphc.tensor_ops import Gather
 
 from .blocks import rms_norm
 
@@ -378,6 +379,7 @@ def kv_cache_graph(
     mask_per_query: bool = True,
     past_lengths: bool = False,
     position_ids: bool = False,
+    cache_position: bool = False,
 ) -> Graph:
     """One step of a layer with a KV cache (prefill when ``past`` is 0, decode when ``seq`` is 1).
 
@@ -394,16 +396,21 @@ def kv_cache_graph(
     Inputs ``x [B,S,d_model]``, ``past_key``/``past_value [B,Hkv,P,D]``; outputs
     ``out_BSM [B,S,d_model]`` then ``present_key``/``present_value [B,Hkv,P+S,D]``.
     Query i (token P+i) sees keys ``j <= i + P`` when ``cfg.causal``.
+
+    ``cache_position`` makes the cache a fixed-capacity one (``P`` is then its capacity): an int64 input
+    ``cache_position [S]`` names the slots the new tokens are written to, the presents keep the past's shape
+    ``[B,Hkv,P,D]``, query i sees slots ``j <= cache_position[i]``, and ``attn_mask`` covers the P slots.
     """
     g = Graph(name or f"kv_cache_{cfg.kind.lower()}")
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, seq, cfg.d_model], dtype)
     past_k = g.input("past_key", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
     past_v = g.input("past_value", [batch, cfg.n_kv_heads, past, cfg.hd], dtype)
-    m = mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq), dtype)
+    m = mask_input(g, mask, mask_per_query, batch, seq, past if cache_position else dim_add(past, seq), dtype)
     lengths = g.input("past_lengths", [batch], "int64") if past_lengths else None
     positions = g.input("position_ids", [batch, seq], "int64") if position_ids else None
-    g.output(*write_kv_cache_attention(g, cfg, x, past_k, past_v, m, lengths, positions))
+    slots = g.input("cache_position", [seq], "int64") if cache_position else None
+    g.output(*write_kv_cache_attention(g, cfg, x, past_k, past_v, m, lengths, positions, slots))
     return g
 
 
@@ -416,21 +423,67 @@ def write_kv_cache_attention(
     mask: Value | None = None,
     lengths: Value | None = None,
     positions: Value | None = None,
+    cache_position: Value | None = None,
 ) -> tuple[Value, Value, Value]:
     """Write one KV-cache step of a layer (weights already declared in ``g``'s scope) and return ``out_BSM``,
-    ``present_key``, ``present_value``; the arguments are :func:`kv_cache_graph`'s inputs."""
-    if lengths is not None and mask is not None and mask.type.dtype != "bool":
-        raise WeightError("past_lengths combines with a bool mask, not an additive one")
+    ``present_key``, ``present_value``; the arguments are :func:`kv_cache_graph`'s inputs.
+
+    With ``cache_position`` (int64 ``[S]``, the slots the new tokens go to, consecutive) the cache has a fixed
+    capacity: the past is ``[B, Hkv, C, D]`` with C the capacity, the new keys and values are written into their
+    slots and the presents have the past's shape (``transformers``' static cache); keys are visible by slot
+    (``j <= cache_position[i]``) and ``mask`` covers the C slots."""
+    if (lengths is not None or cache_position is not None) and mask is not None and mask.type.dtype != "bool":
+        raise WeightError("past_lengths and cache_position combine with a bool mask, not an additive one")
+    if lengths is not None and cache_position is not None:
+        raise WeightError("a step takes past_lengths (ragged caches) or cache_position (a fixed-capacity cache), not both")
     batch, seq = x.type.shape[0], x.type.shape[1]
     past = past_k.type.shape[2]
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
     q, k_new = _rotate(g, cfg, x, q, k_new, offset=past, lengths=lengths, positions=positions)
+    if cache_position is not None:
+        first = g.add_node(Gather(0), [cache_position, g.constant(g.fresh_name("first"), np.array([0], np.int64))], g.fresh_name("first_slot_1"))
+        k = _write_slots(g, past_k, k_new, first, "present_key")
+        v = _write_slots(g, past_v, v_new, first, "present_value")
+        attn = attention_core(g, cfg, q, k, v, causal=False, mask=_slot_mask(g, cfg, q, past_k, first, mask))
+        return _merge_and_project(g, attn, cfg, seq, batch), k, v
     k = g.concat([past_k, k_new], axis=2, name="present_key")
     v = g.concat([past_v, v_new], axis=2, name="present_value")
     if lengths is not None:
         mask = _past_length_mask(g, cfg, q, past_k, k_new, lengths, mask)
     attn = attention_core(g, cfg, q, k, v, cfg.causal and lengths is None, offset=past, mask=mask)
     return _merge_and_project(g, attn, cfg, seq, batch), k, v
+
+
+def _write_slots(g: Graph, past: Value, new: Value, first: Value, name: str) -> Value:
+    """``past [B, H, C, D]`` with slots ``first .. first + S - 1`` replaced by ``new [B, H, S, D]`` (``first``: int64 ``[1]``).
+
+    Every slot is read as ``Where(slot is written, new[slot - first], past[slot])``: one elementwise pass over the cache,
+    so the result has the past's shape and may be stored where the past was."""
+    slots = g.add_node(Positions(2, 0), [past], g.fresh_name("cache_slot_C"))
+    rel = g.sub(slots, first, name=g.fresh_name("slot_from_first_C"))
+    new_index = g.add_node(Positions(2, 0), [new], g.fresh_name("new_index_S"))
+    last = g.add_node(Gather(0), [new_index, g.constant(g.fresh_name("last"), np.array([-1], np.int64))], g.fresh_name("last_new_1"))
+    zero = g.constant(g.fresh_name("zero"), np.array(0, np.int64))
+    after_first = g.compare("greater_equal", rel, zero, name=g.fresh_name("after_first_C"))
+    written = _both(g, after_first, g.compare("less_equal", rel, last, name=g.fresh_name("before_last_C")))
+    index = g.binary("max", g.binary("min", rel, last, name=g.fresh_name("slot_index_hi_C")), zero, name=g.fresh_name("slot_index_C"))
+    taken = g.add_node(Gather(2), [new, index], g.fresh_name("new_at_slot_BHCD"))
+    cache_len = past.type.shape[2]
+    return g.where(g.reshape(written, [1, 1, cache_len, 1], name=g.fresh_name("written_11C1")), taken, past, name=name)
+
+
+def _slot_mask(g: Graph, cfg: AttentionConfig, q: Value, past: Value, first: Value, user: Value | None) -> Value:
+    """Bool ``[B, 1, S, C]`` for a fixed-capacity cache: query i (slot ``first + i``) sees key slot j when
+    ``j <= first + i`` (and inside the window), and where ``user`` (a padding mask over the C slots) keeps it."""
+    sq, cache_len = q.type.shape[2], past.type.shape[2]
+    query = g.add(first, g.add_node(Positions(2, 0), [q], g.fresh_name("query_index_S")), name=g.fresh_name("query_slot_S"))
+    query = g.reshape(query, [1, 1, sq, 1], name=g.fresh_name("query_slot_11S1"))
+    key = g.reshape(g.add_node(Positions(2, 0), [past], g.fresh_name("key_slot_C")), [1, 1, 1, cache_len], name=g.fresh_name("key_slot_111C"))
+    keep = g.compare("less_equal", key, query, name=g.fresh_name("causal_keep_11SC"))
+    if cfg.sliding_window is not None:
+        start = g.sub(query, g.constant(g.fresh_name("window"), np.array(cfg.sliding_window, np.int64)), name=g.fresh_name("window_start_11S1"))
+        keep = _both(g, keep, g.compare("greater", key, start, name=g.fresh_name("window_keep_11SC")))
+    return _both(g, keep, user)
 
 
 def write_self_attention(g: Graph, cfg: AttentionConfig, x: Value, mask: Value | None = None) -> Value:

@@ -15,6 +15,14 @@ and ``attention_mask[b, j]`` is 1, so left-padded batches decode in one step; a 
 row with no visible key (a padding token) gives zeros.  Weight names are transformers'
 (``model.embed_tokens.weight``, ``model.layers.{i}...``, ``model.norm.weight``,
 ``lm_head.weight``), so a Llama-like model's ``state_dict`` is the weights mapping.
+
+With ``cache="static"`` the cache has a fixed capacity, as transformers' ``StaticCache`` and
+onnxruntime-genai's shared past/present buffers: ``past_seq`` is the capacity C, the pasts and
+presents are both ``[batch, kv_heads, C, head_dim]`` (so a runtime may keep one buffer per layer and
+bind it as both), an extra input ``cache_position [seq]`` (int64) names the slots the new tokens are
+written to, ``attention_mask`` is ``[batch, C]`` (1 for every slot holding a token, the new ones
+included), and query ``i`` sees slot ``j`` when ``j <= cache_position[i]`` and the mask keeps it.
+Every step then has the same shapes, which is what CUDA graphs need.
 """
 
 from __future__ import annotations
@@ -32,9 +40,21 @@ from graphc.memory import check_allocation
 from graphc.ops import check_dtype
 from graphc.tensor_ops import Gather
 
-from .decoder import DecoderConfig, check_weight, decoder_weight_shapes, init_decoder_weights, write_decoder_stack
+from .decoder import DecoderConfig, SharedInputs, check_weight, decoder_weight_shapes, init_decoder_weights, write_decoder_stack
 
-__all__ = ["CausalLMConfig", "causal_lm_graph", "causal_lm_weight_shapes", "init_causal_lm_weights", "LOGITS_KINDS", "cache_input_names"]
+__all__ = [
+    "CausalLMConfig",
+    "causal_lm_graph",
+    "causal_lm_weight_shapes",
+    "init_causal_lm_weights",
+    "LOGITS_KINDS",
+    "CACHE_KINDS",
+    "cache_input_names",
+]
+
+CACHE_KINDS = ("dynamic", "static")
+"""``cache="dynamic"``: the presents are the pasts with the new positions appended (``[batch, kv_heads, past_seq + seq,
+head_dim]``); ``"static"``: a fixed-capacity cache, the presents have the pasts' shape (see the module doc)."""
 
 LOGITS_KINDS = ("all", "last")
 """``logits="all"``: one row per input position (as optimum's exports); ``"last"``: the last position only, what greedy decoding reads."""
@@ -165,22 +185,27 @@ def causal_lm_graph(
     dtype: str = "float32",
     logits: str = "all",
     name: str | None = None,
+    cache: str = "dynamic",
 ) -> Graph:
     """The whole model as one graph, one step of a decode loop (prefill when ``past`` is 0): see the module doc for its interface.
 
     ``weights`` maps transformers' names to arrays (default: :func:`init_causal_lm_weights` with ``seed``);
-    ``logits`` is one of :data:`LOGITS_KINDS`.
+    ``logits`` is one of :data:`LOGITS_KINDS`; ``cache`` one of :data:`CACHE_KINDS`: ``"static"`` gives the step a
+    fixed-capacity cache (``past`` is then the capacity), as the module doc describes.
     """
     if logits not in LOGITS_KINDS:
         raise WeightError(f"logits must be one of {LOGITS_KINDS}, got {logits!r}")
+    if cache not in CACHE_KINDS:
+        raise WeightError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     check_dtype(dtype)
     weights = init_causal_lm_weights(cfg, seed, dtype) if weights is None else weights
     _check_weights(cfg, weights, dtype)
     g = Graph(name or f"causal_lm_{cfg.family or 'decoder'}_{cfg.n_layers}")
     ids = g.input("input_ids", [batch, seq], "int64")
-    total = dim_add(past, seq)
+    total = past if cache == "static" else dim_add(past, seq)
     mask = g.input("attention_mask", [batch, total], "int64")
     positions = g.input("position_ids", [batch, seq], "int64")
+    slots = g.input("cache_position", [seq], "int64") if cache == "static" else None
     caches: list[tuple[Value, Value]] = []
     for i, layer in enumerate(cfg.layers):
         shape = [batch, layer.attention.n_kv_heads, past, layer.attention.hd]
@@ -195,7 +220,7 @@ def causal_lm_graph(
         x = g.add(x, g.add_node(Gather(0), [table, _no_wrap(g, positions, table, "position_ids")], "position_embeds_BSM"), name="embeds_BSM")
     keep = g.compare("greater", mask, _constant(g, "zero", 0, "int64"), name="key_kept_BT")
     padding = g.reshape(keep, [batch, 1, 1, total], name="key_kept_B11T")
-    h, presents = write_decoder_stack(g, cfg.layers, x, weights, caches, (padding, None, positions), final_norm=True)
+    h, presents = write_decoder_stack(g, cfg.layers, x, weights, caches, SharedInputs(padding, None, positions, slots), final_norm=True)
     g.rename_value(h.name, "out_BSM")
     if logits == "last":
         h = g.add_node(Gather(1), [h, g.constant("last_position", np.array([-1], np.int64))], "last_hidden_B1M")

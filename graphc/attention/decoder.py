@@ -168,9 +168,19 @@ def check_weight(name: str, arr: object, shape: tuple[int, ...], dtype: str) -> 
         raise WeightError(f"weight {name!r} is {got}, expected {dtype}{list(shape)}")
 
 
+@dataclass(frozen=True)
+class SharedInputs:
+    """The inputs every layer of a stack reads (each ``None`` where the stack has none): the ``attn_mask``, ragged
+    caches' ``past_lengths``, RoPE's ``position_ids`` and a fixed-capacity cache's ``cache_position``."""
+
+    mask: Value | None = None
+    lengths: Value | None = None
+    positions: Value | None = None
+    cache_position: Value | None = None
+
+
 def layer_inputs(
     g: Graph,
-    cfg: AttentionConfig,
     kv_cache: bool,
     dims: tuple[Dim, Dim, Dim],
     dtype: str,
@@ -178,14 +188,16 @@ def layer_inputs(
     mask_per_query: bool,
     past_lengths: bool,
     position_ids: bool,
-) -> tuple[Value | None, Value | None, Value | None]:
-    """The inputs every layer of a stack shares: ``attn_mask``, ``past_lengths`` and ``position_ids`` (the last two
-    with ``kv_cache`` only), each ``None`` where not asked for.  ``dims`` is ``(batch, seq, past)``."""
+    cache_position: bool = False,
+) -> SharedInputs:
+    """Declare the inputs a stack's layers share (:class:`SharedInputs`; lengths, positions and cache slots with
+    ``kv_cache`` only).  ``dims`` is ``(batch, seq, past)``; with ``cache_position`` the past is the cache's capacity."""
     batch, seq, past = dims
-    m = mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq) if kv_cache else seq, dtype)
+    fixed = kv_cache and cache_position
+    m = mask_input(g, mask, mask_per_query, batch, seq, (past if fixed else dim_add(past, seq)) if kv_cache else seq, dtype)
     lengths = g.input("past_lengths", [batch], "int64") if kv_cache and past_lengths else None
     positions = g.input("position_ids", [batch, seq], "int64") if kv_cache and position_ids else None
-    return m, lengths, positions
+    return SharedInputs(m, lengths, positions, g.input("cache_position", [seq], "int64") if fixed else None)
 
 
 def write_decoder_layer(
@@ -194,20 +206,19 @@ def write_decoder_layer(
     x: Value,
     weights: Mapping[str, np.ndarray],
     cache: tuple[Value, Value] | None = None,
-    shared: tuple[Value | None, Value | None, Value | None] = (None, None, None),
+    shared: SharedInputs = SharedInputs(),
 ) -> tuple[Value, tuple[Value, Value] | None]:
     """Write one decoder layer into ``g`` under its current scope and return ``out_BSM`` and, with ``cache``
     (``past_key``, ``past_value``), the presents.  ``weights`` holds the layer's tensors under the names the scope
-    gives them (checked by the caller); ``shared`` is :func:`layer_inputs`' mask, past lengths and positions."""
+    gives them (checked by the caller); ``shared``: the inputs every layer reads (:func:`layer_inputs`)."""
     declare_weights(g, [n for n in decoder_weight_shapes(cfg) if not n.startswith("self_attn.")], weights)
     h = _norm(g, cfg, x, "input_layernorm")
-    mask, lengths, positions = shared
     with g.scope("self_attn."):
         declare_weights(g, list(weight_shapes(cfg.attention)), weights)
         if cache is None:
-            a, presents = write_self_attention(g, cfg.attention, h, mask), None
+            a, presents = write_self_attention(g, cfg.attention, h, shared.mask), None
         else:
-            a, k, v = write_kv_cache_attention(g, cfg.attention, h, *cache, mask, lengths, positions)
+            a, k, v = write_kv_cache_attention(g, cfg.attention, h, *cache, shared.mask, shared.lengths, shared.positions, shared.cache_position)
             presents = (k, v)
     mlp = gated_mlp if cfg.mlp == "gated" else plain_mlp
     if cfg.parallel:  # x + attn(n1(x)) + mlp(n2(x))
@@ -249,7 +260,7 @@ def decoder_layer_graph(
     g = Graph(name or "decoder_layer")
     x = g.input("x_BSM", [batch, seq, cfg.attention.d_model], dtype)
     cache = layer_cache_inputs(g, None, cfg.attention, batch, past, dtype) if kv_cache else None
-    shared = layer_inputs(g, cfg.attention, kv_cache, (batch, seq, past), dtype, mask, mask_per_query, past_lengths, position_ids)
+    shared = layer_inputs(g, kv_cache, (batch, seq, past), dtype, mask, mask_per_query, past_lengths, position_ids)
     out, presents = write_decoder_layer(g, cfg, x, weights, cache, shared)
     g.output(out)
     for kind, value in zip(("key", "value"), presents or ()):
@@ -264,7 +275,7 @@ def write_decoder_stack(
     x: Value,
     weights: Mapping[str, np.ndarray],
     caches: Sequence[tuple[Value, Value]] | None = None,
-    shared: tuple[Value | None, Value | None, Value | None] = (None, None, None),
+    shared: SharedInputs = SharedInputs(),
     final_norm: bool = False,
 ) -> tuple[Value, list[tuple[Value, Value]]]:
     """Write ``layers`` into ``g``, layer i under the scope ``model.layers.{i}.``, and the final norm
@@ -324,7 +335,7 @@ def decoder_stack_graph(
         weights = {f"model.layers.{i}.{n}": a for i, cfg in enumerate(layers) for n, a in init_decoder_weights(cfg, seed + i, dtype).items()}
     g = Graph(name or f"decoder_stack_{len(layers)}")
     x = g.input("x_BSM", [batch, seq, layers[0].attention.d_model], dtype)
-    shared = layer_inputs(g, layers[0].attention, kv_cache, (batch, seq, past), dtype, mask, mask_per_query, past_lengths, position_ids)
+    shared = layer_inputs(g, kv_cache, (batch, seq, past), dtype, mask, mask_per_query, past_lengths, position_ids)
     caches = [layer_cache_inputs(g, i, cfg.attention, batch, past, dtype) for i, cfg in enumerate(layers)] if kv_cache else None
     x, presents = write_decoder_stack(g, layers, x, weights, caches, shared, final_norm)
     name_stack_outputs(g, x, [(v, f"present_{kind}.{i}") for i, kv in enumerate(presents) for kind, v in zip(("key", "value"), kv)])

@@ -29,6 +29,7 @@ from .hf_fields import flag, int_field
 
 __all__ = ["causal_lm_config_from_hf", "causal_lm_weights_from_hf", "causal_lm_from_hf"]
 
+
 def causal_lm_config_from_hf(config: Mapping[str, Any] | str | Path | Any, n_layers: int | None = None) -> CausalLMConfig:
     """The :class:`CausalLMConfig` of a transformers model config (its first ``n_layers`` layers, default all)."""
     cfg = read_hf_config(config)
@@ -79,12 +80,14 @@ def causal_lm_from_hf(
     batch: Dim = "batch",
     seq: Dim = "seq",
     past: Dim = "past_seq",
+    cache: str = "dynamic",
 ) -> Graph:
     """The whole model of a transformers checkpoint as a :func:`~graphc.attention.causal_lm_graph`.
 
     ``weights`` maps the checkpoint's tensor names to arrays (:func:`graphc.load_weights` of a
     folder or ``.safetensors`` file, or a ``state_dict``); ``dtype`` defaults to the embedding's, and
-    another one converts every floating tensor (a copy).
+    another one converts every floating tensor (a copy).  ``cache="static"``: a fixed-capacity cache (see
+    :func:`~graphc.attention.causal_lm_graph`).
     """
     cfg = read_hf_config(config)
     lm = causal_lm_config_from_hf(cfg, n_layers)
@@ -95,4 +98,4 @@ def causal_lm_from_hf(
     dtype = dtype or stored
     wanted = lm.n_layers
     kept = {n: a for n, a in named.items() if _layer_index(n) < wanted}
-    return causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits)
+    return causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits, cache=cache)

@@ -18,6 +18,7 @@ with the basic rewrites only; every other run uses the fully optimized one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,12 +41,17 @@ DEVICE_OF_PROVIDER = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "c
 """Where each execution provider keeps its tensors: the device of its decode cache and of the export's target."""
 
 
-def provider_entry(provider: str, tf32: bool = False) -> str | tuple[str, dict[str, str]]:
+def provider_entry(provider: str, tf32: bool = False, cuda_graph: bool = False) -> str | tuple[str, dict[str, str]]:
     """The ``providers`` entry of ``provider`` as graphc runs it: onnxruntime's CUDA provider computes float32 MatMul in
-    TF32 unless told ``use_tf32=0``, so float32 is float32 there unless ``tf32`` asks otherwise."""
+    TF32 unless told ``use_tf32=0``, so float32 is float32 there unless ``tf32`` asks otherwise; ``cuda_graph`` turns on
+    its CUDA graphs (capture once, replay each step)."""
     if provider == "CUDAExecutionProvider":
-        return provider, {"use_tf32": "1" if tf32 else "0"}
+        options = {"use_tf32": "1" if tf32 else "0"}
+        if cuda_graph:
+            options["enable_cuda_graph"] = "1"
+        return provider, options
     return provider
+
 
 _PROTOBUF_LIMIT = 2**31 - 1
 
@@ -83,17 +89,29 @@ class _Sessions:
         isolate: bool,
         spin: bool = False,
         tf32: bool = False,
+        cuda_graph: bool = False,
     ) -> None:
         self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
         self.weights = weights
         self.spin = spin
-        entry = provider_entry(provider, tf32)
-        self.providers: list[Any] = [entry] if provider == "CPUExecutionProvider" else [entry, "CPUExecutionProvider"]
+        self.tf32, self.cuda_graph, self.note = tf32, cuda_graph, ""
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
         self.native: Any = None
         self.outputs: list[str] = []
         self.description = ""
-        self.session(False)
+        try:
+            self.session(False)
+        except BackendError as e:
+            if not cuda_graph or "graph" not in str(e).lower():
+                raise
+            self.cuda_graph, self.note = False, f"; CUDA graphs off: {str(e).splitlines()[0][-200:]}"  # onnxruntime refused to capture this model
+            self.session(False)
+
+    @property
+    def providers(self) -> list[Any]:
+        """The ``providers`` list of the sessions (the CPU provider after CUDA's, for the ops CUDA lacks)."""
+        entry = provider_entry(self.provider, self.tf32, self.cuda_graph)
+        return [entry] if self.provider == "CPUExecutionProvider" else [entry, "CPUExecutionProvider"]
 
     def session(self, basic: bool) -> Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]:
         if basic in self.built:
@@ -123,12 +141,17 @@ class _Sessions:
             del handed  # onnxruntime copied them
             used, version, self.outputs = sess.get_providers(), ort.__version__, [o.name for o in sess.get_outputs()]
             out_names = list(self.outputs)
-            run = lambda inputs: sess.run(out_names, dict(inputs))  # noqa: E731
+            options = None
+            if self.cuda_graph:  # a plain run is never captured: only the decode step's replays are
+                options = ort.RunOptions()
+                options.add_run_config_entry("gpu_graph_id", "-1")
+            run = lambda inputs: sess.run(out_names, dict(inputs), options)  # noqa: E731
             if not basic:
                 self.native = sess
         _check_provider(self.name, self.provider, used)
         if not self.description:
-            self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "")
+            graphs = " with CUDA graphs" if self.cuda_graph else self.note
+            self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "") + graphs
         self.built[basic] = run
         return run
 
@@ -145,6 +168,7 @@ def prepare_ort(
     spin: bool = False,
     inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
     tf32: bool = False,
+    cuda_graph: bool = False,
 ) -> Runner:
     """Export ``graph`` and build its session: a :class:`~lowering.backends.runner.Runner`, as every backend returns.
 
@@ -157,6 +181,10 @@ def prepare_ort(
     ``inline_weights_max_bytes``: weights up to this many bytes in all are serialized into the model; larger ones
     are read from the checkpoint's files or handed over (:mod:`lowering.backends.ort_weights`); ``None`` inlines any size
     (up to protobuf's 2 GiB).
+
+    ``cuda_graph=True`` (ort-cuda, a causal LM with a fixed-capacity cache: ``graphc.causal_lm_graph(cache="static")``)
+    captures the one-token decode step as a CUDA graph and replays it, with the cache written in place; where
+    onnxruntime refuses to capture the model, the runner's ``provider`` says so and the steps run uncaptured.
     """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
     limit = inline_weights_max_bytes
@@ -167,6 +195,11 @@ def prepare_ort(
     device = DEVICE_OF_PROVIDER.get(provider, "cpu")
     if not isinstance(tf32, bool) or (tf32 and device != "cuda"):
         raise BackendError(f"tf32 (TF32 MatMul on onnxruntime's CUDA provider) must be a bool, True only on ort-cuda; got {tf32!r} on {name}")
+    if not isinstance(cuda_graph, bool) or (cuda_graph and (device != "cuda" or "cache_position" not in graph.inputs or isolate)):
+        raise BackendError(
+            f"cuda_graph must be a bool, True only on ort-cuda (in this process) for a causal LM with a fixed-capacity cache "
+            f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
+        )
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
     if weights.widen:
@@ -178,7 +211,7 @@ def prepare_ort(
         )
     model = proto.SerializeToString()
     del proto
-    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32)
+    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32, cuda_graph)
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
@@ -192,48 +225,121 @@ def prepare_ort(
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
     decode: dict[str, Any] = {}  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
     if native is not None:
-        decode = {"caches": OrtKVCache, "stepper": _ort_step(native, list(sessions.outputs), device)}
+        caches = functools.partial(OrtKVCache, device=device)
+        decode = {"caches": caches, "stepper": _ort_step(native, list(sessions.outputs), device, sessions.cuda_graph)}
     return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe(), **decode)
 
 
 class OrtKVCache(ArrayKVCache):
     """onnxruntime's decode cache: ``OrtValue`` s that go from one step's outputs to the next step's inputs, never through
-    NumPy; they stay where the step left them (:func:`_ort_step`: on CUDA, on the GPU).  The empty first pasts hold no
-    bytes, so they are host ``OrtValue`` s on every provider."""
+    NumPy; they stay where the step left them (:func:`_ort_step`: on CUDA, on the GPU).  A growing cache's empty first
+    pasts hold no bytes, so they are host ``OrtValue`` s.
 
-    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0) -> None:
+    A fixed-capacity cache (``lm.static``) is two buffers per layer on ``device``, allocated once: each step reads one as
+    the past and writes the other as the present (:attr:`outputs` maps each present to the buffer it is written into),
+    then they swap.  The addresses never change, which is what a replayed CUDA graph needs; writing the present over
+    the past it reads is left alone, since whether that is safe depends on each runtime's kernels."""
+
+    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0, device: str = "cpu") -> None:
         import onnxruntime as ort
 
-        super().__init__(lm, batch, lambda b, h, d, dtype: ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, d, dtype)))
+        where = device if lm.static else "cpu"
+
+        def empty(b: int, h: int, n: int, d: int, dtype: str) -> Any:
+            return ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, n, d, dtype), where, 0)
+
+        super().__init__(lm, batch, empty, capacity)
+        self._spare: dict[str, Any] = {}
+        if lm.static:
+            for past, _ in self._names:
+                b, h, d = lm.cache_shape(past, batch)
+                self._spare[past] = empty(b, h, capacity, d, lm.cache_dtype)
+            self.outputs = self._targets()
+
+    def _targets(self) -> dict[str, Any]:
+        """Each present mapped to the buffer the next step writes it into."""
+        return {present: self._spare[past] for past, present in self._names}
+
+    def advance(self, outputs: Mapping[str, Any]) -> None:
+        """The presents become the pasts (a fixed-capacity cache: the buffers swap)."""
+        if not self._spare:
+            super().advance(outputs)
+            return
+        # the step wrote the presents into the spare buffers: keep this cache's own OrtValues (on the CPU they hold the
+        # NumPy arrays behind the memory; the step's output wrappers do not)
+        self._values, self._spare = self._spare, self._values
+        self.outputs = self._targets()
+
+    def close(self) -> None:
+        """Let go of every buffer."""
+        self._spare = {}
+        super().close()
 
     @property
     def length(self) -> int:
-        """Positions held (axis 2 of the first ``OrtValue``)."""
+        """Positions held (axis 2 of the first ``OrtValue``; a fixed-capacity cache: its capacity)."""
         first = next(iter(self.feeds().values()), None)
         return 0 if first is None else int(first.shape()[2])
 
     @property
     def capacity(self) -> int:
-        """onnxruntime returns new tensors each step: no room beyond the length."""
+        """A growing cache gets new tensors each step: no room beyond the length; a fixed one holds its capacity."""
         return self.length
 
 
-def _ort_step(session: Any, names: list[str], device: str = "cpu") -> StepFn:
+def _ort_step(session: Any, names: list[str], device: str = "cpu", graphs: bool = False) -> StepFn:
     """A decode step on ``session`` through an IO binding: NumPy inputs bound from host memory, the cache's ``OrtValue`` s
-    bound where they are, the outputs a cache keeps left on ``device`` and the others (the logits) copied to NumPy."""
+    bound where they are, the outputs a cache keeps left on ``device`` (written into the buffers ``keep`` maps them to,
+    where it maps them) and the others (the logits) copied to NumPy.
+
+    With ``graphs`` (onnxruntime's CUDA graphs, a fixed-capacity cache) the one-token steps also read their small inputs
+    from device buffers that keep their addresses and write the logits to one, so onnxruntime captures the first step
+    of each cache buffer pairing and replays it (one graph per pairing); other steps (the prompt) run uncaptured."""
     import onnxruntime as ort
 
-    def step(inputs: Mapping[str, Any], keep: Sequence[str]) -> dict[str, Any]:
+    fixed: dict[str, Any] = {}  # name -> OrtValue on the device, updated in place (CUDA graphs replay their addresses)
+    graph_ids: dict[int, Any] = {}  # the first present's buffer address -> the run options of its captured graph
+    uncaptured = ort.RunOptions()
+    uncaptured.add_run_config_entry("gpu_graph_id", "-1")
+
+    def device_value(name: str, value: np.ndarray) -> Any:
+        held = fixed.get(name)
+        if held is None or tuple(held.shape()) != value.shape:
+            held = fixed[name] = ort.OrtValue.ortvalue_from_numpy(np.array(value, copy=True), device, 0)  # a CPU OrtValue wraps its array
+        else:
+            held.update_inplace(np.ascontiguousarray(value))
+        return held
+
+    def run_options(targets: Mapping[str, Any]) -> Any:
+        address = next(iter(targets.values())).data_ptr()
+        if address not in graph_ids:
+            graph_ids[address] = ort.RunOptions()
+            graph_ids[address].add_run_config_entry("gpu_graph_id", str(len(graph_ids)))
+        return graph_ids[address]
+
+    def step(inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
         io = session.io_binding()
+        targets = keep if isinstance(keep, Mapping) else {}
+        replay = graphs and bool(targets) and inputs["input_ids"].shape[1] == 1
         for k, v in inputs.items():
             if isinstance(v, ort.OrtValue):
                 io.bind_ortvalue_input(k, v)
+            elif replay:
+                io.bind_ortvalue_input(k, device_value(k, v))
             else:
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
         for n in names:
-            io.bind_output(n, device if n in keep else "cpu")
-        session.run_with_iobinding(io)
+            if n in targets:
+                io.bind_ortvalue_output(n, targets[n])
+            elif replay and n in fixed:
+                io.bind_ortvalue_output(n, fixed[n])
+            else:
+                io.bind_output(n, device if n in keep or replay else "cpu")
+        session.run_with_iobinding(io, run_options(targets) if replay else uncaptured if graphs else None)
         outs = io.get_outputs()
+        if replay:  # the next replay writes the same output buffers: what this step returns is a copy
+            fixed.update((n, o) for n, o in zip(names, outs) if n not in keep)
+            return {n: (o if n in keep else np.array(o.numpy(), copy=True)) for n, o in zip(names, outs)}
         return {n: (o if n in keep else o.numpy()) for n, o in zip(names, outs)}
 
     return step

@@ -135,10 +135,12 @@ def _ort(provider: str) -> Callable[..., Runner]:
         spin: bool = False,
         inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
         tf32: bool = False,
+        cuda_graph: bool = False,
     ) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        return build(provider, graph, _export, opset, attention, threads, sizes, isolate, spin, inline_weights_max_bytes, tf32)
+        options = (threads, sizes, isolate, spin, inline_weights_max_bytes, tf32, cuda_graph)
+        return build(provider, graph, _export, opset, attention, *options)
 
     return prepare_ort
 
@@ -244,7 +246,8 @@ def run(graph: Graph, inputs: Mapping[str, np.ndarray], backend: str = "numpy", 
     Options: ``numpy``: ``compute_dtype``, ``threads``, ``reference``; ONNX backends: ``opset``,
     ``attention`` (``decomposed``, ``onnx-attention``, ``ort-gqa``, ``auto``);
     onnxruntime: ``threads``, ``isolate`` (run in a worker process, so that a
-    crash inside onnxruntime is a :class:`BackendError`); ``ort-cuda``: ``tf32`` (TF32 MatMul; default off);
+    crash inside onnxruntime is a :class:`BackendError`); ``ort-cuda``: ``tf32`` (TF32 MatMul; default off),
+    ``cuda_graph`` (capture the decode step of an LM with ``cache="static"``);
     ``torch``: ``device``, ``threads``.
     """
     get_backend(backend)

@@ -26,8 +26,9 @@ __all__ = ["Runner", "DecodeRunner", "CacheMaker", "StepFn"]
 CacheMaker = Callable[[LMInterface, int, int], KVCache]
 """``make(lm, batch, capacity)``: a backend's KV cache for a decode loop (``capacity``: positions to make room for at first)."""
 
-StepFn = Callable[[Mapping[str, Any], Sequence[str]], dict[str, Any]]
-"""``step(inputs, keep)``: one run whose inputs may be a cache's values; outputs in ``keep`` stay in the backend's form."""
+StepFn = Callable[[Mapping[str, Any], Sequence[str] | Mapping[str, Any]], dict[str, Any]]
+"""``step(inputs, keep)``: one run whose inputs may be a cache's values; outputs in ``keep`` stay in the backend's form
+(written into the values ``keep`` maps them to, where it is a mapping and the backend can)."""
 
 
 class DecodeRunner(Protocol):
@@ -44,7 +45,7 @@ class DecodeRunner(Protocol):
         """An empty KV cache of this backend for ``batch`` sequences."""
         ...
 
-    def step(self, inputs: Mapping[str, Any], keep: Sequence[str]) -> dict[str, Any]:
+    def step(self, inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
         """Run one decode step; the outputs in ``keep`` come back as the backend holds them, the rest as NumPy arrays."""
         ...
 
@@ -82,9 +83,9 @@ class Runner:
 
     def new_cache(self, lm: LMInterface, batch: int, capacity: int) -> KVCache:
         """An empty KV cache of this backend for ``batch`` sequences, with room for ``capacity`` positions where it grows in place."""
-        return self.caches(lm, batch, capacity) if self.caches is not None else ArrayKVCache(lm, batch)
+        return self.caches(lm, batch, capacity) if self.caches is not None else ArrayKVCache(lm, batch, capacity=capacity)
 
-    def step(self, inputs: Mapping[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
+    def step(self, inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any] = ()) -> dict[str, Any]:
         """One decode step: :meth:`run`, or the backend's own step where its cache holds values NumPy cannot check."""
         stepper = self.stepper
         if stepper is None:

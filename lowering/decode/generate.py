@@ -50,12 +50,14 @@ def lm_interface(graph: Graph) -> LMInterface:
     if not isinstance(graph, Graph):
         raise InputError(f"generate takes a graphc Graph, got {type(graph).__name__}")
     n = sum(1 for name in graph.inputs if name.startswith("past_key_values.") and name.endswith(".key"))
-    want_in = ["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
+    static = "cache_position" in graph.inputs  # a fixed-capacity cache (graphc.causal_lm_graph(cache="static"))
+    want_in = ["input_ids", "attention_mask", "position_ids", *(["cache_position"] if static else [])]
+    want_in += [f"past_key_values.{i}.{k}" for i in range(n) for k in ("key", "value")]
     want_out = ["logits"] + [f"present.{i}.{k}" for i in range(n) for k in ("key", "value")]
     if n == 0 or sorted(graph.inputs) != sorted(want_in) or sorted(graph.outputs) != sorted(want_out):
         raise InputError(
             f"graph {graph.name!r} is not a causal LM step: generate needs inputs input_ids, attention_mask, position_ids, "
-            f"past_key_values.{{i}}.key/value and outputs logits, present.{{i}}.key/value (as graphc.causal_lm_graph builds); "
+            f"(cache_position,) past_key_values.{{i}}.key/value and outputs logits, present.{{i}}.key/value (as graphc.causal_lm_graph builds); "
             f"it has inputs {graph.inputs[:6]} and outputs {graph.outputs[:4]}"
         )
     caches = [graph.types[f"past_key_values.{i}.key"] for i in range(n)]
@@ -67,7 +69,7 @@ def lm_interface(graph: Graph) -> LMInterface:
         raise InputError(f"logits must have a static vocabulary axis, got {list(graph.types['logits'].shape)}")
     heads = tuple(int(t.shape[1]) for t in caches)  # static: checked above
     dims = tuple(int(t.shape[3]) for t in caches)
-    return LMInterface(n, heads, dims, caches[0].dtype, vocab)
+    return LMInterface(n, heads, dims, caches[0].dtype, vocab, static)
 
 
 def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -181,15 +183,16 @@ def generate(
     if ids.size and (ids.min() < 0 or ids.max() >= lm.vocab_size):
         raise InputError(f"token ids must be in 0..{lm.vocab_size - 1} (the vocabulary), got {int(ids.min())}..{int(ids.max())}")
     eos = _eos_ids(eos_token_id)
+    capacity = graph.types["past_key_values.0.key"].shape[2]
     if runner is not None:
         _check_runner(graph, runner)
     if runner is None and shards is not None:
         from ..distributed.dask_shards import sharded_runner
 
         with sharded_runner(graph, shards, backend, client, **prepare_options) as own:
-            return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos, keep_logits, progress)
+            return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos, keep_logits, progress, capacity)
     runner = runner or prepare(graph, backend, **prepare_options)
-    return _generate(lm, ids, mask, max_new_tokens, runner, pad_token_id, eos, keep_logits, progress)
+    return _generate(lm, ids, mask, max_new_tokens, runner, pad_token_id, eos, keep_logits, progress, capacity)
 
 
 def _eos_ids(eos_token_id: Any) -> np.ndarray:
@@ -213,6 +216,48 @@ def _check_runner(graph: Graph, runner: Any) -> None:
         )
 
 
+class _StepInputs:
+    """The non-cache inputs of each step: the prompt first, then each sequence's last token.
+
+    A growing cache takes the mask of every position so far; a fixed-capacity one (``lm.static``) the mask of its
+    ``capacity`` slots (1 where a token is, the new ones included) and ``cache_position``, the slots being written."""
+
+    def __init__(self, lm: LMInterface, ids: np.ndarray, mask: np.ndarray, capacity: int) -> None:
+        self.static = lm.static
+        self.mask = mask  # every position so far (the Generation's mask)
+        self.written = ids.shape[1]
+        positions = np.maximum(mask.cumsum(1) - 1, 0)
+        self.feeds: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        if self.static:
+            self.slots = np.zeros((ids.shape[0], capacity), np.int64)
+            self.slots[:, : ids.shape[1]] = mask
+            self.feeds.update(attention_mask=self.slots, cache_position=np.arange(ids.shape[1], dtype=np.int64))
+
+    def advance(self, token: np.ndarray) -> None:
+        """The next step feeds ``token [batch]`` at the next position."""
+        batch = token.shape[0]
+        self.mask = np.concatenate([self.mask, np.ones((batch, 1), np.int64)], axis=1)
+        self.feeds = {"input_ids": token[:, None], "attention_mask": self.mask, "position_ids": self.feeds["position_ids"][:, -1:] + 1}
+        if self.static:
+            self.slots[:, self.written] = 1
+            self.feeds.update(attention_mask=self.slots, cache_position=np.array([self.written], np.int64))
+        self.written += 1
+
+
+def _capacity(lm: LMInterface, graph_capacity: Any, prompt: int, max_new_tokens: int) -> int:
+    """Positions the cache makes room for: a fixed-capacity graph's own capacity (checked), else enough to start with."""
+    if not lm.static:
+        return prompt + min(max_new_tokens, _FIRST_ROOM)
+    need = prompt + max_new_tokens - 1  # the last token is sampled, never written
+    if isinstance(graph_capacity, int):
+        if graph_capacity < need:
+            raise InputError(
+                f"the graph's fixed-capacity cache holds {graph_capacity} positions; {prompt} prompt + {max_new_tokens - 1} new tokens need {need}"
+            )
+        return graph_capacity
+    return need
+
+
 def _generate(
     lm: LMInterface,
     ids: np.ndarray,
@@ -223,18 +268,20 @@ def _generate(
     eos: np.ndarray,
     keep_logits: bool,
     progress: Callable[[int, int], None] | None,
+    graph_capacity: Any = None,
 ) -> Generation:
     batch = ids.shape[0]
-    cache = runner.new_cache(lm, batch, ids.shape[1] + min(max_new_tokens, _FIRST_ROOM))
+    capacity = _capacity(lm, graph_capacity, ids.shape[1], max_new_tokens)
+    cache = runner.new_cache(lm, batch, capacity)
     done = np.zeros(batch, bool)
     new: list[np.ndarray] = []
     kept: list[np.ndarray] = []
     times: list[float] = []
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.maximum(mask.cumsum(1) - 1, 0)}
+    inputs = _StepInputs(lm, ids, mask, capacity)
     try:
         for step in range(max_new_tokens):
             start = time.perf_counter()
-            outputs = runner.step({**feeds, **cache.feeds()}, cache.outputs)
+            outputs = runner.step({**inputs.feeds, **cache.feeds()}, cache.outputs)
             cache.advance(outputs)
             logits = _last_logits(outputs["logits"])
             times.append(time.perf_counter() - start)
@@ -249,12 +296,11 @@ def _generate(
                 done |= np.isin(token, eos)
             if done.all() or step + 1 == max_new_tokens:
                 break
-            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-            feeds = {"input_ids": token[:, None], "attention_mask": mask, "position_ids": feeds["position_ids"][:, -1:] + 1}
+            inputs.advance(token)
     finally:
         cache.close()
     tokens = np.stack(new, axis=1)
-    full_mask = np.concatenate([mask[:, : ids.shape[1]], np.ones_like(tokens)], axis=1)
+    full_mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
     return Generation(
         np.concatenate([ids, tokens], axis=1), tokens, full_mask, tuple(kept), times[0], tuple(times[1:]), runner.backend, runner.provider
     )

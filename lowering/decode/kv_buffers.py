@@ -120,5 +120,8 @@ def append(past: np.ndarray, new: np.ndarray) -> np.ndarray:
 
 
 def numpy_cache(lm: LMInterface, batch: int, capacity: int) -> ArrayKVCache:
-    """The NumPy backend's decode cache: per layer, an empty prefix of a buffer with room for ``capacity`` positions."""
-    return ArrayKVCache(lm, batch, lambda b, h, d, dtype: allocate(b, h, capacity, d, dtype))
+    """The NumPy backend's decode cache: per layer, an empty prefix of a buffer with room for ``capacity`` positions
+    (a fixed-capacity cache, ``lm.static``: ``capacity`` slots of zeros, which each step returns anew)."""
+    if lm.static:
+        return ArrayKVCache(lm, batch, capacity=capacity)
+    return ArrayKVCache(lm, batch, lambda b, h, n, d, dtype: allocate(b, h, capacity, d, dtype))

@@ -20,7 +20,7 @@ then ``cache.advance(outputs)``.  A new backend brings its cache in its own modu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,6 +38,8 @@ class LMInterface:
     head_dims: tuple[int, ...]
     cache_dtype: str
     vocab_size: int
+    static: bool = False
+    """A fixed-capacity cache (``cache_position`` input; presents of the pasts' shape, written in place where a backend can)."""
 
     @property
     def cache_names(self) -> list[tuple[str, str]]:
@@ -54,8 +56,9 @@ class LMInterface:
 class KVCache(Protocol):
     """One decode loop's cache on one backend: what a step is fed, and what it keeps of the step's outputs."""
 
-    outputs: tuple[str, ...]
-    """The step outputs the cache takes (``present.*``): a runner's :meth:`~lowering.Runner.step` keeps them in the backend's own form."""
+    outputs: Sequence[str] | Mapping[str, Any]
+    """The step outputs the cache takes (``present.*``): a runner's :meth:`~lowering.Runner.step` keeps them in the backend's own form.
+    A mapping also names, for each, the backend value the step writes it into (a fixed-capacity cache's buffers)."""
 
     @property
     def length(self) -> int:
@@ -80,22 +83,28 @@ class KVCache(Protocol):
         ...
 
 
-EmptyCache = Callable[[int, int, int, str], Any]
-"""``empty(batch, heads, head_dim, dtype)``: one layer's empty past (length 0) in a backend's form."""
+EmptyCache = Callable[[int, int, int, int, str], Any]
+"""``empty(batch, heads, length, head_dim, dtype)``: one layer's first past, zeros, in a backend's form (``length`` 0,
+or a fixed-capacity cache's capacity)."""
 
 
-def zeros_cache(batch: int, heads: int, head_dim: int, dtype: str) -> np.ndarray:
-    """An empty past as a NumPy array ``[batch, heads, 0, head_dim]``."""
-    return np.zeros((batch, heads, 0, head_dim), dtype)
+def zeros_cache(batch: int, heads: int, length: int, head_dim: int, dtype: str) -> np.ndarray:
+    """A first past as a NumPy array of zeros ``[batch, heads, length, head_dim]``."""
+    return np.zeros((batch, heads, length, head_dim), dtype)
 
 
 class ArrayKVCache:
-    """The cache as whatever values a step returns, fed back as they are; the first pasts come from ``empty``."""
+    """The cache as whatever values a step returns, fed back as they are; the first pasts come from ``empty``
+    (length 0, or ``capacity`` slots of zeros for a fixed-capacity cache: ``lm.static``)."""
 
-    def __init__(self, lm: LMInterface, batch: int, empty: EmptyCache = zeros_cache) -> None:
+    def __init__(self, lm: LMInterface, batch: int, empty: EmptyCache = zeros_cache, capacity: int = 0) -> None:
         self._names = lm.cache_names
-        self.outputs = tuple(present for _, present in self._names)
-        self._values: dict[str, Any] = {past: empty(*lm.cache_shape(past, batch), lm.cache_dtype) for past, _ in self._names}
+        self.outputs: Sequence[str] | Mapping[str, Any] = tuple(present for _, present in self._names)
+        length = capacity if lm.static else 0
+        self._values: dict[str, Any] = {}
+        for past, _ in self._names:
+            b, h, d = lm.cache_shape(past, batch)
+            self._values[past] = empty(b, h, length, d, lm.cache_dtype)
 
     @property
     def length(self) -> int:

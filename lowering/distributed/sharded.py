@@ -185,10 +185,11 @@ class ShardedRunner:
         return f"sharded x{self.plan.n}, {self.backend} per shard"
 
     def new_cache(self, lm: LMInterface, batch: int, capacity: int) -> KVCache:
-        """A decode cache whose values, after the first step, are :class:`Resident` parts each shard keeps (``capacity`` is not used)."""
-        return ArrayKVCache(lm, batch)
+        """A decode cache whose values, after the first step, are :class:`Resident` parts each shard keeps (``capacity``: a
+        fixed-capacity cache's slots)."""
+        return ArrayKVCache(lm, batch, capacity=capacity)
 
-    def step(self, inputs: Mapping[str, Any], keep: Sequence[str] = ()) -> dict[str, Any]:
+    def step(self, inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any] = ()) -> dict[str, Any]:
         """One decode step: :meth:`run` with the outputs in ``keep`` left on the shards."""
         return self.run(inputs, resident=list(keep))
 
