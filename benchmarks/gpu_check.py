@@ -17,9 +17,10 @@ or the checkout on PYTHONPATH).  Sections:
   binding to torch CUDA tensors), back to back: best of 3 blocks of 30 calls.  Each row: ms, the max abs error against
   float64, and the nodes onnxruntime placed on the CPU (from its profile).
 - ``generate``: ``lowering.generate`` on ort-cuda (KV cache resident on the GPU) of a 2-layer Mistral-7B-shaped float16
-  model with random weights: ms/token after 128 and after 2048 prompt tokens, and where a decode step's time goes.
-- ``model7b``: all 32 layers of Mistral-7B's shape in float16 (14.5 GB of random weights): ms/token and the
-  weights' read bandwidth it implies, against the device's measured copy bandwidth.
+  model with random weights: ms/token after 128 and after 2048 prompt tokens, for the growing cache and for the
+  fixed-capacity cache with CUDA graphs (alternating), and where a decode step's time goes.
+- ``model7b``: all 32 layers of Mistral-7B's shape in float16 (14.5 GB of random weights), both caches: ms/token and
+  the weights' read bandwidth it implies, against the device's measured copy bandwidth.
 
 Prints a short table per section and writes everything to ``DIR/gpu_check.json``.  ``--smoke`` runs the code paths
 on the CPU at toy sizes (no GPU needed; figures meaningless).
@@ -344,44 +345,65 @@ def lm_config(layers: int) -> Any:
     return causal_lm_config_from_hf(hf)
 
 
-def lm_graph(layers: int, weights: dict[str, np.ndarray] | None = None) -> Any:
+def lm_graph(layers: int, weights: dict[str, np.ndarray] | None = None, cache: str = "dynamic") -> Any:
     import graphc
 
-    return graphc.causal_lm_graph(lm_config(layers), weights, dtype="float16", logits="last")
+    return graphc.causal_lm_graph(lm_config(layers), weights, dtype="float16", logits="last", cache=cache)
 
 
-def timed_generation(graph: Any, prompt_lengths: list[int], new_tokens: int, rounds: int = 3) -> list[dict[str, Any]]:
-    """``generate`` after each prompt length on ort-cuda: every length's runner prepared and warmed first, then the
-    lengths alternating for ``rounds`` rounds (A B A B ...), each length's median ms/token."""
+CACHES = {"growing cache": ("dynamic", {}), "fixed cache": ("static", {}), "fixed cache + CUDA graphs": ("static", {"cuda_graph": True})}
+"""The decode variants timed side by side: the cache each step appends to, and the fixed-capacity cache whose
+one-token steps onnxruntime captures as CUDA graphs (``--smoke``: the fixed cache without graphs, on the CPU)."""
+
+
+def timed_generation(
+    graphs: dict[str, Any], prompt_lengths: list[int], new_tokens: int, rounds: int = 3
+) -> list[dict[str, Any]]:
+    """``generate`` of each variant (``{name: graph}``, options from :data:`CACHES`) after each prompt length on ort-cuda:
+    every runner prepared and warmed first, then all (variant, length) runs alternating for ``rounds`` rounds, each
+    run's median ms/token.  Each variant's runner serves every length (a fixed cache's buffers are pooled per shape)."""
     import graphc
     from lowering import generate, prepare
     from lowering.backends.registry import decode_options
 
     backend = "ort-cpu" if SMOKE else "ort-cuda"
     runs = {}
-    for n in prompt_lengths:
-        sizes = {"batch": 1, "seq": 1, "past_seq": n + new_tokens // 2}
+    failed = []
+    for variant, graph in graphs.items():
+        sizes = {"batch": 1, "seq": 1, "past_seq": max(prompt_lengths) + new_tokens}
         opt = graphc.optimize(graph, hints=sizes).graph
+        options = {} if SMOKE else CACHES[variant][1]
         t0 = time.perf_counter()
-        runner = prepare(opt, backend, **decode_options(backend, sizes))
-        prepared = time.perf_counter() - t0
-        prompt = np.random.default_rng(n).integers(0, 500 if SMOKE else 32000, (1, n)).tolist()
-        generate(opt, prompt, 4, runner=runner)  # warm-up: kernels chosen, arena grown
-        runs[n] = (opt, runner, prompt, prepared)
-    times: dict[int, list[float]] = {n: [] for n in runs}
+        try:
+            runner = prepare(opt, backend, **decode_options(backend, sizes), **options)
+            prepared = time.perf_counter() - t0
+            for n in prompt_lengths:
+                prompt = np.random.default_rng(n).integers(0, 500 if SMOKE else 32000, (1, n)).tolist()
+                generate(opt, prompt, new_tokens, runner=runner)  # warm-up: kernels chosen, arena grown, graphs captured
+                runs[variant, n] = (opt, runner, prompt, prepared)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not hide the others' figures
+            say(f"  {variant}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            failed.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:2000]})
+            runs = {k: v for k, v in runs.items() if k[0] != variant}
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
     outs = {}
     for _ in range(rounds):
-        for n, (opt, runner, prompt, _) in runs.items():
-            outs[n] = generate(opt, prompt, new_tokens, runner=runner)
-            times[n].append(outs[n].ms_per_token)
+        for key, (opt, runner, prompt, _) in runs.items():
+            outs[key] = generate(opt, prompt, new_tokens, runner=runner)
+            times[key].append(outs[key].ms_per_token)
     rows = []
-    for n, out in outs.items():
-        row = {"prompt": n, "new": new_tokens, "ms_per_token": round(float(np.median(times[n])), 3), "rounds": [round(t, 3) for t in times[n]],
-               "prefill_ms": round(out.prefill_seconds * 1e3, 1), "prepare_s": round(runs[n][3], 1), "provider": out.provider,
-               "tokens": out.new_tokens[0, :8].tolist()}  # fmt: skip
-        say(f"  prompt {n}: {row['ms_per_token']:.2f} ms/token (rounds {row['rounds']}), prefill {row['prefill_ms']} ms ({out.provider})")
+    for (variant, n), out in outs.items():
+        row = {"variant": variant, "prompt": n, "new": new_tokens, "ms_per_token": round(float(np.median(times[variant, n])), 3),
+               "rounds": [round(t, 3) for t in times[variant, n]], "prefill_ms": round(out.prefill_seconds * 1e3, 1),
+               "prepare_s": round(runs[variant, n][3], 1), "provider": out.provider, "tokens": out.new_tokens[0, :8].tolist()}  # fmt: skip
+        say(f"  {variant}, prompt {n}: {row['ms_per_token']:.2f} ms/token (rounds {row['rounds']}), prefill {row['prefill_ms']} ms ({out.provider})")
         rows.append(row)
-    return rows
+    for n in prompt_lengths:
+        tokens = {v: outs[v, n].new_tokens.tolist() for v in graphs if (v, n) in outs}
+        same = len({json.dumps(t) for t in tokens.values()}) == 1
+        say(f"  prompt {n}: the variants' tokens are {'the same' if same else 'DIFFERENT: ' + json.dumps(tokens)[:300]}")
+        rows.append({"prompt": n, "same_tokens": same})
+    return rows + failed
 
 
 def step_profile(graph: Any, past: int) -> dict[str, Any]:
@@ -428,12 +450,18 @@ def step_profile(graph: Any, past: int) -> dict[str, Any]:
 
 
 def generate_2layer() -> dict[str, Any]:
-    g = lm_graph(2)
+    graphs = {variant: lm_graph(2, cache=cache) for variant, (cache, _) in CACHES.items()}
     lengths = [16, 64] if SMOKE else [128, 2048]
-    rows = timed_generation(g, lengths, 8 if SMOKE else 32)
-    ratio = rows[1]["ms_per_token"] / rows[0]["ms_per_token"]
-    say(f"  ms/token after {lengths[1]} vs after {lengths[0]}: {ratio:.2f}x (target <= 1.2x)")
-    return {"rows": rows, "ratio": ratio, "profile": {n: step_profile(g, n) for n in lengths}}
+    rows = timed_generation(graphs, lengths, 8 if SMOKE else 32)
+    out: dict[str, Any] = {"rows": rows}
+    for variant in CACHES:
+        ms = {r["prompt"]: r["ms_per_token"] for r in rows if r.get("variant") == variant and "ms_per_token" in r}
+        if len(ms) < 2:
+            continue
+        out[f"ratio {variant}"] = ratio = ms[lengths[1]] / ms[lengths[0]]
+        say(f"  {variant}: ms/token after {lengths[1]} vs after {lengths[0]}: {ratio:.2f}x (target <= 1.2x)")
+    out["profile"] = {n: step_profile(graphs["growing cache"], n) for n in lengths}
+    return out
 
 
 def model_7b() -> dict[str, Any]:
@@ -451,13 +479,15 @@ def model_7b() -> dict[str, Any]:
             weights[name] = a
     total = sum(a.nbytes for a in weights.values())
     say(f"  {layers} layers, {total / 1e9:.2f} GB of float16 weights made in {time.perf_counter() - t0:.0f} s")
-    rows = timed_generation(lm_graph(layers, weights), [128], 16, rounds=1)
+    graphs = {variant: lm_graph(layers, weights, CACHES[variant][0]) for variant in ("growing cache", "fixed cache + CUDA graphs")}
+    rows = timed_generation(graphs, [128], 16, rounds=2)
     env = RESULTS.get("env", {})
-    out = {"weights_gb": total / 1e9, "rows": rows}
-    if "copy_gb_per_s" in env:
-        read = total / rows[0]["ms_per_token"] / 1e6  # GB/s of weights read per token
-        out.update(read_gb_per_s=round(read), copy_gb_per_s=env["copy_gb_per_s"], fraction=round(read / env["copy_gb_per_s"], 3))
-        say(f"  weights read at {read:.0f} GB/s = {read / env['copy_gb_per_s']:.0%} of the device copy bandwidth {env['copy_gb_per_s']} GB/s")
+    out: dict[str, Any] = {"weights_gb": total / 1e9, "rows": rows}
+    for row in rows:
+        if "copy_gb_per_s" in env and "ms_per_token" in row:
+            read = total / row["ms_per_token"] / 1e6  # GB/s of weights read per token
+            row.update(read_gb_per_s=round(read), fraction=round(read / env["copy_gb_per_s"], 3))
+            say(f"  {row['variant']}: weights read at {read:.0f} GB/s = {read / env['copy_gb_per_s']:.0%} of the device copy bandwidth")
     return out
 
 
@@ -497,11 +527,11 @@ def gemv() -> list[dict[str, Any]]:
 
 SECTIONS: dict[str, Callable[[], Any]] = {
     "gemv": gemv,
-    "core": core,
     "generate": generate_2layer,
     "tests": cuda_tests,
-    "main": main_job,
     "model7b": model_7b,
+    "core": core,
+    "main": main_job,
     "conformance": conformance,
 }
 """In the order they run (the attention kernels and the decode loop first: what a short run must not miss)."""

@@ -201,6 +201,10 @@ def test_a_fixed_capacity_cache_is_two_buffers_the_steps_write_in_turn():
     buffers = {seen[0][0], seen[0][1]}
     assert len(buffers) == 2 and all({read, written} == buffers and read != written for read, written in seen)
     assert [read for read, _ in seen[1:]] == [written for _, written in seen[:-1]]  # what one step writes, the next reads
+    seen.clear()
+    assert generate(g, prompts, 6, runner=runner).tokens() == want.tokens()  # the same buffers again, their old values hidden
+    assert {seen[0][0], seen[0][1]} == buffers
+    assert generate(g, [[7, 7]], 3, runner=runner).tokens() == generate(g, [[7, 7]], 3, backend="numpy").tokens()  # another shape
 
 
 def test_cuda_graphs_need_ort_cuda_and_a_fixed_capacity_cache():

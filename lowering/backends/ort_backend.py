@@ -102,7 +102,7 @@ class _Sessions:
         try:
             self.session(False)
         except BackendError as e:
-            if not cuda_graph or "graph" not in str(e).lower():
+            if not cuda_graph or "capture" not in str(e).lower():
                 raise
             self.cuda_graph, self.note = False, f"; CUDA graphs off: {str(e).splitlines()[0][-200:]}"  # onnxruntime refused to capture this model
             self.session(False)
@@ -225,7 +225,7 @@ def prepare_ort(
     native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
     decode: dict[str, Any] = {}  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
     if native is not None:
-        caches = functools.partial(OrtKVCache, device=device)
+        caches = functools.partial(OrtKVCache, device=device, pool={})
         decode = {"caches": caches, "stepper": _ort_step(native, list(sessions.outputs), device, sessions.cuda_graph)}
     return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe(), **decode)
 
@@ -238,22 +238,29 @@ class OrtKVCache(ArrayKVCache):
     A fixed-capacity cache (``lm.static``) is two buffers per layer on ``device``, allocated once: each step reads one as
     the past and writes the other as the present (:attr:`outputs` maps each present to the buffer it is written into),
     then they swap.  The addresses never change, which is what a replayed CUDA graph needs; writing the present over
-    the past it reads is left alone, since whether that is safe depends on each runtime's kernels."""
+    the past it reads is left alone, since whether that is safe depends on each runtime's kernels.  Closed, the buffers
+    go back to ``pool`` (the runner's), and the next cache of the same batch and capacity takes them: slots it has not
+    written yet hold the last loop's values, which its attention mask hides."""
 
-    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0, device: str = "cpu") -> None:
+    def __init__(self, lm: LMInterface, batch: int, capacity: int = 0, device: str = "cpu", pool: dict[Any, Any] | None = None) -> None:
         import onnxruntime as ort
 
         where = device if lm.static else "cpu"
 
-        def empty(b: int, h: int, n: int, d: int, dtype: str) -> Any:
+        def fresh(b: int, h: int, n: int, d: int, dtype: str) -> Any:
             return ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, n, d, dtype), where, 0)
 
-        super().__init__(lm, batch, empty, capacity)
+        self._pool: dict[Any, Any] | None = pool if lm.static else None
+        self._key: tuple[int, int] = (batch, capacity)
+        reused = self._pool.pop(self._key, None) if self._pool is not None else None
+        pooled = iter(reused[0].values()) if reused is not None else None
+        super().__init__(lm, batch, fresh if pooled is None else lambda *shape: next(pooled), capacity)
         self._spare: dict[str, Any] = {}
         if lm.static:
-            for past, _ in self._names:
+            self._spare = reused[1] if reused is not None else {}
+            for past, _ in self._names if reused is None else ():
                 b, h, d = lm.cache_shape(past, batch)
-                self._spare[past] = empty(b, h, capacity, d, lm.cache_dtype)
+                self._spare[past] = fresh(b, h, capacity, d, lm.cache_dtype)
             self.outputs = self._targets()
 
     def _targets(self) -> dict[str, Any]:
@@ -271,7 +278,10 @@ class OrtKVCache(ArrayKVCache):
         self.outputs = self._targets()
 
     def close(self) -> None:
-        """Let go of every buffer."""
+        """Let go of every buffer (a fixed-capacity cache's go back to the runner's pool, for the next loop of its shape:
+        the same addresses, so the CUDA graphs captured over them replay)."""
+        if self._pool is not None and self._spare:
+            self._pool[self._key] = (dict(self._values), self._spare)
         self._spare = {}
         super().close()
 
