@@ -224,10 +224,11 @@ def test_the_replay_path_binds_fixed_buffers_and_gives_the_same_tokens():
     runner = prepare(g, "ort-cpu")
     runner.stepper = _ort_step(runner.session, [o.name for o in runner.session.get_outputs()], "cpu", graphs=True)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    got, want = generate(g, prompts, 6, runner=runner, keep_logits=True), generate(g, prompts, 6, backend="numpy", keep_logits=True)
-    assert got.tokens() == want.tokens()
-    for a, b in zip(got.logits, want.logits):  # each step's logits its own: the fixed output buffer is copied out
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
+    for batch in (prompts, prompts[:1], prompts):  # one graph per batch shape, each with its own buffers
+        got, want = generate(g, batch, 6, runner=runner, keep_logits=True), generate(g, batch, 6, backend="numpy", keep_logits=True)
+        assert got.tokens() == want.tokens()
+        for a, b in zip(got.logits, want.logits):  # each step's logits its own: the fixed output buffer is copied out
+            np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
 
 
 @needs_cuda
@@ -236,8 +237,8 @@ def test_ort_cuda_cuda_graphs_replay_the_decode_step_with_the_same_tokens():
     runner = prepare(g, "ort-cuda", cuda_graph=True)
     assert runner.provider.endswith("with CUDA graphs"), runner.provider
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    assert generate(g, prompts, 8, runner=runner).tokens() == generate(g, prompts, 8, backend="ort-cpu").tokens()
-    assert generate(g, prompts[:1], 8, runner=runner).tokens() == generate(g, prompts[:1], 8, backend="ort-cpu").tokens()
+    for batch in (prompts, prompts[:1], prompts, [[5, 5, 5, 5, 5, 5, 5, 5, 5]]):  # graphs per shape, replayed when the shape comes back
+        assert generate(g, batch, 8, runner=runner).tokens() == generate(g, batch, 8, backend="ort-cpu").tokens(), batch
 
 
 @needs_cuda

@@ -307,45 +307,48 @@ def _ort_step(session: Any, names: list[str], device: str = "cpu", graphs: bool 
     of each cache buffer pairing and replays it (one graph per pairing); other steps (the prompt) run uncaptured."""
     import onnxruntime as ort
 
-    fixed: dict[str, Any] = {}  # name -> OrtValue on the device, updated in place (CUDA graphs replay their addresses)
-    graph_ids: dict[int, Any] = {}  # the first present's buffer address -> the run options of its captured graph
+    graphs_seen: dict[int, tuple[Any, dict[str, Any]]] = {}  # the first present's buffer address -> (run options, buffers)
     uncaptured = ort.RunOptions()
     uncaptured.add_run_config_entry("gpu_graph_id", "-1")
 
-    def device_value(name: str, value: np.ndarray) -> Any:
+    def graph_of(targets: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """One captured graph per cache buffer pairing, with its own small input and output buffers (name -> OrtValue
+        on the device, written in place: a replay reads and writes the addresses it captured)."""
+        address = next(iter(targets.values())).data_ptr()
+        if address not in graphs_seen:
+            options = ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", str(len(graphs_seen) + 1))
+            graphs_seen[address] = (options, {})
+        return graphs_seen[address]
+
+    def device_value(fixed: dict[str, Any], name: str, value: np.ndarray) -> Any:
         held = fixed.get(name)
-        if held is None or tuple(held.shape()) != value.shape:
+        if held is None:
             held = fixed[name] = ort.OrtValue.ortvalue_from_numpy(np.array(value, copy=True), device, 0)  # a CPU OrtValue wraps its array
         else:
             held.update_inplace(np.ascontiguousarray(value))
         return held
 
-    def run_options(targets: Mapping[str, Any]) -> Any:
-        address = next(iter(targets.values())).data_ptr()
-        if address not in graph_ids:
-            graph_ids[address] = ort.RunOptions()
-            graph_ids[address].add_run_config_entry("gpu_graph_id", str(len(graph_ids)))
-        return graph_ids[address]
-
     def step(inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
         io = session.io_binding()
         targets = keep if isinstance(keep, Mapping) else {}
         replay = graphs and bool(targets) and inputs["input_ids"].shape[1] == 1
+        options, fixed = graph_of(targets) if replay else (uncaptured if graphs else None, {})
         for k, v in inputs.items():
             if isinstance(v, ort.OrtValue):
                 io.bind_ortvalue_input(k, v)
             elif replay:
-                io.bind_ortvalue_input(k, device_value(k, v))
+                io.bind_ortvalue_input(k, device_value(fixed, k, v))
             else:
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
         for n in names:
             if n in targets:
                 io.bind_ortvalue_output(n, targets[n])
-            elif replay and n in fixed:
+            elif n in fixed:
                 io.bind_ortvalue_output(n, fixed[n])
             else:
                 io.bind_output(n, device if n in keep or replay else "cpu")
-        session.run_with_iobinding(io, run_options(targets) if replay else uncaptured if graphs else None)
+        session.run_with_iobinding(io, options)
         outs = io.get_outputs()
         if replay:  # the next replay writes the same output buffers: what this step returns is a copy
             fixed.update((n, o) for n, o in zip(names, outs) if n not in keep)
