@@ -81,10 +81,11 @@ def _model(args: argparse.Namespace) -> Graph:
     from .attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
     from .weights import load_weights
 
+    cache = "static" if args.cuda_graph else args.cache
     if args.weights:
-        return causal_lm_from_hf(args.hf_config, load_weights(args.weights), n_layers=args.layers, dtype=args.dtype, logits="last")
+        return causal_lm_from_hf(args.hf_config, load_weights(args.weights), n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
     cfg = causal_lm_config_from_hf(args.hf_config, args.layers)
-    return causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last")
+    return causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last", cache=cache)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,8 @@ def _backend_row(
     options = decode_options(backend, sizes, args.threads)
     if args.tf32 and backend == "ort-cuda":
         options["tf32"] = True
+    if args.cuda_graph and backend == "ort-cuda":
+        options["cuda_graph"] = True
     runner = prepare(graph, backend, **options)
     prepared = time.perf_counter() - start
     generation = _warm_and_generate(graph, prompts, args, runner, progress, tag)
@@ -222,6 +225,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends:
         raise UsageError(f"--backends needs at least one backend name, got {args.backends!r}")
+    for flag, on in (("--tf32", args.tf32), ("--cuda-graph", args.cuda_graph)):
+        if on and "ort-cuda" not in backends:
+            raise UsageError(f"{flag} is an ort-cuda option; add ort-cuda to --backends")
+    if args.cuda_graph and args.shards is not None:
+        raise UsageError("--cuda-graph and --shards do not go together: CUDA graphs replay one process's ort-cuda step")
     prompts, texts, tokenizer = _resolve(args)
     progress = Progress(sys.stderr, enabled=not args.quiet)
     progress("building the model")
@@ -277,6 +285,9 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
     g.add_argument("--tf32", action="store_true", help="let ort-cuda run float32 MatMul in TF32 (default off)")
+    g.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
+                   help="the KV cache: dynamic (grows each step, default) or static (fixed capacity, one shape per step)")  # fmt: skip
+    g.add_argument("--cuda-graph", action="store_true", help="ort-cuda: a static cache, each one-token step replayed as a CUDA graph")
     g.add_argument(
         "--shards",
         type=int,

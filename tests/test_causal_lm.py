@@ -263,6 +263,10 @@ def test_cli_generate_prints_transformers_tokens_per_backend(tmp_path, capsys):
     assert "1 layers, vocab 96" in capsys.readouterr().out
     assert main([*argv, "--dtype", "bfloat16", "--backends", "numpy", "--quiet"]) == 0  # a float32 checkpoint converted on load
     assert "bfloat16, weights" in capsys.readouterr().out
+    assert main([*argv, "--cache", "static", "--backends", ",".join(installed("numpy", "ort-cpu")), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for i, (prompt, new) in enumerate(zip(PROMPTS, want.tolist())):
+        assert f"[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}" in out
 
 
 @pytest.mark.parametrize(
@@ -273,6 +277,8 @@ def test_cli_generate_prints_transformers_tokens_per_backend(tmp_path, capsys):
         (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be in 1..65536"),
         (["--prompt-ids", "1", "--backends", "tpu"], "backend"),
         (["--prompt-ids", "1", "--layers", "3"], "n_layers must be an int in 1..2"),
+        (["--prompt-ids", "1", "--cuda-graph"], "--cuda-graph is an ort-cuda option"),
+        (["--prompt-ids", "1", "--cache", "paged"], "invalid choice"),
     ],
 )
 def test_cli_generate_user_errors_are_one_line(tmp_path, capsys, extra, fragment):
