@@ -265,13 +265,17 @@ class Graph(GraphBuilder):
         return v
 
     def shared_initializer(self, name: str, value: np.ndarray) -> str:
-        """The initializer ``name`` holding ``value``, made once per graph: a second rewrite asking for the same
-        constant under the same name gets the first one back (so the nodes of several layers reading it merge);
-        a different value gets a fresh name."""
-        have = self.initializers.get(name)
-        if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
-            return name
-        return self.add_initializer(self.fresh_name(name) if have is not None or name in self.types else name, value).name
+        """The initializer ``name`` holding ``value``, made once per graph: a second rewrite (or builder) asking for
+        the same constant under the same name gets the first one back (so the nodes of several layers reading it
+        merge); a different value gets a fresh name.  The name is the graph's, whatever :meth:`scope` is open."""
+        outer, self._scope = self._scope, ""
+        try:
+            have = self.initializers.get(name)
+            if have is not None and have.dtype == value.dtype and have.shape == value.shape and np.array_equal(have, value):
+                return name
+            return self.add_initializer(self.fresh_name(name) if have is not None or name in self.types else name, value).name
+        finally:
+            self._scope = outer
 
     def add_initializer(self, name: str, array: np.ndarray, copy: bool = True) -> Value:
         """Declare a constant (a weight) holding ``array``.

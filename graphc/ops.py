@@ -177,6 +177,7 @@ class Op:
     arity: ClassVar[int | None] = None  # None: variadic (at least one)
     num_outputs: ClassVar[int] = 1
     moves_data: ClassVar[bool] = True  # False for a view (Reshape): no FLOPs and no bytes in the cost model
+    reads_shape_only: ClassVar[bool] = False  # True: the result depends on the operands' shapes, never their values
 
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """Floating-point operations on operands and results of these sizes (the cost model asks the op; 0: data movement only)."""

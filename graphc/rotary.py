@@ -73,6 +73,7 @@ class Positions(Op):
     axis: int
     offset: Dim = 0
     arity: ClassVar[int | None] = 1
+    reads_shape_only: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.axis, bool) or not isinstance(self.axis, (int, np.integer)):

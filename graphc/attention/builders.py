@@ -251,7 +251,7 @@ def _both(g: Graph, a: Value, b: Value | None) -> Value:
     """``a and b`` for bool values (``a`` alone when ``b`` is None)."""
     if b is None:
         return a
-    return g.where(a, b, g.constant(g.fresh_name("false"), np.array(False)), name=g.fresh_name("keep_both"))
+    return g.where(a, b, g.shared_initializer("bool_false", np.array(False)), name=g.fresh_name("keep_both"))
 
 
 def _rotate(
@@ -441,7 +441,7 @@ def write_kv_cache_attention(
     q, k_new, v_new = _project_qkv(g, cfg, x, x, seq, seq, batch)
     q, k_new = _rotate(g, cfg, x, q, k_new, offset=past, lengths=lengths, positions=positions)
     if cache_position is not None:
-        first = g.add_node(Gather(0), [cache_position, g.constant(g.fresh_name("first"), np.array([0], np.int64))], g.fresh_name("first_slot_1"))
+        first = g.add_node(Gather(0), [cache_position, g.shared_initializer("index_first", np.array([0], np.int64))], g.fresh_name("first_slot_1"))
         k = _write_slots(g, past_k, k_new, first, "present_key")
         v = _write_slots(g, past_v, v_new, first, "present_value")
         attn = attention_core(g, cfg, q, k, v, causal=False, mask=_slot_mask(g, cfg, q, past_k, first, mask))
@@ -462,8 +462,8 @@ def _write_slots(g: Graph, past: Value, new: Value, first: Value, name: str) -> 
     slots = g.add_node(Positions(2, 0), [past], g.fresh_name("cache_slot_C"))
     rel = g.sub(slots, first, name=g.fresh_name("slot_from_first_C"))
     new_index = g.add_node(Positions(2, 0), [new], g.fresh_name("new_index_S"))
-    last = g.add_node(Gather(0), [new_index, g.constant(g.fresh_name("last"), np.array([-1], np.int64))], g.fresh_name("last_new_1"))
-    zero = g.constant(g.fresh_name("zero"), np.array(0, np.int64))
+    last = g.add_node(Gather(0), [new_index, g.shared_initializer("index_last", np.array([-1], np.int64))], g.fresh_name("last_new_1"))
+    zero = g.shared_initializer("int64_zero", np.array(0, np.int64))
     after_first = g.compare("greater_equal", rel, zero, name=g.fresh_name("after_first_C"))
     written = _both(g, after_first, g.compare("less_equal", rel, last, name=g.fresh_name("before_last_C")))
     index = g.binary("max", g.binary("min", rel, last, name=g.fresh_name("slot_index_hi_C")), zero, name=g.fresh_name("slot_index_C"))
@@ -481,7 +481,8 @@ def _slot_mask(g: Graph, cfg: AttentionConfig, q: Value, past: Value, first: Val
     key = g.reshape(g.add_node(Positions(2, 0), [past], g.fresh_name("key_slot_C")), [1, 1, 1, cache_len], name=g.fresh_name("key_slot_111C"))
     keep = g.compare("less_equal", key, query, name=g.fresh_name("causal_keep_11SC"))
     if cfg.sliding_window is not None:
-        start = g.sub(query, g.constant(g.fresh_name("window"), np.array(cfg.sliding_window, np.int64)), name=g.fresh_name("window_start_11S1"))
+        window = g.shared_initializer(f"window_{cfg.sliding_window}", np.array(cfg.sliding_window, np.int64))
+        start = g.sub(query, window, name=g.fresh_name("window_start_11S1"))
         keep = _both(g, keep, g.compare("greater", key, start, name=g.fresh_name("window_keep_11SC")))
     return _both(g, keep, user)
 

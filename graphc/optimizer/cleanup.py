@@ -231,11 +231,19 @@ def _dce(graph: Graph, ctx: PassContext) -> bool:
 dead_code_elimination = Pass("dce", "remove nodes and initializers that no output depends on", _dce)
 
 
+def _cse_key(graph: Graph, node: Node) -> tuple[object, tuple[object, ...]]:
+    """What makes two nodes compute the same: their op and operands, or the operands' shapes for an op that reads only
+    those (``Positions`` of layer 3's cache and of layer 5's: one node, and everything computed from it merges too)."""
+    if node.op.reads_shape_only:
+        return node.op, tuple(graph.types[i].shape for i in node.inputs)
+    return node.op, node.inputs
+
+
 def _cse(graph: Graph, ctx: PassContext) -> bool:
-    seen: dict[tuple[object, tuple[str, ...]], Node] = {}
+    seen: dict[tuple[object, tuple[object, ...]], Node] = {}
     changed = False
     for node in graph.topological_order():
-        key = (node.op, node.inputs)
+        key = _cse_key(graph, node)
         first = seen.get(key)
         if first is not None and not isinstance(node.op, Opaque) and not any(graph.is_output(o) for o in node.outputs):
             for o, f in zip(node.outputs, first.outputs):

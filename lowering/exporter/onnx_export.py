@@ -322,6 +322,10 @@ def _where(b: OnnxBuilder, node: Node, mode: str) -> None:
     c, x, y = node.inputs
     out = node.name
     if b.graph.types[out].dtype == "bool":  # onnxruntime has no bool Where: (c and x) or (not c and y)
+        constant = b.graph.initializers.get(y)
+        if constant is not None and constant.size == 1 and not constant.any():  # Where(c, x, False): c and x
+            b.op("And", [c, x], out)
+            return
         b.op("Or", [b.op("And", [c, x], base=f"{out}_then"), b.op("And", [b.op("Not", [c], base=f"{out}_not"), y], base=f"{out}_else")], out)
     else:
         b.op("Where", [c, x, y], out)
