@@ -193,3 +193,36 @@ def test_an_alibi_bias_and_a_causal_mask_are_one_attention(alibi_last):
     feeds = random_inputs(g, seed=3, b=2, s=6)
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("fill", [-np.inf, MIN32])
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_masked_fill_of_the_scores_is_one_causal_attention(fill, padding):
+    """MPT writes ``scores.masked_fill(hide, finfo.min)``, ``Where(hide, fill, s)`` with ``hide`` the keys after the
+    query (and, with a padding mask, the padded ones): one ``Attention`` with its causal offset, the numbers of the
+    graph as written (a row whose keys are all padding averages V over every key under a finite fill)."""
+    g = Graph("masked_fill")
+    q = g.input("q", ["b", HEADS, "s", D])
+    k, v = g.input("k", ["b", HEADS, "s", D]).name, g.input("v", ["b", HEADS, "s", D]).name
+    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
+    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
+    key_pos = add(Reshape((1, 1, 1, "s")), [add(Positions(2), [k], "kpos")], "kpos4")
+    query_pos = add(Reshape((1, 1, "s", 1)), [add(Positions(2), [q], "qpos")], "qpos4")
+    hide = add(Compare("greater"), [key_pos, query_pos], "future")
+    if padding:
+        pad = g.input("attention_mask", ["b", "s"], "bool")
+        padded = add(Where(), [add(Reshape(("b", 1, 1, "s")), [pad], "pad4"), const("false", False), const("true", True)], "padded")
+        hide = add(Where(), [hide, const("true2", True), padded], "hidden")  # future or padded
+    s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+    masked = add(Where(), [hide, const("fill", np.float32(fill)), s], "masked")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"))
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert len(attention) == 1 and attention[0].causal_offset == 0
+    assert attention[0].mask == ("bool" if padding else "none")
+    feeds = random_inputs(g, seed=4, b=2, s=6)
+    if padding:
+        feeds["attention_mask"] = np.array([[False] * 6, [False, False] + [True] * 4])  # row 0: every key padding
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)

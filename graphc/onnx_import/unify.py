@@ -69,7 +69,9 @@ def _free(d: Dim, free: Mapping[str, int]) -> str | None:
     return nd if isinstance(nd, str) and is_symbol(nd) and nd in free else None
 
 
-def conflict_in_pairs(pairs: Iterable[tuple[Dim, Dim]], free: Mapping[str, int], atoms: bool = True) -> tuple[str, Dim] | None:
+def conflict_in_pairs(
+    pairs: Iterable[tuple[Dim, Dim]], free: Mapping[str, int], atoms: bool = True, broadcast: bool = False
+) -> tuple[str, Dim] | None:
     """The first pair of unequal dims (neither 1) of which one is a free symbol, as ``(symbol, what it must equal)``;
     with ``atoms``, else a ``min``/``max`` atom and the argument that makes them equal (where onnxruntime would fail on
     unequal dims: a broadcast, a concat; not a Reshape's ``-1``, which any size satisfies)."""
@@ -77,7 +79,7 @@ def conflict_in_pairs(pairs: Iterable[tuple[Dim, Dim]], free: Mapping[str, int],
         x, y = normalize_dim(x), normalize_dim(y)
         if x == y or x == 1 or y == 1:
             continue
-        choice = choose(x, y, free, atoms)
+        choice = choose(x, y, free, atoms, broadcast)
         if choice is not None:
             return choice
     return None
@@ -88,10 +90,10 @@ def conflict_in_broadcast(shapes: Sequence[Sequence[Dim]], free: Mapping[str, in
     rank = max((len(s) for s in shapes), default=0)
     padded = [(1,) * (rank - len(s)) + tuple(s) for s in shapes]
     pairs = [(a[k], b[k]) for k in range(rank) for i, a in enumerate(padded) for b in padded[i + 1 :]]
-    return conflict_in_pairs(pairs, free)
+    return conflict_in_pairs(pairs, free, broadcast=True)
 
 
-def choose(x: Dim, y: Dim, free: Mapping[str, int], atoms: bool = True) -> tuple[str, Dim] | None:
+def choose(x: Dim, y: Dim, free: Mapping[str, int], atoms: bool = True, broadcast: bool = False) -> tuple[str, Dim] | None:
     """Which symbol to replace by which dim: a free symbol not in the other dim (no cycle); of two, the one met later.
 
     ``free`` maps each free symbol to the order in which the import met it (graph inputs first, in order; opaque
@@ -118,16 +120,25 @@ def choose(x: Dim, y: Dim, free: Mapping[str, int], atoms: bool = True) -> tuple
                 if a in free and b in free and normalize_dim(dim_substitute(x, {a: b})) == y:
                     options.append((a, b) if free[a] > free[b] else (b, a))
     if not options:
-        return _assumed_atom(x, y) if atoms else None
+        return _assumed_atom(x, y, broadcast) if atoms else None
     return max(options, key=lambda o: free[o[0]])
 
 
-def _assumed_atom(x: Dim, y: Dim) -> tuple[str, Dim] | None:
+def _assumed_atom(x: Dim, y: Dim, broadcast: bool = False) -> tuple[str, Dim] | None:
     """A ``min``/``max`` atom and the argument it must equal for ``x == y`` (``s+t`` vs ``s-max(0,s-15)+t``: the
-    model is defined only where ``max(0,s-15)`` is ``0``, which the graph then assumes and every run checks)."""
+    model is defined only where ``max(0,s-15)`` is ``0``, which the graph then assumes and every run checks).
+
+    In a ``broadcast`` an argument that makes either side 1 comes first: MPT slices its ALiBi bias's one query row
+    from ``max(0, 1-s)``, which leaves one row (broadcast over the ``s`` queries) wherever ``s >= 1``, not ``s`` rows."""
+    candidates = []
     for atom in dim_atoms(x) + dim_atoms(y):
         found = min_max_args(atom)
-        for arg in found[1] if found is not None else ():
-            if normalize_dim(dim_substitute(x, {atom: arg})) == normalize_dim(dim_substitute(y, {atom: arg})):
+        candidates += [(atom, arg) for arg in (found[1] if found is not None else ())]
+    if broadcast:
+        for atom, arg in candidates:
+            if 1 in (normalize_dim(dim_substitute(x, {atom: arg})), normalize_dim(dim_substitute(y, {atom: arg}))):
                 return atom, arg
+    for atom, arg in candidates:
+        if normalize_dim(dim_substitute(x, {atom: arg})) == normalize_dim(dim_substitute(y, {atom: arg})):
+            return atom, arg
     return None

@@ -31,11 +31,11 @@ import numpy as np
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_div, dim_prod
 from graphc.graph import Graph, Node
-from graphc.ops import Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import FLOAT_DTYPES, Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
-from .masks import split_additive_mask
+from .masks import FILL_LIMIT, split_additive_mask
 
 __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
 
@@ -72,15 +72,43 @@ class AttentionMatch:
     softcap: float | None = None
     pv_rows: str = ""  # the query-row labels of the PV output (``rows``, or group and queries when P is a split view)
     empty_rows: str = "zero"  # what a row with no visible key gives (see Attention)
-    more_masks: tuple[str, ...] = ()  # further bool masks ANDed onto ``mask``
+    more_masks: tuple[str, ...] = ()  # further masks on ``mask``: ANDed (bool), added (additive)
     moved: tuple[str, ...] = ()  # readers of the cache Concats before the PV einsum (a present cut to a window), moved after the op
 
 
-def _neg_inf_constant(graph: Graph, name: str) -> bool:
-    if not graph.is_constant(name):
-        return False
+def _fill_rows(graph: Graph, name: str) -> str | None:
+    """What a row of keys all hidden by ``Where(keep, s, name)`` gives: ``"zero"`` for a ``-inf`` fill (graphc's
+    rows with no visible key), ``"mean"`` for a finite fill that swamps every score (``finfo.min``: the row's scores
+    are all equal, its softmax uniform), ``None`` when ``name`` is no such constant."""
+    if not graph.is_constant(name) or str(graph.types[name].dtype) not in FLOAT_DTYPES:
+        return None
     arr = graph.initializers[name]
-    return arr.size >= 1 and bool(np.all(np.isneginf(arr)))
+    if arr.size < 1 or not np.all(arr == arr.reshape(-1)[0]):
+        return None
+    fill = float(arr.reshape(-1)[0])
+    return "zero" if np.isneginf(fill) else "mean" if fill <= FILL_LIMIT else None
+
+
+def _match_fill_first(graph: Graph, node: Node, ctx: PassContext) -> object:
+    """``Where(hide, fill, s)`` (MPT's ``scores.masked_fill(hide, finfo.min)``): the fill in the middle."""
+    c, a, b = node.inputs
+    if graph.types[c].dtype != "bool" or _fill_rows(graph, a) is None or graph.is_constant(b):
+        return None
+    return node
+
+
+def _rewrite_fill_first(graph: Graph, node: Node, ctx: PassContext) -> str:
+    """``s + Where(hide, fill, 0)``: the same numbers (a fill swamps the score it is added to), and the additive form
+    whose hidden half-planes the attention match reads as its causal offset and window."""
+    hide, fill, scores = node.inputs
+    zero = graph.shared_initializer(f"zero_{graph.types[scores].dtype}", np.array(0, graph.types[scores].dtype))
+    bias = graph.insert_before(node.name, Where(), [hide, fill, zero], f"{node.name}_bias").name
+    graph.redefine(node.name, Binary("add"), [scores, bias])
+    return f"Where(hide, fill, s) read as s + Where(hide, fill, 0) ({bias!r})"
+
+
+FILL_FIRST_RULE = Rule("where_fill_last", (Where,), _match_fill_first, _rewrite_fill_first)
+"""A masked fill of the scores as an additive mask, the form the attention match reads."""
 
 
 @dataclass
@@ -193,6 +221,8 @@ def _absorb(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
     elif isinstance(op, CausalMask):
         if sc.scale <= 0:
             return Miss(f"a non-positive scale acts after causal mask {node.name!r}")
+        if sc.empty_rows != "zero":
+            return Miss(f"causal mask {node.name!r} hides with -inf, a mask nearer the softmax with a finite fill")
         if sc.offset is not None:
             return Miss("two causal masks on one softmax")
         sc.offset, sc.window = op.offset, op.window
@@ -209,10 +239,14 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
     cond, a, b = node.inputs
     if sc.scale <= 0:
         return Miss(f"a non-positive scale acts after mask {node.name!r}")
-    if not _neg_inf_constant(graph, b) or graph.types[cond].dtype != "bool":
-        return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf)")
+    rows = _fill_rows(graph, b)
+    if rows is None or graph.types[cond].dtype != "bool":
+        return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf or a fill that swamps every score)")
     if sc.mask is not None and sc.mask_kind != "bool":
         return Miss("a bool mask and an additive mask on one softmax")
+    if (sc.mask is not None or sc.offset is not None) and rows != sc.empty_rows:
+        return Miss(f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax with -inf")
+    sc.empty_rows = rows
     if sc.mask is None:
         sc.mask, sc.mask_kind = cond, "bool"
     else:
@@ -239,8 +273,11 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     pos = cands[0]
     split = split_additive_mask(graph, node.inputs[1 - pos]) if sc.offset is None else None
     if sc.mask is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
-        if sc.mask_kind != "additive" or split is None or split.keep or sc.scale != 1.0:
+        if sc.mask_kind != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
+        if split is None or split.keep:  # not positions alone (MPT's padding is in it): the op's mask is the two added
+            sc.more_masks = (*sc.more_masks, node.inputs[1 - pos])
+            return node.inputs[pos]
         sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
         return node.inputs[pos]
     if sc.scale != 1.0 and (split is None or sc.scale < _MIN_SCALE_THROUGH_MASK):
@@ -483,12 +520,14 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv, k_shape[m.k_term.index(m.t)], d), anchor, "BHkvTD")
     v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
     mask = m.mask
-    for extra in m.more_masks:
+    for extra in m.more_masks:  # bool masks ANDed, additive ones added
         if mask is None:
             mask = extra
-            continue
-        false = graph.shared_initializer("attention_false", np.array(False))
-        mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
+        elif m.mask_kind == "additive":
+            mask = graph.insert_before(anchor, Binary("add"), [mask, extra], f"{base}_mask_sum").name
+        else:
+            false = graph.shared_initializer("attention_false", np.array(False))
+            mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
     inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
     scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)
     op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap, m.empty_rows)
@@ -530,5 +569,5 @@ FUSE_ATTENTION_RULE = Rule("fuse_attention", (Softmax,), _match, _rewrite)
 fuse_attention = RewritePass(
     "fuse_attention",
     "recognise softmax(scale * QK^T + masks) V (repeated, grouped or folded, any axis order) as one Attention op",
-    [FUSE_ATTENTION_RULE],
+    [FILL_FIRST_RULE, FUSE_ATTENTION_RULE],
 )

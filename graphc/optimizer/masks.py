@@ -146,6 +146,17 @@ def _disjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None
     out.append(value)
 
 
+def _negation(graph: Graph, value: str) -> str | None:
+    """``k`` where ``value`` is ``not k``, written ``Where(k, False, True)`` (an imported ``Not``), else None."""
+    node = graph.producer(value)
+    if node is None or not isinstance(node.op, Where) or graph.types[value].dtype != "bool":
+        return None
+    t, f = _scalar(graph, node.inputs[1]), _scalar(graph, node.inputs[2])
+    if t is None or f is None or t.dtype != bool or f.dtype != bool:
+        return None
+    return node.inputs[0] if not t and f else None
+
+
 def _is_zero(arr: np.ndarray | None) -> bool:
     return arr is not None and str(arr.dtype) in FLOAT_DTYPES and float(arr) == 0.0
 
@@ -170,10 +181,11 @@ def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str],
         hidden: list[str] = []
         _disjuncts(graph, cond, hidden)
         found = [_half_plane(graph, p) for p in hidden]
-        if any(pl is None for pl in found):
+        kept = [_negation(graph, p) for p, pl in zip(hidden, found) if pl is None]
+        if any(k is None for k in kept):
             return None  # hiding by anything else would need its negation as a bool mask
         negated = [("lower", dim_add(d, 1)) if side == "upper" else ("upper", dim_sub(d, 1)) for side, d in (pl for pl in found if pl)]
-        return negated, [], vx
+        return negated, [k for k in kept if k is not None], vx
     return None
 
 
