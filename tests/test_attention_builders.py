@@ -1,5 +1,7 @@
 """Attention builders against the independent float64 reference in tests/reference.py."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -142,6 +144,37 @@ def test_kv_cache_prefill_then_decode_equals_one_causal_prefill(kind):
     ref, ref_k, _ = ref_layer(cfg, weights, x)
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), ref, **F64)
     np.testing.assert_allclose(k, ref_k, **F64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(SMALL)),
+    capacity=st.integers(1, 9),
+    written=st.integers(0, 8),
+    seq=st.integers(1, 4),
+    window=st.sampled_from([None, 2]),
+    seed=st.integers(0, 99),
+)
+def test_a_fixed_capacity_step_writes_its_slots_and_attends_as_the_growing_cache(kind, capacity, written, seq, window, seed):
+    """cache_position: the new keys land in slots P..P+S-1 of a C-slot cache, the other slots untouched, and the output
+    is the growing cache's over the first P+S slots (query i at slot P+i sees slots j <= P+i, inside the window)."""
+    written, seq = min(written, capacity - 1), min(seq, capacity - min(written, capacity - 1))
+    cfg = dataclasses.replace(SMALL[kind], sliding_window=window)
+    weights = graphc.init_weights(cfg, seed=seed, dtype="float64")
+    fixed = graphc.kv_cache_graph(cfg, weights=weights, dtype="float64", cache_position=True)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, seq, cfg.d_model))
+    past_k, past_v = (rng.standard_normal((2, cfg.n_kv_heads, capacity, cfg.hd)) for _ in range(2))
+    got = run_numpy(fixed, {"x_BSM": x, "past_key": past_k, "past_value": past_v, "cache_position": np.arange(written, written + seq)})
+    growing = graphc.kv_cache_graph(cfg, weights=weights, dtype="float64")
+    same = run_numpy(growing, {"x_BSM": x, "past_key": past_k[:, :, :written], "past_value": past_v[:, :, :written]})
+    want, k, v = same["out_BSM"], same["present_key"], same["present_value"]
+    if window is None:  # the reference has no window
+        np.testing.assert_allclose(want, ref_layer(cfg, weights, x, past_k=past_k[:, :, :written], past_v=past_v[:, :, :written])[0], **F64)
+    np.testing.assert_allclose(got["out_BSM"], want, **F64)
+    np.testing.assert_allclose(got["present_key"][:, :, : written + seq], k, **F64)
+    np.testing.assert_allclose(got["present_value"][:, :, : written + seq], v, **F64)
+    np.testing.assert_array_equal(got["present_key"][:, :, written + seq :], past_k[:, :, written + seq :])  # untouched slots
 
 
 def test_kv_cache_decode_step_sees_all_past_keys():
