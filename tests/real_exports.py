@@ -17,7 +17,7 @@ import numpy as np
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon", "bert")
 """The causal LMs, and BERT (an encoder: ``last_hidden_state`` out, no cache)."""
-ALIBI_FAMILIES = ("mpt",)
+ALIBI_FAMILIES = ("mpt", "bloom")
 """Causal LMs whose attention adds an ALiBi bias (positions by a per-head slope) instead of rotating Q and K."""
 VOCAB = 128
 
@@ -35,6 +35,8 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, w
         return "GPTNeoXConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "mpt":
         return "MptConfig", dict(d_model=hidden, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=4096, **common)
+    if family == "bloom":
+        return "BloomConfig", dict(hidden_size=hidden, n_head=4, n_layer=2, **common)
     if family == "falcon":
         return "FalconConfig", dict(
             hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common
@@ -78,6 +80,8 @@ def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
         return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
     if cfg.model_type == "mpt":
         return cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads
+    if cfg.model_type == "bloom":
+        return cfg.n_layer, cfg.n_head, cfg.hidden_size // cfg.n_head
     if cfg.model_type == "falcon":  # Falcon caches K/V already expanded to every query head
         return cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or cfg.num_attention_heads

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import Dim, dim_div, dim_prod
+from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
+from graphc.tensor_ops import BroadcastTo
 from graphc.ops import FLOAT_DTYPES, Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 
 from .cleanup import only_reader, remove_if_dead
@@ -72,6 +73,8 @@ class AttentionMatch:
     softcap: float | None = None
     pv_rows: str = ""  # the query-row labels of the PV output (``rows``, or group and queries when P is a split view)
     empty_rows: str = "zero"  # what a row with no visible key gives (see Attention)
+    mask_views: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # masks to view as [batch, heads, ...] first
+    mask_view: tuple[tuple[Dim, ...], tuple[Dim, ...]] | None = None  # the masks' view and the op's, when they differ
     more_masks: tuple[str, ...] = ()  # further masks on ``mask``: ANDed (bool), added (additive)
     moved: tuple[str, ...] = ()  # readers of the cache Concats before the PV einsum (a present cut to a window), moved after the op
 
@@ -125,6 +128,9 @@ class _Scores:
     more_masks: tuple[str, ...] = ()
     empty_rows: str = "zero"
     view_for_rows: tuple[Dim, ...] | None = None  # the shape the masks act on
+    split_from: str | None = None  # the additive position mask ``mask`` and ``offset`` were read from
+    views: list[tuple[tuple[Dim, ...], tuple[Dim, ...]]] = field(default_factory=list)  # reshapes passed: (input, output)
+    mask_views: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # a mask added below a view: the shape it takes above
     qk: Node | None = None  # the QK^T einsum the walk ends at
     qk_reader: str = ""  # the chain's node that reads the QK^T output
 
@@ -210,6 +216,7 @@ def _absorb(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
     if isinstance(op, Reshape):
         if graph.types[node.name].shape[-1:] != graph.types[node.inputs[0]].shape[-1:]:
             return Miss(f"view {node.name!r} changes the key axis")
+        sc.views.append((graph.types[node.inputs[0]].shape, graph.types[node.name].shape))
     elif isinstance(op, Scale):  # the walk goes up: scales seen so far act after the masks found further up
         sc.scale *= op.factor
     elif isinstance(op, Unary):  # c * tanh(s / c): the scales seen since the masks are c
@@ -272,6 +279,8 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
         return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
     pos = cands[0]
     split = split_additive_mask(graph, node.inputs[1 - pos]) if sc.offset is None else None
+    if sc.mask is not None and sc.split_from is not None and sc.scale == 1.0 and sc.mask_kind == "bool":
+        return _bias_beside_position_mask(graph, node, pos, sc)
     if sc.mask is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
         if sc.mask_kind != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
@@ -289,6 +298,30 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if split is not None:
         sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
         sc.mask, sc.mask_kind, sc.more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
+        sc.split_from = node.inputs[1 - pos] if split.keep else None
+    return node.inputs[pos]
+
+
+def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) -> str | Miss:
+    """A bias added further up than a position mask with padding in it (Bloom: ALiBi on the ``[batch*heads]`` scores
+    before their view as ``[batch, heads, ...]``, then ``Where(causal & padding, 0, finfo.min)``).  The op's one mask
+    is then the position mask as written plus the bias, seen through the views passed since the position mask; the
+    causal offset stays inside it (the op's own would give a row of padding the mean of V over the visible keys
+    only, where the written graph averages over every key)."""
+    bias = node.inputs[1 - pos]
+    shape = graph.types[bias].shape
+    for before, after in reversed(sc.views):
+        if len(before) == len(shape) and shape[0] == before[0] and len(after) == len(before) + 1 and after[0] != before[0]:
+            shape = (*after[:2], *shape[1:])  # the batch*heads axis split into batch, heads
+        elif len(before) == len(after) == len(shape) and before == after:
+            continue
+        else:
+            return Miss(f"bias {bias!r} is added in a view the masks cannot follow")
+    sc.mask, sc.mask_kind, sc.more_masks = sc.split_from, "additive", (bias,)
+    sc.offset = sc.window = sc.split_from = None
+    sc.empty_rows = "zero"  # additive alone: every key stays visible, its fill in the scores
+    if shape != graph.types[bias].shape:
+        sc.mask_views[bias] = shape
     return node.inputs[pos]
 
 
@@ -395,8 +428,14 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
         return Miss(f"K is repeated {rk}x but V {rv}x")
     s = r.sizes
     q_shape = (dim_prod(s[c] for c in r.batch[:-1]), dim_prod([s[r.batch[-1]] if r.batch else 1, r.group]), r.sq, s[r.d])
-    if sc.mask is not None and graph.types[sc.mask].rank > 2 and sc.view_for_rows != (*q_shape[:3], s[r.t]):
-        return Miss(f"the mask is applied to a {list(sc.view_for_rows or ())} view, not [batch, heads, queries, keys]")
+    target = (*q_shape[:3], s[r.t])
+    mask_view = None
+    if sc.mask is not None and graph.types[sc.mask].rank > 2 and sc.view_for_rows != target:
+        view = sc.view_for_rows or ()
+        same_rows = len(view) == 4 and view[2:] == target[2:] and normalize_dim(dim_prod(view[:2])) == normalize_dim(dim_prod(target[:2]))
+        if not (same_rows and sc.mask_kind == "additive"):
+            return Miss(f"the mask is applied to a {list(view)} view, not [batch, heads, queries, keys]")
+        mask_view = (tuple(view), target)  # Bloom: [batch, heads] masks on [batch*heads] scores, the same rows in order
     past = presents = None
     moved: tuple[str, ...] = ()
     if sc.offset is not None and len(r.batch) == 2 and r.k_term == r.batch + r.t + r.d and pv.v_term == r.batch + r.t + pv.e:
@@ -437,6 +476,8 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
         pv_rows=pv.pv_rows,
         empty_rows=sc.empty_rows,
         more_masks=sc.more_masks,
+        mask_views=sc.mask_views,
+        mask_view=mask_view,
     )
 
 
@@ -521,6 +562,8 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
     mask = m.mask
     for extra in m.more_masks:  # bool masks ANDed, additive ones added
+        if extra in m.mask_views:
+            extra = graph.insert_before(anchor, Reshape(m.mask_views[extra]), [extra], f"{base}_bias_view").name
         if mask is None:
             mask = extra
         elif m.mask_kind == "additive":
@@ -528,6 +571,11 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
         else:
             false = graph.shared_initializer("attention_false", np.array(False))
             mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
+    if mask is not None and m.mask_view is not None:  # a [batch, heads, S, T] mask for [batch*heads, 1, S, T] scores
+        full, target = m.mask_view
+        if graph.types[mask].shape != full:
+            mask = graph.insert_before(anchor, BroadcastTo(full), [mask], f"{base}_mask_full").name
+        mask = graph.insert_before(anchor, Reshape(target), [mask], f"{base}_mask_rows").name
     inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
     scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)
     op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap, m.empty_rows)
