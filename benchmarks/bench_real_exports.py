@@ -1,6 +1,6 @@
 """onnxruntime CPU on whole-model torch.onnx exports: as exported, re-exported by graphc, and after the peer optimizers.
 
-    python benchmarks/bench_real_exports.py [--blocks N] [--calls N] [--threads T] [--families llama,qwen2,gpt2,mistral]
+    python benchmarks/bench_real_exports.py [--blocks N] [--calls N] [--threads T] [--families llama,qwen2,gpt2,mistral,mpt,bloom]
 
 For each family a 2-layer random-weight transformers model of hidden 256
 (8 query / 2 KV heads where the family has GQA; Mistral's sliding window 4096,
@@ -115,10 +115,11 @@ def _session(path: Path, threads: int):  # noqa: ANN202 - an onnxruntime.Inferen
 def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> list[tuple[str, float | None, str]]:
     """Rows ``(variant, median ms or None, note)`` for one family and case."""
     import onnx
-    from real_exports import export_model, feeds
+    from real_exports import ALIBI_FAMILIES, export_model, feeds
 
     cache, seq, past = CASES[case]
-    path = export_model(family, "legacy", "sdpa", cache, work / "model.onnx", hidden=256, window=WINDOW)
+    attention = "eager" if family in ALIBI_FAMILIES else "sdpa"  # transformers has no sdpa attention for MPT and Bloom
+    path = export_model(family, "legacy", attention, cache, work / "model.onnx", hidden=256, window=WINDOW)
     f = feeds(onnx.load(str(path), load_external_data=False), 1, seq, past)
     sizes = {"batch": 1, "seq": seq, **({"past_seq": past} if cache else {})}
     base = _session(path, args.threads)

@@ -190,7 +190,7 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
 
     ``-inf`` enters through a boolean mask, a causal mask with a negative
     offset, a constant holding a non-finite entry (an additive mask, or one the
-    optimizer folded) or a user tensor, and survives every op but a softmax (or
+    optimizer folded) or a floating user tensor, and survives every op but a softmax (or
     an attention) — contractions included (a transposing einsum, or a product
     with a positive weight).  User tensors that reach a value only through a
     contraction (queries and keys) are taken to be finite.  One pass in
@@ -199,8 +199,9 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
     from_any: dict[str, bool] = {}  # counting user tensors
     from_const: dict[str, bool] = {}  # counting constants and masks only
     finite_arrays: dict[int, bool] = {}
+    float_values = {name for name, t in g.types.items() if str(t.dtype) in FLOAT_DTYPES}  # -inf lives in floating values only
     for name in g.inputs:
-        from_any[name], from_const[name] = True, False
+        from_any[name], from_const[name] = name in float_values, False
     for name, arr in g.initializers.items():
         if id(arr) not in finite_arrays:
             floating = str(arr.dtype) in FLOAT_DTYPES  # bfloat16 included (its NumPy kind is "V")
@@ -218,6 +219,6 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
             flags = (c, c)
         else:
             flags = (any(from_any.get(i, False) for i in sources), any(from_const.get(i, False) for i in sources))
-        for out in node.outputs:
-            from_any[out], from_const[out] = flags
+        for out in node.outputs:  # an integer or bool value holds no -inf (a Cast of token positions starts finite)
+            from_any[out], from_const[out] = (flags[0] and out in float_values, flags[1] and out in float_values)
     return from_any
