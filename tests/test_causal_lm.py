@@ -97,10 +97,9 @@ def family_case(request):
     return request.param, config, model, tokens, logits
 
 
-def test_greedy_tokens_and_every_steps_logits_match_transformers(family_case):
-    family, config, model, want_tokens, want_logits = family_case
-    g = graphc.causal_lm_from_hf(config, _state(model))
-    optimized = graphc.optimize(g, hints={"batch": 2, "seq": 1, "past_seq": 12}).graph
+def _generates_transformers_tokens(g, family: str, want_tokens, want_logits, past: int = 12) -> None:
+    """``g`` as built on NumPy and optimized on every backend: transformers' tokens and every step's logits."""
+    optimized = graphc.optimize(g, hints={"batch": 2, "seq": 1, "past_seq": past}).graph
     for graph, backends in ((g, ["numpy"]), (optimized, installed("numpy", "ort-cpu", "torch"))):
         for backend in backends:
             got = generate(graph, PROMPTS, NEW_TOKENS, backend=backend, keep_logits=True)
@@ -109,6 +108,11 @@ def test_greedy_tokens_and_every_steps_logits_match_transformers(family_case):
             assert len(got.logits) == NEW_TOKENS
             for step, (a, b) in enumerate(zip(got.logits, want_logits)):
                 np.testing.assert_allclose(a, b, **TOL, err_msg=f"{where} step {step}")
+
+
+def test_greedy_tokens_and_every_steps_logits_match_transformers(family_case):
+    family, config, model, want_tokens, want_logits = family_case
+    _generates_transformers_tokens(graphc.causal_lm_from_hf(config, _state(model)), family, want_tokens, want_logits)
 
 
 def test_llama_weights_keep_their_checkpoint_names():
@@ -126,14 +130,7 @@ def test_a_fixed_capacity_cache_gives_transformers_tokens_too(family_case):
     family, config, model, want_tokens, want_logits = family_case
     g = graphc.causal_lm_from_hf(config, _state(model), cache="static")
     assert g.types["present.1.value"].shape == g.types["past_key_values.1.value"].shape
-    optimized = graphc.optimize(g, hints={"batch": 2, "seq": 1, "past_seq": 13}).graph
-    for graph, backends in ((g, ["numpy"]), (optimized, installed("numpy", "ort-cpu", "torch"))):
-        for backend in backends:
-            got = generate(graph, PROMPTS, NEW_TOKENS, backend=backend, keep_logits=True)
-            where = f"{family} static cache, {backend} {'optimized' if graph is optimized else 'as built'}"
-            np.testing.assert_array_equal(got.new_tokens, want_tokens, err_msg=where)
-            for step, (a, b) in enumerate(zip(got.logits, want_logits)):
-                np.testing.assert_allclose(a, b, **TOL, err_msg=f"{where} step {step}")
+    _generates_transformers_tokens(g, f"{family} static cache", want_tokens, want_logits, past=13)
 
 
 def test_a_fixed_capacity_graph_refuses_more_tokens_than_it_holds():

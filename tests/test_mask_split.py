@@ -168,17 +168,24 @@ def test_a_mask_expanded_to_the_scores_shape_is_told_from_the_scores(cache):
     np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
 
 
+def _heads_and_positions(name: str):  # noqa: ANN202 - the graph and its builder shorthands
+    """A graph with ``q``/``k``/``v`` of HEADS heads, ``add``/``const`` shorthands, and key and query positions as
+    ``[1, 1, 1, S]`` and ``[1, 1, S, 1]``."""
+    g = Graph(name)
+    q = g.input("q", ["b", HEADS, "s", D])
+    k, v = g.input("k", ["b", HEADS, "s", D]).name, g.input("v", ["b", HEADS, "s", D]).name
+    add = lambda op, ins, out: g.add_node(op, ins, out).name  # noqa: E731
+    const = lambda out, value: g.add_initializer(out, np.asarray(value)).name  # noqa: E731
+    key_pos = add(Reshape((1, 1, 1, "s")), [add(Positions(2), [k], "kpos")], "kpos4")
+    query_pos = add(Reshape((1, 1, "s", 1)), [add(Positions(2), [q], "qpos")], "qpos4")
+    return g, q, k, v, add, const, key_pos, query_pos
+
+
 @pytest.mark.parametrize("alibi_last", [False, True])
 def test_an_alibi_bias_and_a_causal_mask_are_one_attention(alibi_last):
     """ALiBi models add a per-head bias ``slope[h] * j`` and the causal mask, in either order: the position mask gives
     the causal offset and the bias stays the op's additive mask."""
-    g = Graph("alibi")
-    q = g.input("q", ["b", HEADS, "s", D])
-    k, v = g.input("k", ["b", HEADS, "s", D]).name, g.input("v", ["b", HEADS, "s", D]).name
-    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
-    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
-    key_pos = add(Reshape((1, 1, 1, "s")), [add(Positions(2), [k], "kpos")], "kpos4")
-    query_pos = add(Reshape((1, 1, "s", 1)), [add(Positions(2), [q], "qpos")], "qpos4")
+    g, q, k, v, add, const, key_pos, query_pos = _heads_and_positions("alibi")
     keep = add(Compare("less_equal"), [key_pos, query_pos], "causal")
     causal = add(Where(), [keep, const("zero", np.float32(0)), const("fill", np.float32(-np.inf))], "causal_bias")
     slopes = const("slopes", (2.0 ** -np.arange(1, HEADS + 1, dtype=np.float32)).reshape(1, HEADS, 1, 1))
@@ -201,13 +208,7 @@ def test_a_masked_fill_of_the_scores_is_one_causal_attention(fill, padding):
     """MPT writes ``scores.masked_fill(hide, finfo.min)``, ``Where(hide, fill, s)`` with ``hide`` the keys after the
     query (and, with a padding mask, the padded ones): one ``Attention`` with its causal offset, the numbers of the
     graph as written (a row whose keys are all padding averages V over every key under a finite fill)."""
-    g = Graph("masked_fill")
-    q = g.input("q", ["b", HEADS, "s", D])
-    k, v = g.input("k", ["b", HEADS, "s", D]).name, g.input("v", ["b", HEADS, "s", D]).name
-    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
-    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
-    key_pos = add(Reshape((1, 1, 1, "s")), [add(Positions(2), [k], "kpos")], "kpos4")
-    query_pos = add(Reshape((1, 1, "s", 1)), [add(Positions(2), [q], "qpos")], "qpos4")
+    g, q, k, v, add, const, key_pos, query_pos = _heads_and_positions("masked_fill")
     hide = add(Compare("greater"), [key_pos, query_pos], "future")
     if padding:
         pad = g.input("attention_mask", ["b", "s"], "bool")

@@ -69,9 +69,15 @@ def test_export_imports_with_outputs_equal_to_onnxruntime(case, tmp_path):
         assert (op.causal_offset, op.kv_cache, op.mask) == (causal, cache, "bool"), (layer, op)
         assert op.window == (16 if layer in WINDOWED.get(family, ()) else None), (layer, op)
         assert "Repeat" not in {lowered.producer(i).op.kind for i in node.inputs if lowered.producer(i) is not None}  # no K/V copy
+    sizes = SLIDING_SIZES if cache and family in SLIDING else SIZES[cache]
+    _equals_onnxruntime(path, model, graph, optimized, sizes, ("numpy", "ort-cpu", "torch"))
+
+
+def _equals_onnxruntime(path, model, graph, optimized, sizes, backends) -> None:  # noqa: ANN001
+    """``optimized`` on each backend (one runner each, every size) against onnxruntime on the file at ``sizes``."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    runners = {backend: prepare(optimized, backend) for backend in ("numpy", "ort-cpu", "torch")}  # one each, every size
-    for batch, seq, past, pad in SLIDING_SIZES if cache and family in SLIDING else SIZES[cache]:
+    runners = {backend: prepare(optimized, backend) for backend in backends}
+    for batch, seq, past, pad in sizes:
         f = feeds(model, batch, seq, past, pad)
         want = session.run(None, f)
         mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
@@ -100,16 +106,7 @@ def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tm
     optimized = optimize(graph).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
     assert len(attention) == 2 and all(op.mask == "additive" for op in attention), attention
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    runners = {backend: prepare(optimized, backend) for backend in ("numpy", "ort-cpu")}
-    for batch, seq, past, pad in SIZES[cache]:
-        f = feeds(model, batch, seq, past, pad)
-        want = session.run(None, f)
-        mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
-        for backend, runner in runners.items():
-            got = runner.run(mine)
-            for name, w in zip(optimized.outputs, want):
-                np.testing.assert_allclose(got[name], w, rtol=1e-3, atol=1e-4, err_msg=f"{backend} {name} at {batch, seq, past, pad}")
+    _equals_onnxruntime(path, model, graph, optimized, SIZES[cache], ("numpy", "ort-cpu"))
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
