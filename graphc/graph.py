@@ -107,8 +107,7 @@ def _operand_name(graph: "Graph", v: ValueLike) -> str:
         return v.name
     if not isinstance(v, str):
         raise GraphError(f"an operand must be a Value of graph {graph.name!r} or a value name, got {type(v).__name__} {v!r}")
-    scoped = graph._scope + v
-    return scoped if scoped in graph._values else v
+    return graph._in_scope(v)
 
 
 class _TypesView(Mapping[str, TensorType]):
@@ -229,6 +228,11 @@ class Graph(GraphBuilder):
         """``name`` as the current :meth:`scope` names it (``name`` itself outside any scope)."""
         return self._scope + name
 
+    def _in_scope(self, name: str) -> str:
+        """The value a name given inside the current scope refers to: the scoped one if it exists, else ``name``."""
+        scoped = self._scope + name
+        return scoped if scoped in self._values else name
+
     def fresh_name(self, base: str) -> str:
         """Return ``base`` or ``base_N``, whichever is not used yet (relative to the current :meth:`scope`)."""
         full = self._scope + base
@@ -249,9 +253,7 @@ class Graph(GraphBuilder):
     # ------------------------------------------------------------ definitions
     def value(self, v: ValueLike) -> Value:
         """Return the :class:`Value` of ``v`` (a name or a handle)."""
-        name = _name_of(v)
-        if isinstance(v, str) and self._scope + v in self._values:
-            name = self._scope + v
+        name = self._in_scope(v) if isinstance(v, str) else v.name
         if name not in self._values:
             raise UndefinedValueError(f"value {name!r} is not defined in graph {self.name!r}")
         return self._values[name]

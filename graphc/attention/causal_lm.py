@@ -18,11 +18,12 @@ row with no visible key (a padding token) gives zeros.  Weight names are transfo
 
 With ``cache="static"`` the cache has a fixed capacity, as transformers' ``StaticCache`` and
 onnxruntime-genai's shared past/present buffers: ``past_seq`` is the capacity C, the pasts and
-presents are both ``[batch, kv_heads, C, head_dim]`` (so a runtime may keep one buffer per layer and
-bind it as both), an extra input ``cache_position [seq]`` (int64) names the slots the new tokens are
-written to, ``attention_mask`` is ``[batch, C]`` (1 for every slot holding a token, the new ones
-included), and query ``i`` sees slot ``j`` when ``j <= cache_position[i]`` and the mask keeps it.
-Every step then has the same shapes, which is what CUDA graphs need.
+presents are both ``[batch, kv_heads, C, head_dim]`` (so a runtime keeps the cache in buffers allocated
+once: graphc's onnxruntime runner, two per layer that the steps write in turn), an extra input
+``cache_position [seq]`` (int64) names the slots the new tokens are written to, ``attention_mask`` is
+``[batch, C]`` (1 for every slot holding a token, the new ones included), and query ``i`` sees slot ``j``
+when ``j <= cache_position[i]`` and the mask keeps it.  Every step then has the same shapes, which is
+what CUDA graphs need.
 """
 
 from __future__ import annotations

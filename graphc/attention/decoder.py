@@ -188,16 +188,14 @@ def layer_inputs(
     mask_per_query: bool,
     past_lengths: bool,
     position_ids: bool,
-    cache_position: bool = False,
 ) -> SharedInputs:
-    """Declare the inputs a stack's layers share (:class:`SharedInputs`; lengths, positions and cache slots with
-    ``kv_cache`` only).  ``dims`` is ``(batch, seq, past)``; with ``cache_position`` the past is the cache's capacity."""
+    """Declare the inputs a stack's layers share (:class:`SharedInputs`; lengths and positions with ``kv_cache``
+    only).  ``dims`` is ``(batch, seq, past)``."""
     batch, seq, past = dims
-    fixed = kv_cache and cache_position
-    m = mask_input(g, mask, mask_per_query, batch, seq, (past if fixed else dim_add(past, seq)) if kv_cache else seq, dtype)
+    m = mask_input(g, mask, mask_per_query, batch, seq, dim_add(past, seq) if kv_cache else seq, dtype)
     lengths = g.input("past_lengths", [batch], "int64") if kv_cache and past_lengths else None
     positions = g.input("position_ids", [batch, seq], "int64") if kv_cache and position_ids else None
-    return SharedInputs(m, lengths, positions, g.input("cache_position", [seq], "int64") if fixed else None)
+    return SharedInputs(m, lengths, positions)
 
 
 def write_decoder_layer(

@@ -31,8 +31,8 @@ import numpy as np
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
-from graphc.tensor_ops import BroadcastTo
 from graphc.ops import FLOAT_DTYPES, Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.tensor_ops import BroadcastTo
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
@@ -252,7 +252,7 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
     if sc.mask is not None and sc.mask_kind != "bool":
         return Miss("a bool mask and an additive mask on one softmax")
     if (sc.mask is not None or sc.offset is not None) and rows != sc.empty_rows:
-        return Miss(f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax with -inf")
+        return Miss(f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax otherwise")
     sc.empty_rows = rows
     if sc.mask is None:
         sc.mask, sc.mask_kind = cond, "bool"

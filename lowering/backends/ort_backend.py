@@ -183,7 +183,7 @@ def prepare_ort(
     (up to protobuf's 2 GiB).
 
     ``cuda_graph=True`` (ort-cuda, a causal LM with a fixed-capacity cache: ``graphc.causal_lm_graph(cache="static")``)
-    captures the one-token decode step as a CUDA graph and replays it, with the cache written in place; where
+    captures the one-token decode step as a CUDA graph and replays it, the cache kept in two fixed buffers per layer; where
     onnxruntime refuses to capture the model, the runner's ``provider`` says so and the steps run uncaptured.
     """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
