@@ -6,9 +6,10 @@ KV-cache length, and a softmax whose fully masked rows are zeros (not NaN).
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-__all__ = ["hidden_keys", "causal_mask", "softcap", "safe_softmax", "contiguous"]
+__all__ = ["hidden_keys", "causal_mask", "softcap", "safe_softmax", "contiguous", "lowest"]
 
 
 def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int, window: int | None = None) -> np.ndarray:
@@ -51,3 +52,8 @@ def safe_softmax(x: np.ndarray, axis: int) -> np.ndarray:
 def contiguous(a: np.ndarray, dtype: np.dtype | str | None = None) -> np.ndarray:
     """``a`` as a C-contiguous array of its own rank (``np.ascontiguousarray`` turns rank 0 into shape ``(1,)``)."""
     return np.asarray(a, dtype=dtype, order="C")
+
+
+def lowest(dtype: str | np.dtype) -> np.ndarray:
+    """The most negative finite value of the float ``dtype`` (bfloat16 included), as a 0-d array of that dtype."""
+    return np.array(ml_dtypes.finfo(dtype).min, dtype)

@@ -16,17 +16,20 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
 import graphc
 from graphc.attention.hf_lm import causal_lm_config_from_hf
 from graphc.errors import BackendError, UnknownNameError
+from graphc.ops import Binary, Compare
 from lowering import export, generate, prepare, random_inputs, run
 from lowering.backends.ort_backend import OrtKVCache, provider_entry
 from lowering.backends.registry import decode_options
 from lowering.compare import TF32_TOLERANCE, TOLERANCES, compare
 from lowering.decode.generate import lm_interface
+from lowering.exporter.cuda_kernels import cuda_lacks_kernel, element_types, kernel_gaps
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDAExecutionProvider is not available (onnxruntime-gpu on a machine with an NVIDIA GPU)")
@@ -45,9 +48,10 @@ def _producers(model) -> dict[str, str]:
     return {o: n.op_type for n in model.graph.node for o in n.output}
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("q_len, kv_len, fused", [(1, 4096, "Attention"), (1024, 1024, "Attention"), (4096, 4096, "GroupQueryAttention")])
-def test_cuda_export_runs_float16_attention_in_float16_with_the_fused_kernel_per_shape(q_len, kv_len, fused):
-    model = export(_core(q_len, kv_len), device="cuda", attention="auto")
+def test_cuda_export_runs_low_precision_attention_in_its_dtype_with_the_fused_kernel_per_shape(q_len, kv_len, fused, dtype):
+    model = export(_core(q_len, kv_len, dtype), device="cuda", attention="auto")
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops[fused] == 1 and "MatMul" not in ops, ops
     float_casts = [n for n in model.graph.node if n.op_type == "Cast" and n.attribute[0].i != 6]  # int32 lengths are GQA's own inputs
@@ -57,7 +61,8 @@ def test_cuda_export_runs_float16_attention_in_float16_with_the_fused_kernel_per
     assert all(made_by.get(i) != "Cast" for i in node.input[:3])  # no Cast pair around the fused op
     assert not [n for n in model.graph.node if n.op_type == "Cast" and set(n.input) & set(node.output)]
     types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
-    assert {types[n] for n in types} == {10}  # float16 in and out
+    assert {types[n] for n in types} == {onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))}  # in and out in the graph's dtype
+    assert not kernel_gaps(model)
 
 
 def test_cpu_export_of_the_same_graph_computes_in_float32():
@@ -303,13 +308,75 @@ def test_cli_exports_for_cuda_and_refuses_tf32_without_ort_cuda(tmp_path, capsys
     assert "--tf32 asks ort-cuda for TF32 MatMul; add ort-cuda to --backends" in capsys.readouterr().err
 
 
-def test_bfloat16_graphs_still_compute_in_float32_on_cuda():
-    model = export(_core(1, 64, "bfloat16"), device="cuda", attention="auto")
-    ops = Counter(n.op_type for n in model.graph.node)
-    assert "Attention" not in ops and ops["Cast"] >= 3  # widened to float32 around grouped MatMuls, as on the CPU
-    matmul_out = {o for n in model.graph.node if n.op_type == "MatMul" for o in n.output}
-    elem = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
-    assert all(elem.get(o, 1) == 1 for o in matmul_out)  # float32 MatMuls
+def _bfloat16_as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every bfloat16 tensor, type and Cast made float16 (finite fills clipped to float16's range): onnxruntime's
+    CPU provider has float16 kernels but no bfloat16 ones, so this runs the bfloat16 export's graph on the CPU."""
+    from onnx import TensorProto, numpy_helper
+
+    def narrow(t: onnx.TensorProto) -> onnx.TensorProto:
+        a = np.clip(numpy_helper.to_array(t).astype(np.float32), -65504, 65504).astype(np.float16)
+        return numpy_helper.from_array(a, t.name)
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for t in out.graph.initializer:
+        if t.data_type == TensorProto.BFLOAT16:
+            t.CopyFrom(narrow(t))
+    for v in (*out.graph.input, *out.graph.output, *out.graph.value_info):
+        if v.type.tensor_type.elem_type == TensorProto.BFLOAT16:
+            v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for n in out.graph.node:
+        for a in n.attribute:
+            if n.op_type == "Cast" and a.name == "to" and a.i == TensorProto.BFLOAT16:
+                a.i = TensorProto.FLOAT16
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.BFLOAT16:
+                a.t.CopyFrom(narrow(a.t))
+    return out
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_bfloat16_lm_step_for_cuda_computes_in_bfloat16_with_a_cuda_kernel_for_every_node(cache):
+    """A bfloat16 LM exported for CUDA: MatMuls, norms and the cache in bfloat16, every node one onnxruntime's CUDA provider
+    runs on its dtypes, and its graph (run in float16 by the CPU provider) gives the float64 logits."""
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), dtype="bfloat16", logits="last", cache=cache, seed=0)
+    sizes = {"batch": 2, "seq": 5, "past_seq": 8}
+    model = export(graphc.optimize(g, hints=sizes).graph, device="cuda", attention="auto", sizes=sizes)
+    assert not kernel_gaps(model)
+    elem = element_types(model)
+    bf16 = onnx.TensorProto.BFLOAT16
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and elem[n.input[1]] == bf16]  # 11 a layer; the rotary angles: float32
+    assert len(matmuls) == 1 + 11 * TINY_LM["num_hidden_layers"] and all(elem[n.output[0]] == bf16 for n in matmuls)
+    assert all(elem[n.output[0]] == bf16 for n in model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    assert {elem[o] for o in elem if o.startswith("present")} == {bf16}
+    feeds = random_inputs(g, seed=3, **sizes)
+    if cache == "static":
+        feeds["cache_position"] = np.arange(3, 8, dtype=np.int64)
+    want = run(g, feeds, "numpy", compute_dtype="float64")["logits"].astype(np.float64)
+    session = ort.InferenceSession(_bfloat16_as_float16(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    wide = {k: v.astype(np.float16) if v.dtype.name == "bfloat16" else v for k, v in feeds.items()}
+    got = session.run(["logits"], {i.name: wide[i.name] for i in session.get_inputs()})[0].astype(np.float64)
+    atol, rtol = TOLERANCES["bfloat16"]
+    assert np.all(np.abs(got - want) <= atol + rtol * np.abs(want)), float(np.abs(got - want).max())
+
+
+def test_a_bfloat16_comparison_runs_in_float32_on_cuda_and_kernel_gaps_names_one_left_in_bfloat16():
+    g = graphc.Graph("compare")
+    x, y = g.input("x", ["n"], "bfloat16"), g.input("y", ["n"], "bfloat16")
+    g.output(g.where(g.compare("less", x, y), x, y, name="smaller"))
+    model = export(g, device="cuda")
+    less = next(n for n in model.graph.node if n.op_type == "Less")
+    assert _producers(model)[less.input[0]] == "Cast" and not kernel_gaps(model)  # widened to float32 first
+    bare = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Less", ["a", "b"], ["c"], name="lt")],
+            "g",
+            [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.BFLOAT16, [2]) for n in "ab"],
+            [onnx.helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [2])],
+        )
+    )
+    assert kernel_gaps(bare) == ["lt (Less)"]
+    assert cuda_lacks_kernel(Compare("less"), "bfloat16") and not cuda_lacks_kernel(Compare("less"), "float16")
+    assert not cuda_lacks_kernel(Binary("add"), "bfloat16")
 
 
 def _rms_norm_graph(eps_input: bool = False, share_inv_rms: bool = False) -> graphc.Graph:

@@ -15,6 +15,7 @@ from graphc.attention_op import Attention, attention_group_size
 from graphc.dims import Dim, dim_mul
 from graphc.errors import GraphError
 from graphc.graph import Graph
+from graphc.numerics import lowest
 from graphc.ops import Binary, CausalMask, Compare, Concat, Einsum, Op, Reshape, Scale, Softmax, Unary, Where
 from graphc.tensor_ops import BroadcastTo, Reduce
 
@@ -100,7 +101,7 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
     empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
     if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
         # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
-        fill = graph.shared_initializer(f"attention_fill_{dtype}", np.array(np.finfo(dtype).min, dtype))
+        fill = graph.shared_initializer(f"attention_fill_{dtype}", lowest(dtype))
         zero = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
         mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
         bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero

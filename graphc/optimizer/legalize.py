@@ -30,7 +30,7 @@ from .decompose import decompose_attention
 from .cleanup import LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule
 from .planning import SPLIT_RULE
-from .precision import has_low_precision, promote_low_precision
+from .precision import KernelGap, has_low_precision, promote_low_precision
 
 __all__ = ["Target", "LOW_PRECISION_MODES", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
 
@@ -54,8 +54,8 @@ class Target:
     ``low_precision``: how a float16/bfloat16 graph computes: ``"float32"`` between low-precision storage
     (CPU backends), or ``"storage"``: a float16 graph's contractions, attention and data movement in float16, the rest
     in float32 (GPU backends, whose fused kernels accumulate in float32 inside; :mod:`graphc.optimizer.precision`).
-    A graph holding bfloat16 is computed in float32 under either (no GPU run has checked onnxruntime's bfloat16
-    CUDA kernels for every op the export uses).
+    ``lacks_kernel(op, dtype)``: under ``"storage"``, True for the ops the target has no kernel for on ``dtype``
+    operands; they are computed in float32 (default: every op has one).
     ``passes``: the target's own rewrites to its ops (e.g. an RMS norm to one fused op), run after legalisation.
     """
 
@@ -66,6 +66,7 @@ class Target:
     kernel: Callable[[Graph, Node, PassContext], str] | None = None
     low_precision: str = "float32"
     passes: tuple[Pass, ...] = ()
+    lacks_kernel: KernelGap | None = None
 
     def __post_init__(self) -> None:
         if self.low_precision not in LOW_PRECISION_MODES:
@@ -146,11 +147,11 @@ def lower(
     ctx.hints = {**dict(ctx.hints), **check_sizes(sizes, "sizes")}
     ctx.target = target
     low = has_low_precision(graph)
-    storage = low and target.low_precision == "storage" and not any(t.dtype == "bfloat16" for t in graph.types.values())
+    storage = low and target.low_precision == "storage"
     work = promote_low_precision(graph) if low and not storage else graph.copy()
     stages = (*LOWERING_STAGES[:3], *target.passes, *LOWERING_STAGES[3:])  # the target's rewrites after legalize
     PassManager(stages, verify=verify).run(work, ctx)
     if storage:  # after the attention decisions: a kept attention reads float16 itself
-        work = promote_low_precision(work, storage=True)
+        work = promote_low_precision(work, storage=True, lacks_kernel=target.lacks_kernel)
     work.verify()
     return work

@@ -18,17 +18,24 @@ SiLU gates, rotary products) stay in the storage dtype; reductions (norms), a de
 whose float16 result loses range or digits (:func:`needs_float32`) run in float32, as does an einsum of a value
 with itself (a norm's sum of squares, which overflows float16 past 65504), and so does the pointwise math
 that follows them until a contraction reads the result (one ``Cast`` narrows it there).  No ``Cast`` pair stands
-around a MatMul or a fused attention: they read and write float16 directly.
+around a MatMul or a fused attention: they read and write float16 directly.  bfloat16 is computed the same way,
+except that an op the target has no bfloat16 kernel for (``Target.lacks_kernel``: onnxruntime's CUDA provider has
+none for comparisons, ``Einsum``, ``Reciprocal``, ...) reads float32 too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from graphc.attention_op import Attention
 from graphc.graph import Graph, Node
 from graphc.ops import LOW_PRECISION_DTYPES, Binary, Cast, Concat, Einsum, Op, Repeat, Reshape, Softmax, TensorType, Transpose, Unary
 from graphc.tensor_ops import BroadcastTo, Gather, Reduce, Slice
 
-__all__ = ["promote_low_precision", "has_low_precision", "widen_interface", "needs_float32", "STORAGE_PRECISION_OPS"]
+__all__ = ["promote_low_precision", "has_low_precision", "widen_interface", "needs_float32", "STORAGE_PRECISION_OPS", "KernelGap"]
+
+KernelGap = Callable[[Op, str], bool]
+"""``(op, dtype) -> bool``: True where a target has no kernel for ``op`` reading ``dtype`` (:attr:`Target.lacks_kernel`)."""
 
 STORAGE_PRECISION_OPS: tuple[type[Op], ...] = (Einsum, Attention, Reshape, Transpose, Repeat, Concat, Gather, Slice, BroadcastTo, Cast)
 """Ops that always run in the dtypes the graph gives them under ``storage=True``: contractions and attention
@@ -52,11 +59,13 @@ def has_low_precision(graph: Graph) -> bool:
     return any(t.dtype in LOW_PRECISION_DTYPES for t in graph.types.values())
 
 
-def promote_low_precision(graph: Graph, storage: bool = False) -> Graph:
+def promote_low_precision(graph: Graph, storage: bool = False, lacks_kernel: KernelGap | None = None) -> Graph:
     """A copy of ``graph`` computing in float32 between its low-precision inputs, weights and outputs (same interface).
 
     ``storage=True``: only what needs float32 (:func:`needs_float32`, and pointwise math reading a float32 result)
     is computed in float32; everything else runs in the dtypes ``graph`` gives it (see the module's text).
+    ``lacks_kernel(op, dtype)``: True where the target has no kernel for ``op`` on ``dtype`` operands (a comparison of
+    bfloat16 values on onnxruntime's CUDA provider); such an op reads its operands widened to float32 too.
     """
     converted: dict[tuple[str, str], str] = {}
     narrow_outputs = {o for o in graph.outputs if graph.types[o].dtype in LOW_PRECISION_DTYPES}
@@ -71,6 +80,9 @@ def promote_low_precision(graph: Graph, storage: bool = False) -> Graph:
 
     def in_float32(g: Graph, node: Node, operands: list[str]) -> bool:  # under ``storage``: does ``node`` run in float32?
         if isinstance(node.op, Einsum) and len(set(node.inputs)) < len(node.inputs):  # a sum of squares (a norm's)
+            return True
+        low = {graph.types[i].dtype for i in node.inputs} & set(LOW_PRECISION_DTYPES)
+        if lacks_kernel is not None and any(lacks_kernel(node.op, d) for d in low):
             return True
         if isinstance(node.op, STORAGE_PRECISION_OPS):
             return False

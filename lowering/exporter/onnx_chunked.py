@@ -17,6 +17,7 @@ import numpy as np
 
 from graphc.attention_op import Attention
 from graphc.graph import Node
+from graphc.numerics import lowest
 
 from .onnx_builder import OnnxBuilder
 
@@ -56,7 +57,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
         m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else (n_kv, group)), *mshape[2:]])
         rows_masked, keys_masked = mshape[2] != 1, mshape[3] != 1
-        finite_fill = b.const(np.array(np.finfo(dtype).min, dtype), "fill")
+        finite_fill = b.const(lowest(dtype), "fill")
         fill = zero  # the value of a row with no visible key: zeros, or the mean of V
         if op.empty_rows == "mean":  # over every key
             fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, i64([2])], base=f"{node.name}_v_mean"), i64([2])], base=f"{node.name}_v_mean5")

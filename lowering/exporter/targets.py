@@ -17,6 +17,7 @@ from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
 
 from ..kernels.attention_kernel import is_key_mask_shape
+from .cuda_kernels import cuda_lacks_kernel
 from .norm_form import fuse_rms_norm
 from .forms import (
     ChunkedCausalAttention,
@@ -129,7 +130,8 @@ _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttenti
 def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset`` for ``device`` (one of
     :data:`DEVICES`): its policy gives each kept ``Attention`` its form (:mod:`lowering.exporter.forms`), or the reason
-    it is decomposed.  For ``"cuda"``, a float16 graph computes in float16 where GPU kernels do (``low_precision="storage"``),
+    it is decomposed.  For ``"cuda"``, a float16 or bfloat16 graph computes in its dtype where GPU kernels do
+    (``low_precision="storage"``; a bfloat16 op onnxruntime has no CUDA kernel for, in float32: :mod:`lowering.exporter.cuda_kernels`),
     RMS norms become one op (:mod:`lowering.exporter.norm_form`), and ``auto`` picks onnxruntime's fused CUDA kernels
     (:data:`CUDA_GQA_MIN_QUERIES`)."""
     if mode not in ATTENTION_MODES:
@@ -138,8 +140,9 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
         raise UnknownNameError("export device", device, DEVICES)
     cuda = device == "cuda"
     precision, suffix, passes = ("storage", "-cuda", (fuse_rms_norm,)) if cuda else ("float32", "", ())
+    gaps = cuda_lacks_kernel if cuda else None
     if mode == "decomposed":
-        return Target(f"onnx-decomposed{suffix}", description="MatMul/Softmax nodes", low_precision=precision, passes=passes)
+        return Target(f"onnx-decomposed{suffix}", description="MatMul/Softmax nodes", low_precision=precision, passes=passes, lacks_kernel=gaps)
     if mode in _NAMED_FORMS:  # asked for by name: an attention it cannot carry is an error
         form = _NAMED_FORMS[mode]
 
@@ -175,7 +178,7 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
 
     where = " for CUDA" if cuda else ""
     description = f"ONNX export{where}, attention={mode}"
-    return Target(f"onnx-{mode}{suffix}", policy, description=description, kernel=kernel, low_precision=precision, passes=passes)
+    return Target(f"onnx-{mode}{suffix}", policy, description=description, kernel=kernel, low_precision=precision, passes=passes, lacks_kernel=gaps)
 
 
 TARGET_NAMES = ("numpy", "reference", "torch", *(f"onnx-{m}" for m in ATTENTION_MODES), *(f"onnx-{m}-cuda" for m in ATTENTION_MODES))
