@@ -29,6 +29,7 @@ on the CPU at toy sizes (no GPU needed; figures meaningless).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -36,7 +37,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,15 +346,34 @@ def lm_config(layers: int) -> Any:
     return causal_lm_config_from_hf(hf)
 
 
-def lm_graph(layers: int, weights: dict[str, np.ndarray] | None = None, cache: str = "dynamic") -> Any:
+def lm_graph(layers: int, weights: dict[str, np.ndarray] | None = None, cache: str = "dynamic", dtype: str = "float16") -> Any:
     import graphc
 
-    return graphc.causal_lm_graph(lm_config(layers), weights, dtype="float16", logits="last", cache=cache)
+    return graphc.causal_lm_graph(lm_config(layers), weights, dtype=dtype, logits="last", cache=cache)
 
 
 CACHES = {"growing cache": ("dynamic", {}), "fixed cache": ("static", {}), "fixed cache + CUDA graphs": ("static", {"cuda_graph": True})}
 """The decode variants timed side by side: the cache each step appends to, and the fixed-capacity cache whose
 one-token steps onnxruntime captures as CUDA graphs (``--smoke``: the fixed cache without graphs, on the CPU)."""
+
+APART = " (projections apart)"
+"""A variant's name ending so is exported with q/k/v and gate/up as separate MatMuls (``graphc.optimizer.merging`` off):
+whether one MatMul over the concatenated weights reads them faster on the GPU."""
+
+
+@contextlib.contextmanager
+def projections_apart(apart: bool) -> Iterator[None]:
+    """Within it (``apart=True``), ONNX exports keep each projection its own MatMul."""
+    import lowering.exporter.targets as targets
+    from graphc.optimizer import Pass
+
+    merge = targets.merge_projections_pass
+    if apart:
+        targets.merge_projections_pass = lambda mapped=True: Pass("merge_projections", "off (gpu_check)", lambda g, ctx: False)
+    try:
+        yield
+    finally:
+        targets.merge_projections_pass = merge
 
 
 def timed_generation(
@@ -372,10 +392,11 @@ def timed_generation(
     for variant, graph in graphs.items():
         sizes = {"batch": 1, "seq": 1, "past_seq": max(prompt_lengths) + new_tokens}
         opt = graphc.optimize(graph, hints=sizes).graph
-        options = {} if SMOKE else CACHES[variant][1]
+        options = {} if SMOKE else CACHES[variant.removesuffix(APART)][1]
         t0 = time.perf_counter()
         try:
-            runner = prepare(opt, backend, **decode_options(backend, sizes), **options)
+            with projections_apart(variant.endswith(APART)):
+                runner = prepare(opt, backend, **decode_options(backend, sizes), **options)
             prepared = time.perf_counter() - t0
             for n in prompt_lengths:
                 prompt = np.random.default_rng(n).integers(0, 500 if SMOKE else 32000, (1, n)).tolist()
@@ -479,7 +500,8 @@ def model_7b() -> dict[str, Any]:
             weights[name] = a
     total = sum(a.nbytes for a in weights.values())
     say(f"  {layers} layers, {total / 1e9:.2f} GB of float16 weights made in {time.perf_counter() - t0:.0f} s")
-    graphs = {variant: lm_graph(layers, weights, CACHES[variant][0]) for variant in ("growing cache", "fixed cache + CUDA graphs")}
+    variants = ("growing cache", "fixed cache + CUDA graphs", "fixed cache + CUDA graphs" + APART)
+    graphs = {variant: lm_graph(layers, weights, CACHES[variant.removesuffix(APART)][0]) for variant in variants}
     rows = timed_generation(graphs, [128], 16, rounds=2)
     env = RESULTS.get("env", {})
     out: dict[str, Any] = {"weights_gb": total / 1e9, "rows": rows}

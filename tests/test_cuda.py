@@ -278,6 +278,31 @@ def test_ort_cuda_float16_core_within_tolerance_and_nothing_on_the_cpu(q_len, kv
 
 
 @needs_cuda
+def test_ort_cuda_bfloat16_lm_step_within_tolerance_and_nothing_on_the_cpu():
+    from graphc.optimizer.precision import widen_interface
+
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), dtype="bfloat16", logits="last", seed=0)
+    sizes = {"batch": 2, "seq": 5, "past_seq": 8}
+    opt = graphc.optimize(g, hints=sizes).graph
+    feeds = random_inputs(g, seed=3, **sizes)
+    want = run(g, feeds, "numpy", compute_dtype="float64")["logits"].astype(np.float64)
+    got = run(opt, feeds, "ort-cuda", attention="auto")["logits"].astype(np.float64)
+    atol, rtol = TOLERANCES["bfloat16"]
+    assert np.all(np.abs(got - want) <= atol + rtol * np.abs(want)), float(np.abs(got - want).max())
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    model = export(widen_interface(opt), device="cuda", attention="auto", sizes=sizes)
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=[provider_entry("CUDAExecutionProvider")])
+    wide = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in feeds.items()}
+    session.run(None, {i.name: wide[i.name] for i in session.get_inputs()})
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    os.remove(profile)
+    on_cpu = {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["args"].get("provider") == "CPUExecutionProvider"}
+    assert not on_cpu & {"MatMul", "Softmax", "SimplifiedLayerNormalization", "Mul", "Add", "Where", "Sigmoid"}, on_cpu
+
+
+@needs_cuda
 def test_ort_cuda_generate_keeps_the_cache_on_the_gpu_and_matches_cpu_tokens():
     g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last")).graph
     runner = prepare(g, "ort-cuda", **decode_options("ort-cuda", {"batch": 2, "seq": 1, "past_seq": 8}))
@@ -344,8 +369,8 @@ def test_bfloat16_lm_step_for_cuda_computes_in_bfloat16_with_a_cuda_kernel_for_e
     assert not kernel_gaps(model)
     elem = element_types(model)
     bf16 = onnx.TensorProto.BFLOAT16
-    matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and elem[n.input[1]] == bf16]  # 11 a layer; the rotary angles: float32
-    assert len(matmuls) == 1 + 11 * TINY_LM["num_hidden_layers"] and all(elem[n.output[0]] == bf16 for n in matmuls)
+    matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and elem[n.input[1]] == bf16]  # 8 a layer (q/k/v as one, gate/up as one)
+    assert len(matmuls) == 1 + 8 * TINY_LM["num_hidden_layers"] and all(elem[n.output[0]] == bf16 for n in matmuls)
     assert all(elem[n.output[0]] == bf16 for n in model.graph.node if n.op_type == "SimplifiedLayerNormalization")
     assert {elem[o] for o in elem if o.startswith("present")} == {bf16}
     feeds = random_inputs(g, seed=3, **sizes)

@@ -15,6 +15,7 @@ from graphc.dims import dim_add
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
+from graphc.optimizer.merging import merge_projections_pass
 
 from ..kernels.attention_kernel import is_key_mask_shape
 from .cuda_kernels import cuda_lacks_kernel
@@ -130,7 +131,8 @@ _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttenti
 def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset`` for ``device`` (one of
     :data:`DEVICES`): its policy gives each kept ``Attention`` its form (:mod:`lowering.exporter.forms`), or the reason
-    it is decomposed.  For ``"cuda"``, a float16 or bfloat16 graph computes in its dtype where GPU kernels do
+    it is decomposed.  For ``"cuda"``, projections of one value (q/k/v, gate/up) become one ``MatMul`` over their
+    concatenated weights (:mod:`graphc.optimizer.merging`), a float16 or bfloat16 graph computes in its dtype where GPU kernels do
     (``low_precision="storage"``; a bfloat16 op onnxruntime has no CUDA kernel for, in float32: :mod:`lowering.exporter.cuda_kernels`),
     RMS norms become one op (:mod:`lowering.exporter.norm_form`), and ``auto`` picks onnxruntime's fused CUDA kernels
     (:data:`CUDA_GQA_MIN_QUERIES`)."""
@@ -139,7 +141,8 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     if device not in DEVICES:
         raise UnknownNameError("export device", device, DEVICES)
     cuda = device == "cuda"
-    precision, suffix, passes = ("storage", "-cuda", (fuse_rms_norm,)) if cuda else ("float32", "", ())
+    passes = (merge_projections_pass(), fuse_rms_norm) if cuda else ()
+    precision, suffix = ("storage", "-cuda") if cuda else ("float32", "")
     gaps = cuda_lacks_kernel if cuda else None
     if mode == "decomposed":
         return Target(f"onnx-decomposed{suffix}", description="MatMul/Softmax nodes", low_precision=precision, passes=passes, lacks_kernel=gaps)
