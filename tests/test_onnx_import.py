@@ -171,6 +171,36 @@ def test_skip_layer_normalization_matches_onnxruntime(with_bias) -> None:
         np.testing.assert_allclose(got["sum"], want[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("hidden, eps, opset", [(16, 1e-5, 18), (48, 1e-12, 23)])
+def test_layer_normalization_round_trips_as_one_op(hidden, eps, opset) -> None:
+    """ONNX LayerNormalization (Bloom, GPT-2, MPT ...) imports as its pieces and exports again as one op (the pieces cost
+    onnxruntime ten kernels), equal to onnxruntime on the original."""
+    norm = helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], axis=-1, epsilon=eps)
+    nodes = [norm, helper.make_node("MatMul", ["n", "w"], ["y"])]
+    inits = [numpy_helper.from_array(_w(hidden), "gamma"), numpy_helper.from_array(_w(hidden), "beta"), numpy_helper.from_array(_w(hidden, 8), "w")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, ["batch", "seq", hidden])], [helper.make_tensor_value_info("y", F, None)], inits)
+    feeds = {"x": 3 + _w(2, 5, hidden)}
+    want = _ort(model, feeds)[0]
+    g = optimize(from_onnx(model, strict=True)).graph
+    out = export(g, opset=opset)
+    ops = [n.op_type for n in out.graph.node]
+    assert ops.count("LayerNormalization") == 1 and "ReduceMean" not in ops, ops
+    np.testing.assert_allclose(_ort(out, feeds)[0], want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(run(g, feeds, backend="ort-cpu")["y"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_norm_whose_mean_is_read_elsewhere_stays_in_pieces() -> None:
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y", "mean"], axis=-1, epsilon=1e-5)]
+    inits = [numpy_helper.from_array(_w(16), "gamma"), numpy_helper.from_array(_w(16), "beta")]
+    outputs = [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("mean", F, None)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, ["batch", 16])], outputs, inits)
+    feeds = {"x": _w(3, 16)}
+    out = export(optimize(from_onnx(model, strict=True)).graph)
+    assert "LayerNormalization" not in [n.op_type for n in out.graph.node]
+    for got, want in zip(_ort(out, feeds), _ort(model, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- ops graphc does not model
 def _cumsum_model() -> onnx.ModelProto:
     nodes = [

@@ -43,7 +43,7 @@ from ..kernels.contraction import MatmulPlan, plan_matmul
 from .onnx_builder import ONNX_DTYPES, OnnxBuilder, may_carry_neg_inf
 from .forms import ChunkedCausalAttention, OnnxAttention, OrtGroupQueryAttention
 from .onnx_chunked import emit_chunked_attention
-from .norm_form import OrtRMSNorm
+from .norm_form import OnnxLayerNorm, OrtRMSNorm
 from .targets import ATTENTION_MODES, onnx_target
 
 __all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES", "ONNX_EMITTERS", "onnx_emitter"]
@@ -265,6 +265,14 @@ def _rms_norm(b: OnnxBuilder, node: Node, mode: str) -> None:
     eps = node.op_as(OrtRMSNorm).epsilon
     name = b.fresh(f"n_{node.name}")
     b.nodes.append(helper.make_node("SimplifiedLayerNormalization", list(node.inputs), [node.name], name=name, axis=-1, epsilon=eps, stash_type=1))
+
+
+@onnx_emitter(OnnxLayerNorm)
+def _layer_norm(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """ONNX's ``LayerNormalization`` (opset 17) over the last axis: float32 statistics."""
+    eps = node.op_as(OnnxLayerNorm).epsilon
+    name = b.fresh(f"n_{node.name}")
+    b.nodes.append(helper.make_node("LayerNormalization", list(node.inputs), [node.name], name=name, axis=-1, epsilon=eps, stash_type=1))
 
 
 @onnx_emitter(Unary)

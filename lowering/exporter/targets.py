@@ -19,7 +19,7 @@ from graphc.optimizer.merging import merge_projections_pass
 
 from ..kernels.attention_kernel import is_key_mask_shape
 from .cuda_kernels import cuda_lacks_kernel
-from .norm_form import fuse_rms_norm
+from .norm_form import fuse_layer_norm, fuse_rms_norm
 from .forms import (
     ChunkedCausalAttention,
     OnnxAttention,
@@ -131,7 +131,8 @@ _NAMED_FORMS = {"onnx-attention": OnnxAttention, "ort-gqa": OrtGroupQueryAttenti
 def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     """The target of ONNX export in ``mode`` (one of :data:`ATTENTION_MODES`) at ``opset`` for ``device`` (one of
     :data:`DEVICES`): its policy gives each kept ``Attention`` its form (:mod:`lowering.exporter.forms`), or the reason
-    it is decomposed.  For ``"cuda"``, projections of one value (q/k/v, gate/up) become one ``MatMul`` over their
+    it is decomposed.  LayerNorms become ONNX's ``LayerNormalization`` (:mod:`lowering.exporter.norm_form`).
+    For ``"cuda"``, projections of one value (q/k/v, gate/up) become one ``MatMul`` over their
     concatenated weights (:mod:`graphc.optimizer.merging`), a float16 or bfloat16 graph computes in its dtype where GPU kernels do
     (``low_precision="storage"``; a bfloat16 op onnxruntime has no CUDA kernel for, in float32: :mod:`lowering.exporter.cuda_kernels`),
     RMS norms become one op (:mod:`lowering.exporter.norm_form`), and ``auto`` picks onnxruntime's fused CUDA kernels
@@ -141,7 +142,7 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     if device not in DEVICES:
         raise UnknownNameError("export device", device, DEVICES)
     cuda = device == "cuda"
-    passes = (merge_projections_pass(), fuse_rms_norm) if cuda else ()
+    passes = (merge_projections_pass(), fuse_rms_norm, fuse_layer_norm) if cuda else (fuse_layer_norm,)
     precision, suffix = ("storage", "-cuda") if cuda else ("float32", "")
     gaps = cuda_lacks_kernel if cuda else None
     if mode == "decomposed":
