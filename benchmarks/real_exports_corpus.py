@@ -243,7 +243,7 @@ def main() -> None:
             from real_exports import config_kwargs
 
             _, kw = config_kwargs(family, hidden=256)
-            heads = kw.get("num_attention_heads") or kw.get("n_head")
+            heads = kw.get("num_attention_heads") or kw.get("n_head") or kw.get("n_heads")
             head_dim = kw.get("head_dim") or 256 // heads
             print(f"| {family} | {tool} | " + " | ".join(check(path, head_dim)) + " |", flush=True)
 

@@ -19,6 +19,11 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt
 """The causal LMs, and BERT (an encoder: ``last_hidden_state`` out, no cache)."""
 ALIBI_FAMILIES = ("mpt", "bloom")
 """Causal LMs whose attention adds an ALiBi bias (positions by a per-head slope) instead of rotating Q and K."""
+MORE_FAMILIES = ("gptj", "opt", "gpt_bigcode", "phi", "stablelm", "olmo", "gemma", "starcoder2", "deepseek_v3")
+"""Further decoders transformers exports: interleaved partial rotary (GPT-J), learned positions and a scale before the
+mask (OPT), multi-query attention (GPTBigCode), partial rotary with LayerNorm (Phi, StableLM), non-parametric norms
+(OLMo), one KV head (Gemma), biases everywhere (Starcoder2) and multi-head latent attention (DeepSeek-V3, its MoE layers
+left out: transformers' expert routing does not export), whose cache holds the compressed latents, not keys and values."""
 VOCAB = 128
 
 
@@ -37,6 +42,8 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, w
         return "MptConfig", dict(d_model=hidden, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=4096, **common)
     if family == "bloom":
         return "BloomConfig", dict(hidden_size=hidden, n_head=4, n_layer=2, **common)
+    if family in MORE_FAMILIES:
+        return _more_config(family, hidden, common)
     if family == "falcon":
         return "FalconConfig", dict(
             hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common
@@ -67,6 +74,32 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, w
     return classes[family], kw
 
 
+def _more_config(family: str, hidden: int, common: dict) -> tuple[str, dict]:
+    heads = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
+    if family == "gptj":
+        return "GPTJConfig", dict(n_embd=hidden, n_layer=2, n_head=4, rotary_dim=hidden // 8, n_positions=4096, **common)
+    if family == "opt":
+        return "OPTConfig", dict(hidden_size=hidden, ffn_dim=2 * hidden, word_embed_proj_dim=hidden, max_position_embeddings=4096, **heads)
+    if family == "gpt_bigcode":
+        return "GPTBigCodeConfig", dict(n_embd=hidden, n_layer=2, n_head=4, multi_query=True, n_positions=4096, **common)
+    if family == "deepseek_v3":
+        d = hidden // 8
+        mla = dict(kv_lora_rank=2 * d, q_lora_rank=3 * d, qk_rope_head_dim=d, qk_nope_head_dim=d, v_head_dim=d, num_key_value_heads=4)
+        return "DeepseekV3Config", dict(hidden_size=hidden, first_k_dense_replace=2, n_routed_experts=4, n_group=1, topk_group=1, **mla, **heads)
+    classes = {"phi": "PhiConfig", "stablelm": "StableLmConfig", "olmo": "OlmoConfig", "gemma": "GemmaConfig", "starcoder2": "Starcoder2Config"}
+    kw = dict(hidden_size=hidden, **heads)
+    kw.update(
+        {
+            "phi": dict(partial_rotary_factor=0.5),
+            "stablelm": dict(num_key_value_heads=2, partial_rotary_factor=0.25),
+            "olmo": dict(pad_token_id=0),
+            "gemma": dict(num_key_value_heads=1, head_dim=hidden // 4),
+            "starcoder2": dict(num_key_value_heads=2, sliding_window=None),
+        }[family]
+    )
+    return classes[family], kw
+
+
 def config(family: str, attention: str, hidden: int = 64, window: int = 16):  # noqa: ANN201 - a transformers PretrainedConfig
     """The transformers config of :func:`config_kwargs`."""
     import transformers
@@ -75,9 +108,19 @@ def config(family: str, attention: str, hidden: int = 64, window: int = 16):  # 
     return getattr(transformers, name)(**kw)
 
 
-def _cache_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
-    if cfg.model_type == "gpt2":
+def _cache_shape(cfg) -> tuple[int, int, int, int]:  # noqa: ANN001
+    """Layers, KV heads, key width, value width."""
+    if cfg.model_type == "deepseek_v3":  # MLA caches its compressed latents as one head: "keys" the latent, "values" the rotary keys
+        return cfg.num_hidden_layers, 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    layers, heads, width = _kv_shape(cfg)
+    return layers, heads, width, width
+
+
+def _kv_shape(cfg) -> tuple[int, int, int]:  # noqa: ANN001
+    if cfg.model_type in ("gpt2", "gptj"):
         return cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    if cfg.model_type == "gpt_bigcode":  # multi-query: one KV head
+        return cfg.n_layer, 1, cfg.n_embd // cfg.n_head
     if cfg.model_type == "mpt":
         return cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads
     if cfg.model_type == "bloom":
@@ -122,7 +165,7 @@ def _export_model(family: str, exporter: str, attention: str, cache: bool, path:
     if encoder and cache:
         raise ValueError("BERT is an encoder: it has no KV cache")
     model = (AutoModel if encoder else AutoModelForCausalLM).from_config(cfg).eval()
-    layers, kv_heads, head_dim = _cache_shape(cfg)
+    layers, kv_heads, key_dim, value_dim = _cache_shape(cfg)
 
     class Wrapped(torch.nn.Module):
         def __init__(self) -> None:
@@ -142,7 +185,7 @@ def _export_model(family: str, exporter: str, attention: str, cache: bool, path:
 
     b, s, p = 2, 5, 7
     ids = torch.randint(0, VOCAB, (b, s))
-    past = [torch.randn(b, kv_heads, p, head_dim) for _ in range(2 * layers)] if cache else []
+    past = [torch.randn(b, kv_heads, p, key_dim if i % 2 == 0 else value_dim) for i in range(2 * layers)] if cache else []
     mask = torch.ones(b, s + (p if cache else 0), dtype=torch.int64)
     cache_names = [f"{kind}.{i}.{kv}" for kind in ("past_key_values",) for i in range(layers) for kv in ("key", "value")] if cache else []
     inputs = ["input_ids", "attention_mask", *cache_names]

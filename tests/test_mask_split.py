@@ -227,3 +227,31 @@ def test_a_masked_fill_of_the_scores_is_one_causal_attention(fill, padding):
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)
+
+
+def test_a_bias_on_the_flat_heads_scores_beside_a_masked_fill_is_one_attention():
+    """optimum's Bloom: the ALiBi bias is added to the ``[batch*heads, S, T]`` scores (``baddbmm``), which are then viewed
+    as ``[batch, heads, S, T]`` and masked with ``masked_fill(hide, finfo.min)``, ``hide`` a mask graphc cannot read
+    positions from (optimum writes it with a ScatterND): the bias is followed through the view and added to the mask,
+    one ``Attention`` equal to the graph as written."""
+    g, q, k, v, add, const, key_pos, query_pos = _heads_and_positions("flat_bias")
+    flat = f"{HEADS}*b"
+    hide = g.input("hide", ["b", 1, "s", "s"], "bool").name
+    slopes = const("slopes", (2.0 ** -np.arange(1, HEADS + 1, dtype=np.float32)).reshape(1, HEADS, 1, 1))
+    alibi = add(Binary("mul"), [slopes, add(Cast("float32"), [key_pos], "kpos_f")], "alibi")
+    bias = add(Reshape((flat, 1, "s")), [add(BroadcastTo(("b", HEADS, 1, "s")), [alibi], "alibi_b")], "alibi_flat")
+    q3, k3 = (add(Reshape((flat, "s", D)), [x], f"{x}_flat") for x in (add(Scale(D**-0.5), [q], "q_scaled"), k))
+    s = add(Reshape(("b", HEADS, "s", "s")), [add(Binary("add"), [add(Einsum("nqd,nkd->nqk"), [q3, k3], "scores"), bias], "biased")], "scores4")
+    masked = add(Where(), [hide, const("fill", np.float32(MIN32)), s], "masked")
+    probs = add(Reshape((flat, "s", "s")), [add(Softmax(-1), [masked], "probs")], "probs_flat")
+    out = add(Einsum("nqk,nkd->nqd"), [probs, add(Reshape((flat, "s", D)), [v], "v_flat")], "out_flat")
+    g.output(add(Reshape(("b", HEADS, "s", D)), [out], "out"))
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert len(attention) == 1 and attention[0].mask == "additive", attention
+    feeds = random_inputs(g, seed=5, b=2, s=6)
+    padding = np.array([[True] * 6, [True, True] + [False] * 4])  # row 0: every key padding
+    feeds["hide"] = (np.triu(np.ones((6, 6), bool), 1) | padding[:, None, None, :]).reshape(2, 1, 6, 6)
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)

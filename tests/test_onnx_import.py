@@ -201,6 +201,23 @@ def test_a_layer_norm_whose_mean_is_read_elsewhere_stays_in_pieces() -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_scatter_has_its_data_shape_whatever_the_file_declares() -> None:
+    """optimum's files write part of a mask with ScatterND and declare its output with the heads of what it later meets
+    (``[batch, 4, seq, seq]`` for a ``[batch, 1, seq, seq]`` mask): graphc carries ScatterND as an opaque node whose
+    output is its data input's shape, as ONNX defines it, and runs the file as onnxruntime does."""
+    nodes = [helper.make_node("ScatterND", ["data", "idx", "upd"], ["y"]), helper.make_node("Add", ["y", "x"], ["z"])]
+    idx = numpy_helper.from_array(np.array([[0, 0, 1], [0, 0, 3]], np.int64), "idx")
+    inputs = [helper.make_tensor_value_info("data", F, ["b", 1, 5, 5]), helper.make_tensor_value_info("upd", F, [2, 5]),
+              helper.make_tensor_value_info("x", F, ["b", 4, 5, 5])]  # fmt: skip
+    wrong = [helper.make_tensor_value_info("y", F, ["b", 4, 5, 5])]
+    model = _model(nodes, inputs, [helper.make_tensor_value_info("z", F, None)], [idx], value_info=wrong)
+    feeds = {"data": _w(1, 1, 5, 5), "upd": _w(2, 5), "x": _w(1, 4, 5, 5)}
+    g = from_onnx(model)
+    assert g.types[g.producer("z").inputs[0]].shape == ("b", 1, 5, 5)
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(g, feeds, backend=backend)["z"], _ort(model, feeds)[0], rtol=1e-6, err_msg=backend)
+
+
 # ---------------------------------------------------------------- ops graphc does not model
 def _cumsum_model() -> onnx.ModelProto:
     nodes = [

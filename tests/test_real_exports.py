@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from real_exports import ALIBI_FAMILIES, FAMILIES, export_model, feeds  # noqa: E402
+from real_exports import ALIBI_FAMILIES, FAMILIES, MORE_FAMILIES, export_model, feeds  # noqa: E402
 
 from graphc import optimize  # noqa: E402
 from graphc.cli import main  # noqa: E402
@@ -107,6 +107,24 @@ def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tm
     attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
     assert len(attention) == 2 and all(op.mask == "additive" for op in attention), attention
     _equals_onnxruntime(path, model, graph, optimized, SIZES[cache], ("numpy", "ort-cpu"))
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_families_cache_exports_are_one_causal_attention_per_layer_equal_to_onnxruntime(family, tmp_path):
+    """GPT-J, OPT, GPTBigCode, Phi, StableLM, OLMo, Gemma, Starcoder2 and DeepSeek-V3 exported with their cache (the legacy
+    exporter here; ``benchmarks/torch_onnx_corpus.py`` runs both exporters, with and without a cache): each layer one
+    causal ``Attention`` at the past's offset with its padding mask, the cache its K/V inputs, equal to onnxruntime at
+    sizes never traced.  DeepSeek-V3's cache holds its compressed latents: keys and values are computed from all of
+    them each step, so the op has no cache of its own."""
+    path = export_model(family, "legacy", "eager", True, tmp_path / "model.onnx")
+    model = onnx.load(str(path), load_external_data=False)
+    graph = from_onnx(path)
+    optimized = optimize(graph).graph
+    lowered = lower(optimized, KEEP_ALL)
+    ops = [n.op for n in lowered.topological_order() if n.op.kind == "Attention"]
+    latent = family == "deepseek_v3"
+    assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
+    _equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3], ("numpy", "ort-cpu"))
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])

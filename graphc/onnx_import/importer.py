@@ -179,12 +179,22 @@ def _fold(ctx: ImportContext, node: onnx.NodeProto, arrays: list[np.ndarray | No
     return [np.asarray(r) for r in results]
 
 
+_OUTPUT_LIKE_INPUT = {("", "ScatterND"): 0, ("", "ScatterElements"): 0, ("", "Scatter"): 0}
+"""Ops graphc carries as opaque whose output has the shape and dtype of one input (the data a scatter writes into)."""
+
+
 def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int]) -> list[Imported]:
     where = f"{node.domain or 'ai.onnx'}::{node.op_type}"
     if ctx.strict:
         raise ctx.error(f"graphc does not model {where} (strict import: pass strict=False / drop --strict to carry it through as an opaque node)")
     shapes, dtypes = [], []
+    like = _OUTPUT_LIKE_INPUT.get((node.domain, node.op_type))
     for k, out in enumerate(node.output):
+        if like is not None and k == 0:  # the output is its data input's shape: the file's own value_info may say otherwise
+            data = ctx.graph.types[ctx.tensor(ctx.get(node.input[like]), f"input {like}")]
+            shapes.append(data.shape)
+            dtypes.append(data.dtype)
+            continue
         t = ctx.onnx_types.get(out)
         tt = t.tensor_type if t is not None and t.HasField("tensor_type") else None
         if tt is None or tt.elem_type not in ONNX_TO_DTYPE or not tt.HasField("shape"):

@@ -285,6 +285,9 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
         if sc.mask_kind != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
         if split is None or split.keep:  # not positions alone (MPT's padding is in it): the op's mask is the two added
+            seen = _through_views(graph, node.inputs[1 - pos], sc)
+            if isinstance(seen, Miss):
+                return seen
             sc.more_masks = (*sc.more_masks, node.inputs[1 - pos])
             return node.inputs[pos]
         sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
@@ -309,6 +312,18 @@ def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) 
     causal offset stays inside it (the op's own would give a row of padding the mean of V over the visible keys
     only, where the written graph averages over every key)."""
     bias = node.inputs[1 - pos]
+    seen = _through_views(graph, bias, sc)
+    if isinstance(seen, Miss):
+        return seen
+    sc.mask, sc.mask_kind, sc.more_masks = sc.split_from, "additive", (bias,)
+    sc.offset = sc.window = sc.split_from = None
+    sc.empty_rows = "zero"  # additive alone: every key stays visible, its fill in the scores
+    return node.inputs[pos]
+
+
+def _through_views(graph: Graph, bias: str, sc: _Scores) -> tuple[Dim, ...] | Miss:
+    """The shape ``bias``, added below the views passed so far (Bloom's ALiBi on the ``[batch*heads]`` scores), takes
+    above them (recorded in ``sc.mask_views`` when it differs); a Miss where a view cannot be followed."""
     shape = graph.types[bias].shape
     for before, after in reversed(sc.views):
         if len(before) == len(shape) and shape[0] == before[0] and len(after) == len(before) + 1 and after[0] != before[0]:
@@ -317,12 +332,9 @@ def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) 
             continue
         else:
             return Miss(f"bias {bias!r} is added in a view the masks cannot follow")
-    sc.mask, sc.mask_kind, sc.more_masks = sc.split_from, "additive", (bias,)
-    sc.offset = sc.window = sc.split_from = None
-    sc.empty_rows = "zero"  # additive alone: every key stays visible, its fill in the scores
     if shape != graph.types[bias].shape:
         sc.mask_views[bias] = shape
-    return node.inputs[pos]
+    return shape
 
 
 def _qk_roles(graph: Graph, qk: Node, view: tuple[Dim, ...], offset: Dim | None) -> _Roles | Miss:
