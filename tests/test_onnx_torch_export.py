@@ -216,3 +216,37 @@ def test_transformers_llama_attention_export(tmp_path: Path) -> None:
     feeds = {"hidden": hidden.numpy(), "cos": cos.numpy(), "sin": sin.numpy(), "causal_bias": bias.numpy()}
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(run(optimized, feeds, backend=backend)["out"], want, rtol=1e-4, atol=1e-5)
+
+
+class _InPlaceMask(torch.nn.Module):
+    """transformers' masks before 4.58: padding written into a slice of the causal mask in place (a ScatterND)."""
+
+    def forward(self, causal: "torch.Tensor", attention_mask: "torch.Tensor") -> "torch.Tensor":
+        mask = causal.clone()
+        n = attention_mask.shape[-1]
+        padding = (mask[:, :, :, :n] + attention_mask[:, None, None, :]) == 0
+        mask[:, :, :, :n] = mask[:, :, :, :n].masked_fill(padding, -1e9)
+        return mask * 2
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_an_in_place_slice_write_over_every_position_is_its_updates(tmp_path, whole):
+    """A ScatterND whose indices are the grid of every position and whose updates have the data's shape is read as the
+    updates (graphc then sees the mask as written); one that writes part of its data stays a ScatterND.  Both give
+    onnxruntime's numbers on the file at sizes other than the traced ones."""
+    import onnxruntime as ort
+
+    path = tmp_path / "mask.onnx"
+    keys = "t" if whole else "t_all"  # the slice [:n] covers the causal mask's keys when they are the attention mask's
+    axes = {"causal": {0: "b", 2: "s", 3: keys}, "attention_mask": {0: "b", 1: "t"}}
+    args = (torch.randn(2, 1, 3, 5 if whole else 7), torch.ones(2, 5, dtype=torch.int64))
+    torch.onnx.export(_InPlaceMask(), args, str(path), dynamo=False, input_names=list(axes), output_names=["y"], dynamic_axes=axes, opset_version=18)
+    g = from_onnx(path)
+    optimized = optimize(g).graph
+    assert ("Opaque" in {n.op.kind for n in optimized.nodes.values()}) == (not whole)
+    rng = np.random.default_rng(0)
+    t = 6
+    feeds = {"causal": rng.choice([0.0, -3e38], (3, 1, 4, t if whole else t + 2)).astype(np.float32), "attention_mask": rng.integers(0, 2, (3, t))}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_array_equal(run(optimized, feeds, backend=backend)["y"], want)

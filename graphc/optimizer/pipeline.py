@@ -18,6 +18,7 @@ from .infra import Pass, PassContext, PassManager, RewritePass, Rule, Trace
 from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
 from .scaling import SCALE_RULES
+from .scatter import SCATTER_ALL_RULE
 
 __all__ = ["optimize", "OptimizationResult", "OptimizationReport", "PIPELINES", "pipeline", "STAGES", "register_rule", "unregister_rule"]
 
@@ -33,9 +34,9 @@ STAGES: dict[str, Pass] = {
             "simplify",
             "layout no-ops and chains, elementwise ops above layout changes, the scale onto the smallest operand or a weight, constants folded; "
             "a repeat that the moves expose is grouped",
-            [*LAYOUT_RULES, HOIST_RULE, *SCALE_RULES, CONSTANT_FOLD_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE],
+            [*LAYOUT_RULES, HOIST_RULE, *SCALE_RULES, CONSTANT_FOLD_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE, SCATTER_ALL_RULE],
         ),
-        RewritePass("cleanup", "layout no-ops and chains, constants folded", [*LAYOUT_RULES, CONSTANT_FOLD_RULE]),
+        RewritePass("cleanup", "layout no-ops and chains, constants folded, whole scatters", [*LAYOUT_RULES, CONSTANT_FOLD_RULE, SCATTER_ALL_RULE]),
         plan_contractions,
         common_subexpression_elimination,
         dead_code_elimination,
