@@ -250,3 +250,56 @@ def test_an_in_place_slice_write_over_every_position_is_its_updates(tmp_path, wh
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_array_equal(run(optimized, feeds, backend=backend)["y"], want)
+
+
+class _OldMaskAttention(torch.nn.Module):
+    """Attention over a KV cache with transformers' causal mask before 4.58 (``_prepare_4d_causal_attention_mask_with_cache_position``,
+    as optimum still exports OPT, GPT-J and StableLM): a Trilu of the fill times the keys after each query's position,
+    then the padded keys filled in place."""
+
+    def forward(self, q, k, v, past_k, past_v, attention_mask):  # noqa: ANN001, ANN201
+        k, v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        seq, total = q.shape[2], k.shape[2]
+        position = torch.arange(total - seq, total)
+        fill = torch.finfo(torch.float32).min
+        causal = torch.triu(torch.full((seq, total), fill), diagonal=1)
+        causal = causal * (torch.arange(total) > position.reshape(-1, 1))
+        causal = causal[None, None, :, :].expand(q.shape[0], 1, -1, -1).clone()
+        n = attention_mask.shape[-1]
+        padding = (causal[:, :, :, :n] + attention_mask[:, None, None, :]) == 0
+        causal[:, :, :, :n] = causal[:, :, :, :n].masked_fill(padding, fill)
+        scores = q @ k.transpose(2, 3) * q.shape[-1] ** -0.5 + causal
+        return torch.softmax(scores, -1) @ v, k, v
+
+
+def test_transformers_old_causal_mask_is_one_causal_attention_with_its_cache_and_padding(tmp_path):
+    """The pre-4.58 mask reads as the op's causal offset (the past length), the cache as its KV cache and the padded keys
+    as a bool mask: one ``Attention``, with onnxruntime's numbers on the file at other sizes, a fully padded row included."""
+    import onnxruntime as ort
+
+    from graphc.optimizer import Target, lower
+
+    path = tmp_path / "old_mask.onnx"
+    names = ["q", "k", "v", "past_k", "past_v", "attention_mask"]
+    axes = {n: {0: "b", 2: "s"} for n in ("q", "k", "v")} | {n: {0: "b", 2: "p"} for n in ("past_k", "past_v")}
+    axes["attention_mask"] = {0: "b", 1: "p + s"}  # as optimum names it: graphc reads the sum
+    args = (*(torch.randn(2, 4, 3, 8) for _ in range(3)), *(torch.randn(2, 4, 5, 8) for _ in range(2)), torch.ones(2, 8, dtype=torch.int64))
+    torch.onnx.export(_OldMaskAttention(), args, str(path), dynamo=False, input_names=names, output_names=["y", "present_k", "present_v"],
+                      dynamic_axes=axes, opset_version=18)  # fmt: skip
+    g = from_onnx(path)
+    optimized = optimize(g).graph
+    ops = [n.op for n in lower(optimized, Target("keep", lambda graph, node, ctx: None)).topological_order() if n.op.kind == "Attention"]
+    assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("p", True, "bool")], ops
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for batch, seq, past in ((3, 1, 9), (2, 4, 6), (1, 6, 0)):
+        feeds = {n: rng.standard_normal((batch, 4, seq, 8)).astype(np.float32) for n in ("q", "k", "v")}
+        feeds |= {n: rng.standard_normal((batch, 4, past, 8)).astype(np.float32) for n in ("past_k", "past_v")}
+        mask = np.ones((batch, past + seq), np.int64)
+        mask[0, : past + seq - 1 if batch > 1 else 0] = 0  # row 0 left-padded (its queries but the last see no key)
+        feeds["attention_mask"] = mask
+        want = session.run(None, feeds)
+        for backend in ("numpy", "ort-cpu"):
+            got = run(optimized, feeds, backend=backend)
+            for name, w in zip(("y", "present_k", "present_v"), want):
+                np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5, err_msg=f"{backend} {name} {batch, seq, past}")

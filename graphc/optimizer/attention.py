@@ -76,6 +76,7 @@ class AttentionMatch:
     mask_views: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # masks to view as [batch, heads, ...] first
     mask_view: tuple[tuple[Dim, ...], tuple[Dim, ...]] | None = None  # the masks' view and the op's, when they differ
     more_masks: tuple[str, ...] = ()  # further masks on ``mask``: ANDed (bool), added (additive)
+    negate_mask: bool = False  # ``mask`` is bool and hides where True (transformers' padding before 4.58)
     moved: tuple[str, ...] = ()  # readers of the cache Concats before the PV einsum (a present cut to a window), moved after the op
 
 
@@ -126,6 +127,7 @@ class _Scores:
     mask: str | None = None
     mask_kind: str = "none"
     more_masks: tuple[str, ...] = ()
+    negate_mask: bool = False
     empty_rows: str = "zero"
     view_for_rows: tuple[Dim, ...] | None = None  # the shape the masks act on
     split_from: str | None = None  # the additive position mask ``mask`` and ``offset`` were read from
@@ -284,7 +286,7 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if sc.mask is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
         if sc.mask_kind != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
-        if split is None or split.keep:  # not positions alone (MPT's padding is in it): the op's mask is the two added
+        if split is None or split.keep or split.hide:  # not positions alone (MPT's padding is in it): the op's mask is the two added
             seen = _through_views(graph, node.inputs[1 - pos], sc)
             if isinstance(seen, Miss):
                 return seen
@@ -301,7 +303,9 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if split is not None:
         sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
         sc.mask, sc.mask_kind, sc.more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
-        sc.split_from = node.inputs[1 - pos] if split.keep else None
+        if split.hide is not None:
+            sc.mask, sc.mask_kind, sc.negate_mask = split.hide, "bool", True
+        sc.split_from = node.inputs[1 - pos] if split.keep or split.hide else None
     return node.inputs[pos]
 
 
@@ -315,7 +319,7 @@ def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) 
     seen = _through_views(graph, bias, sc)
     if isinstance(seen, Miss):
         return seen
-    sc.mask, sc.mask_kind, sc.more_masks = sc.split_from, "additive", (bias,)
+    sc.mask, sc.mask_kind, sc.more_masks, sc.negate_mask = sc.split_from, "additive", (bias,), False
     sc.offset = sc.window = sc.split_from = None
     sc.empty_rows = "zero"  # additive alone: every key stays visible, its fill in the scores
     return node.inputs[pos]
@@ -488,6 +492,7 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
         pv_rows=pv.pv_rows,
         empty_rows=sc.empty_rows,
         more_masks=sc.more_masks,
+        negate_mask=sc.negate_mask,
         mask_views=sc.mask_views,
         mask_view=mask_view,
     )
@@ -573,6 +578,9 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv, k_shape[m.k_term.index(m.t)], d), anchor, "BHkvTD")
     v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
     mask = m.mask
+    if m.negate_mask and mask is not None:  # True hides: the op's mask keeps where it is False
+        no, yes = graph.shared_initializer("attention_false", np.array(False)), graph.shared_initializer("attention_true", np.array(True))
+        mask = graph.insert_before(anchor, Where(), [mask, no, yes], f"{base}_keep").name
     for extra in m.more_masks:  # bool masks ANDed, additive ones added
         if extra in m.mask_views:
             extra = graph.insert_before(anchor, Reshape(m.mask_views[extra]), [extra], f"{base}_bias_view").name

@@ -45,6 +45,7 @@ class MaskSplit:
     window: int | None
     keep: tuple[str, ...]  # bool values still to AND (padding); empty when the positions say it all
     empty_rows: str
+    hide: str | None = None  # a bool value whose True hides a key besides the positions (transformers' padding before 4.58)
 
 
 def _scalar(graph: Graph, value: str) -> np.ndarray | None:
@@ -95,12 +96,25 @@ def _positions(graph: Graph, value: str, depth: int = 0) -> tuple[int, Dim] | No
 _FLIP = {"less": "greater", "less_equal": "greater_equal", "greater": "less", "greater_equal": "less_equal"}
 
 
+def _difference(graph: Graph, value: str) -> tuple[tuple[int, Dim], tuple[int, Dim]] | None:
+    """The position operands ``(x, y)`` of ``value = x - y`` (a Trilu's ``cols - rows``)."""
+    node = graph.producer(value)
+    if node is None or not isinstance(node.op, Binary) or node.op.fn != "sub":
+        return None
+    a, b = (_positions(graph, x) for x in node.inputs)
+    return None if a is None or b is None else (a, b)
+
+
 def _half_plane(graph: Graph, value: str) -> tuple[str, Dim] | None:
-    """``("upper", u)`` for a bool ``j <= i + u`` or ``("lower", l)`` for ``j >= i + l`` (``j`` keys on axis -1, ``i`` queries on -2)."""
+    """``("upper", u)`` for a bool ``j <= i + u`` or ``("lower", l)`` for ``j >= i + l`` (``j`` keys on axis -1, ``i`` queries
+    on -2); also ``x - y <op> c`` (a Trilu's mask), which is ``x <op> y + c``."""
     node = graph.producer(value)
     if node is None or not isinstance(node.op, Compare) or node.op.fn == "equal":
         return None
     a, b = (_positions(graph, x) for x in node.inputs)
+    diff, c = _difference(graph, node.inputs[0]), _dim_scalar(graph, node.inputs[1])
+    if diff is not None and c is not None:
+        a, b = diff[0], (diff[1][0], dim_add(diff[1][1], c))
     if a is None or b is None:
         return None
     fn = node.op.fn
@@ -189,6 +203,64 @@ def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str],
     return None
 
 
+def _producer_through_broadcasts(graph: Graph, value: str) -> Node | None:
+    node = graph.producer(value)
+    while node is not None and isinstance(node.op, (BroadcastTo, Reshape)):
+        node = graph.producer(node.inputs[0])
+    return node
+
+
+def _hidden_product(graph: Graph, value: str) -> tuple[Dim, np.ndarray] | None:
+    """``(l, fill)`` when ``value`` (through reshapes and broadcasts) is ``Cast(j >= i + l1) * Where(j >= i + l2, fill, 0)``
+    (transformers' causal mask before 4.58: a Trilu of the fill, times the keys after each query's position), which
+    hides exactly the keys ``j >= i + l`` with ``l = max(l1, l2)``."""
+    node = _producer_through_broadcasts(graph, value)
+    if node is None or not isinstance(node.op, Binary) or node.op.fn != "mul":
+        return None
+    for cast_at in (0, 1):
+        cast, where = graph.producer(node.inputs[cast_at]), graph.producer(node.inputs[1 - cast_at])
+        if cast is None or where is None or not isinstance(cast.op, Cast) or not isinstance(where.op, Where):
+            continue
+        first, fill, zero = _half_plane(graph, cast.inputs[0]), _scalar(graph, where.inputs[1]), _scalar(graph, where.inputs[2])
+        second = _half_plane(graph, where.inputs[0])
+        if first is None or second is None or first[0] != "lower" or second[0] != "lower" or not _is_fill(fill) or not _is_zero(zero):
+            continue
+        if dim_is_nonnegative(dim_sub(first[1], second[1])):
+            return first[1], fill
+        if dim_is_nonnegative(dim_sub(second[1], first[1])):
+            return second[1], fill
+    return None
+
+
+def _old_transformers_mask(graph: Graph, node: Node) -> MaskSplit | None:
+    """transformers' mask before 4.58 (optimum's files): the causal product ``C`` (:func:`_hidden_product`), its padded
+    keys filled in place: ``Where(C + pad == 0, fill, C)``, or ``C + Where(C + pad == 0, fill, 0)`` once the fill is
+    moved out.  ``C + pad == 0`` holds where ``C`` keeps a key (0) and the attention mask is 0: the keys it hides
+    besides the causal ones (where ``C`` hides, ``fill + pad`` is not 0)."""
+    if isinstance(node.op, Where):
+        equal, fill, causal = node.inputs
+    elif isinstance(node.op, Binary) and node.op.fn == "add":
+        for at in (0, 1):
+            inner = graph.producer(node.inputs[1 - at])
+            if inner is not None and isinstance(inner.op, Where) and _is_zero(_scalar(graph, inner.inputs[2])):
+                equal, fill, causal = inner.inputs[0], inner.inputs[1], node.inputs[at]
+                break
+        else:
+            return None
+    else:
+        return None
+    found = _hidden_product(graph, causal)
+    eq = graph.producer(equal)
+    if found is None or not _is_fill(_scalar(graph, fill)) or eq is None or not isinstance(eq.op, Compare) or eq.op.fn != "equal":
+        return None
+    total = graph.producer(eq.inputs[0])
+    if not _is_zero(_scalar(graph, eq.inputs[1])) or total is None or not isinstance(total.op, Binary) or total.op.fn != "add":
+        return None
+    if causal not in total.inputs:
+        return None
+    return MaskSplit(normalize_dim(dim_sub(found[0], 1)), None, (), "mean", hide=equal)
+
+
 def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
     """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)``
     (or graphc's own ``Where(hide, fill, 0)``, see :func:`_planes`).
@@ -198,7 +270,16 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
     node = graph.producer(mask)
     while node is not None and isinstance(node.op, BroadcastTo):  # a mask expanded to the scores' shape (optimum's files)
         node = graph.producer(node.inputs[0])
-    if node is None or not isinstance(node.op, Where):
+    if node is None:
+        return None
+    old = _old_transformers_mask(graph, node)
+    if old is not None:
+        return old
+    causal = _hidden_product(graph, mask)
+    if causal is not None:  # the causal product alone (no padding)
+        bound = normalize_dim(dim_sub(causal[0], 1))
+        return MaskSplit(bound, None, (), "mean" if np.isfinite(causal[1]) and not dim_is_nonnegative(bound) else "zero")
+    if not isinstance(node.op, Where):
         return None
     found = _planes(graph, node)
     if found is None:
