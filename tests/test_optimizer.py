@@ -366,3 +366,30 @@ def test_transpose_between_a_merge_and_its_split_is_one_transpose():
     xs = np.random.default_rng(0).standard_normal((2, 4, 5, 8)).astype(np.float32)
     np.testing.assert_array_equal(run(opt, {"x": xs})[opt.outputs[0]], xs.transpose(0, 1, 3, 2))
     np.testing.assert_array_equal(run(g, {"x": xs})[g.outputs[0]], xs.transpose(0, 1, 3, 2))
+
+
+def test_only_the_identity_grid_of_indices_reads_as_a_whole_scatter():
+    """``is_identity_grid``: one ``arange`` per axis, each along its own axis; swapped components, or a position vector
+    moved to another axis on the way, are not the grid (a scatter with them permutes what it writes)."""
+    from graphc.ops import Concat, Reshape
+    from graphc.optimizer.scatter import is_identity_grid
+    from graphc.rotary import Positions
+    from graphc.tensor_ops import BroadcastTo
+
+    g = Graph("grid")
+    x = g.input("x", ["b", 1, "s", "s"])
+    full = ("b", 1, "s", "s")
+
+    def along(axis: int, placed: tuple, moved: tuple | None = None) -> str:
+        v = g.add_node(Reshape(placed), [g.add_node(Positions(axis), [x])]).name
+        if moved is not None:
+            v = g.add_node(Reshape(moved), [v]).name
+        return g.add_node(Reshape((*full, 1)), [g.add_node(BroadcastTo(full), [v])]).name
+
+    batch, rows, cols = along(0, ("b", 1, 1, 1)), along(2, (1, 1, "s", 1)), along(3, (1, 1, 1, "s"))
+    heads = g.add_node(BroadcastTo((*full, 1)), [g.constant("zero", np.zeros((), np.int64))]).name
+    moved = along(2, (1, 1, "s", 1), moved=(1, 1, 1, "s"))  # positions placed along the rows, then moved to the columns
+    grid = lambda parts: g.add_node(Concat(4), parts).name  # noqa: E731
+    assert is_identity_grid(g, grid([batch, heads, rows, cols]), full)
+    assert not is_identity_grid(g, grid([batch, heads, cols, rows]), full)
+    assert not is_identity_grid(g, grid([batch, heads, moved, cols]), full)

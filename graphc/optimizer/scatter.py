@@ -43,16 +43,21 @@ def _is_zero(graph: Graph, value: str) -> bool:
 
 def _arange_along(graph: Graph, value: str, axis: int, rank: int) -> bool:
     """True when ``value`` (``rank`` axes and a trailing 1) holds each position's index along ``axis``: a ``Positions``
-    (offset 0) of the axis' length, reshaped to lie along ``axis`` (every other axis 1), then broadcast."""
+    (offset 0) of the axis' length, reshaped to lie along ``axis`` (every other axis 1), then broadcast (same rank) and
+    given a trailing unit axis; no step may move the positions to another axis."""
     chain = _chain(graph, value)
     root = graph.producer(chain[-1])
     if root is None or not isinstance(root.op, Positions) or root.op.offset != 0 or len(chain) < 2:
         return False
     if graph.types[chain[-1]].shape != (graph.types[value].shape[axis],):
         return False
-    placed = graph.types[chain[-2]].shape  # the reshape of the positions
-    others = [d for i, d in enumerate(placed) if i != axis]
-    return len(placed) in (rank, rank + 1) and all(d == 1 for d in others)
+    for inner, outer in zip(reversed(chain[1:]), reversed(chain[:-1])):  # from the positions outwards
+        before, after, step = graph.types[inner].shape, graph.types[outer].shape, graph.producer(outer)
+        along = len(after) in (rank, rank + 1) and all(d == 1 for i, d in enumerate(after) if i != axis)
+        unit_added = after == (*before, 1)
+        if not (along or unit_added or (step is not None and isinstance(step.op, BroadcastTo) and len(after) == len(before))):
+            return False
+    return True
 
 
 def is_identity_grid(graph: Graph, indices: str, shape: tuple) -> bool:
