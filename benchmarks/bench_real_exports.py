@@ -115,10 +115,10 @@ def _session(path: Path, threads: int):  # noqa: ANN202 - an onnxruntime.Inferen
 def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> list[tuple[str, float | None, str]]:
     """Rows ``(variant, median ms or None, note)`` for one family and case."""
     import onnx
-    from real_exports import ALIBI_FAMILIES, export_model, feeds
+    from real_exports import ALIBI_FAMILIES, MORE_FAMILIES, export_model, feeds
 
     cache, seq, past = CASES[case]
-    attention = "eager" if family in ALIBI_FAMILIES else "sdpa"  # transformers has no sdpa attention for MPT and Bloom
+    attention = "eager" if family in (*ALIBI_FAMILIES, *MORE_FAMILIES) else "sdpa"  # MPT and Bloom have no sdpa; the others as tested
     path = export_model(family, "legacy", attention, cache, work / "model.onnx", hidden=256, window=WINDOW)
     f = feeds(onnx.load(str(path), load_external_data=False), 1, seq, past)
     sizes = {"batch": 1, "seq": seq, **({"past_seq": past} if cache else {})}

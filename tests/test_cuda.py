@@ -184,6 +184,35 @@ def test_decode_steps_run_through_an_io_binding_with_the_cache_left_in_ortvalues
     assert seen[-1]["input_ids"] == "ndarray"
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_bfloat16_cache_stays_onnxruntime_bfloat16_tensors_between_steps(cache):
+    """onnxruntime's Python API takes no bfloat16 arrays, so a bfloat16 model's interface is float32, but for its cache:
+    the pasts and presents stay bfloat16 ``OrtValue`` s from step to step (on the GPU under CUDA), never NumPy; ``run``
+    moves bfloat16 arrays in and out through a binding.  Tokens equal the NumPy backend's, presents within a bfloat16 step."""
+    g = graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, dtype="bfloat16", logits="last", cache=cache)
+    runner = prepare(g, "ort-cpu", **decode_options("ort-cpu", {"batch": 2, "seq": 1, "past_seq": 12}))
+    step, seen = runner.stepper, []
+    assert step is not None
+
+    def spy(inputs, keep):
+        outs = step(inputs, keep)
+        seen.append({k: v.data_type() for k, v in (*inputs.items(), *outs.items()) if k.startswith(("past_key_values", "present"))})
+        assert outs["logits"].dtype.name == "bfloat16"
+        return outs
+
+    runner.stepper = spy
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    assert generate(g, prompts, 6, runner=runner).tokens() == generate(g, prompts, 6, backend="numpy").tokens()
+    assert all(set(s.values()) == {"tensor(bfloat16)"} for s in seen), seen[:2]
+    feeds = random_inputs(g, seed=2, batch=2, seq=3, past_seq=12 if cache == "static" else 4)
+    if cache == "static":
+        feeds["cache_position"] = np.arange(4, 7, dtype=np.int64)
+    want, got = run(g, feeds, "numpy"), runner.run(feeds)
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_allclose(got[name].astype(np.float32), want[name].astype(np.float32), rtol=8e-3, atol=8e-3, err_msg=name)
+
+
 def test_a_fixed_capacity_cache_is_two_buffers_the_steps_write_in_turn():
     """cache="static": each step reads one buffer per layer and writes the other; the addresses never change."""
     g = graphc.optimize(graphc.causal_lm_graph(causal_lm_config_from_hf(TINY_LM), seed=1, logits="last", cache="static")).graph

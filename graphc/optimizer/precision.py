@@ -105,18 +105,19 @@ def promote_low_precision(graph: Graph, storage: bool = False, lacks_kernel: Ker
     return graph.rebuild(on_node=on_node, on_output=on_output)
 
 
-def widen_interface(graph: Graph, dtype: str = "bfloat16") -> Graph:
-    """A copy of ``graph`` whose ``dtype`` inputs and outputs are float32 at the interface (same names).
+def widen_interface(graph: Graph, dtype: str = "bfloat16", keep: frozenset[str] = frozenset()) -> Graph:
+    """A copy of ``graph`` whose ``dtype`` inputs and outputs are float32 at the interface (same names), but those in
+    ``keep`` (a decode cache that stays in the runtime's own tensors between steps).
 
     Inside, each such input is rounded to ``dtype`` first and each such output
     is produced in ``dtype`` and then widened, so the numbers are those of
     ``graph`` exactly.  For runtimes whose API takes no arrays of ``dtype``
     (onnxruntime's Python API and bfloat16).
     """
-    narrow_outputs = {o for o in graph.outputs if graph.types[o].dtype == dtype}
+    narrow_outputs = {o for o in graph.outputs if graph.types[o].dtype == dtype and o not in keep}
 
     def on_input(g: Graph, name: str, t: TensorType) -> str:
-        if t.dtype != dtype:
+        if t.dtype != dtype or name in keep:
             return g.add_input(name, t.shape, t.dtype).name
         g.add_input(name, t.shape, "float32")
         return g.add_node(Cast(dtype), [name], g.fresh_name(f"{name}_{dtype}")).name

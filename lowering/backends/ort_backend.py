@@ -90,11 +90,13 @@ class _Sessions:
         spin: bool = False,
         tf32: bool = False,
         cuda_graph: bool = False,
+        bfloat16_io: bool = False,
     ) -> None:
         self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
         self.weights = weights
         self.spin = spin
         self.tf32, self.cuda_graph, self.note = tf32, cuda_graph, ""
+        self.bfloat16_io = bfloat16_io
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
         self.native: Any = None
         self.outputs: list[str] = []
@@ -145,7 +147,10 @@ class _Sessions:
             if self.cuda_graph:  # a plain run is never captured: only the decode step's replays are
                 options = ort.RunOptions()
                 options.add_run_config_entry("gpu_graph_id", "-1")
-            run = lambda inputs: sess.run(out_names, dict(inputs), options)  # noqa: E731
+            if self.bfloat16_io:  # bfloat16 arrays in and out: onnxruntime's Python API converts none, a binding moves their bytes
+                run = functools.partial(_bound_run, sess, out_names, options=options)
+            else:
+                run = lambda inputs: sess.run(out_names, dict(inputs), options)  # noqa: E731
             if not basic:
                 self.native = sess
         _check_provider(self.name, self.provider, used)
@@ -154,6 +159,56 @@ class _Sessions:
             self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "") + graphs
         self.built[basic] = run
         return run
+
+
+_ONNX_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
+
+
+def bfloat16_cache(graph: Graph) -> frozenset[str]:
+    """The pasts and presents of a causal LM step (``past_key_values.*``, ``present.*``) that are bfloat16: kept so at
+    onnxruntime's interface, so a decode loop holds them as onnxruntime's own tensors (on the GPU under CUDA)."""
+    names = [n for n in (*graph.inputs, *graph.outputs) if n.startswith(("past_key_values.", "present."))]
+    return frozenset(n for n in names if graph.types[n].dtype == "bfloat16")
+
+
+def _host_value(array: np.ndarray) -> Any:
+    """``array`` as a host ``OrtValue`` over its memory (bfloat16 through its bits: NumPy has no dtype onnxruntime maps)."""
+    import onnxruntime as ort
+
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _ONNX_BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    """A host ``OrtValue`` as a NumPy array (a copy; bfloat16 read as its bits)."""
+    if value.data_type() != "tensor(bfloat16)":
+        return np.asarray(value.numpy())
+    import ctypes
+
+    shape = tuple(value.shape())
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, "bfloat16")
+    bits = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(value.data_ptr()))
+    return bits.copy().reshape(shape).view("bfloat16")
+
+
+def _bound_run(session: Any, names: list[str], inputs: Mapping[str, np.ndarray], options: Any = None) -> list[np.ndarray]:
+    """One run through an IO binding, every output copied to host memory: arrays of any dtype in and out."""
+    io = session.io_binding()
+    held = {k: _host_value(v) for k, v in inputs.items()}  # alive until the run is done
+    for k, v in held.items():
+        io.bind_ortvalue_input(k, v)
+    for n in names:
+        io.bind_output(n, "cpu")
+    session.run_with_iobinding(io, options)
+    return [_to_numpy(o) for o in io.get_outputs()]
+
+
+def _narrowed(step: StepFn, names: frozenset[str], inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v.astype("bfloat16") if k in names else v) for k, v in step(inputs, keep).items()}
 
 
 def prepare_ort(
@@ -190,8 +245,9 @@ def prepare_ort(
     limit = inline_weights_max_bytes
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {inline_weights_max_bytes!r}")
-    bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16"]
-    bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16"}
+    kept = frozenset() if isolate else bfloat16_cache(graph)  # a bfloat16 decode cache stays onnxruntime's tensors
+    bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16" and n not in kept]
+    bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16" and n not in kept}
     device = DEVICE_OF_PROVIDER.get(provider, "cpu")
     if not isinstance(tf32, bool) or (tf32 and device != "cuda"):
         raise BackendError(f"tf32 (TF32 MatMul on onnxruntime's CUDA provider) must be a bool, True only on ort-cuda; got {tf32!r} on {name}")
@@ -201,7 +257,7 @@ def prepare_ort(
             f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
         )
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
-    proto = export(widen_interface(graph) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
+    proto = export(widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
     if weights.widen:
         weights.widen_casts(proto)
     if weights.inline_bytes >= _PROTOBUF_LIMIT:
@@ -211,7 +267,7 @@ def prepare_ort(
         )
     model = proto.SerializeToString()
     del proto
-    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32, cuda_graph)
+    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32, cuda_graph, bfloat16_io=bool(kept))
     shapes = contraction_shapes(graph)
     static_empty = any(0 in s for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
@@ -222,11 +278,14 @@ def prepare_ort(
         outs = dict(zip(sessions.outputs, sessions.session(basic)(feeds)))
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
 
-    native = sessions.native if not (bf16_in or bf16_out) else None  # a widened interface is converted by `run` only
+    native = sessions.native if not bf16_in else None  # widened inputs are converted by `run` only
     decode: dict[str, Any] = {}  # a worker process, or an interface converted by `run`: the cache is NumPy arrays
     if native is not None:
         caches = functools.partial(OrtKVCache, device=device, pool={})
-        decode = {"caches": caches, "stepper": _ort_step(native, list(sessions.outputs), device, sessions.cuda_graph)}
+        step = _ort_step(native, list(sessions.outputs), device, sessions.cuda_graph)
+        if bf16_out:  # the logits of a bfloat16 model come back float32 (exact): the step gives them as the graph does
+            step = functools.partial(_narrowed, step, frozenset(bf16_out))
+        decode = {"caches": caches, "stepper": step}
     return Runner(name, sessions.description, graph, run, session=native, weights=weights.describe(), **decode)
 
 
@@ -248,6 +307,11 @@ class OrtKVCache(ArrayKVCache):
         where = device if lm.static else "cpu"
 
         def fresh(b: int, h: int, n: int, d: int, dtype: str) -> Any:
+            if dtype == "bfloat16":  # no NumPy dtype onnxruntime takes: allocated by onnxruntime, zeroed through uint16
+                value = ort.OrtValue.ortvalue_from_shape_and_type([b, h, n, d], _ONNX_BFLOAT16, where, 0)
+                if b * h * n * d:
+                    value.update_inplace(np.zeros((b, h, n, d), np.uint16))
+                return value
             return ort.OrtValue.ortvalue_from_numpy(zeros_cache(b, h, n, d, dtype), where, 0)
 
         self._pool: dict[Any, Any] | None = pool if lm.static else None
