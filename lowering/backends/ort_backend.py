@@ -35,7 +35,7 @@ from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, plan_session_
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .runner import Runner, StepFn
 
-__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER"]
+__all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER", "bfloat16_cache"]
 
 DEVICE_OF_PROVIDER = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
 """Where each execution provider keeps its tensors: the device of its decode cache and of the export's target."""
