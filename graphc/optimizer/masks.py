@@ -213,7 +213,7 @@ def _producer_through_broadcasts(graph: Graph, value: str) -> Node | None:
 def _hidden_product(graph: Graph, value: str) -> tuple[Dim, np.ndarray] | None:
     """``(l, fill)`` when ``value`` (through reshapes and broadcasts) is ``Cast(j >= i + l1) * Where(j >= i + l2, fill, 0)``
     (transformers' causal mask before 4.58: a Trilu of the fill, times the keys after each query's position), which
-    hides exactly the keys ``j >= i + l`` with ``l = max(l1, l2)``."""
+    hides exactly the keys ``j >= i + l`` with ``l = max(l1, l2)`` (a finite fill: ``0 * -inf`` would be NaN)."""
     node = _producer_through_broadcasts(graph, value)
     if node is None or not isinstance(node.op, Binary) or node.op.fn != "mul":
         return None
@@ -224,6 +224,8 @@ def _hidden_product(graph: Graph, value: str) -> tuple[Dim, np.ndarray] | None:
         first, fill, zero = _half_plane(graph, cast.inputs[0]), _scalar(graph, where.inputs[1]), _scalar(graph, where.inputs[2])
         second = _half_plane(graph, where.inputs[0])
         if first is None or second is None or first[0] != "lower" or second[0] != "lower" or not _is_fill(fill) or not _is_zero(zero):
+            continue
+        if not np.isfinite(fill):  # 0 * -inf is NaN: the product is a mask only for a finite fill
             continue
         if dim_is_nonnegative(dim_sub(first[1], second[1])):
             return first[1], fill
@@ -278,7 +280,7 @@ def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
     causal = _hidden_product(graph, mask)
     if causal is not None:  # the causal product alone (no padding)
         bound = normalize_dim(dim_sub(causal[0], 1))
-        return MaskSplit(bound, None, (), "mean" if np.isfinite(causal[1]) and not dim_is_nonnegative(bound) else "zero")
+        return MaskSplit(bound, None, (), "zero" if dim_is_nonnegative(bound) else "mean")
     if not isinstance(node.op, Where):
         return None
     found = _planes(graph, node)
