@@ -367,13 +367,13 @@ def projections_apart(apart: bool) -> Iterator[None]:
     import lowering.exporter.targets as targets
     from graphc.optimizer import Pass
 
-    merge = targets.merge_projections_pass
+    merge = targets.merge_projections
     if apart:
-        targets.merge_projections_pass = lambda mapped=True: Pass("merge_projections", "off (gpu_check)", lambda g, ctx: False)
+        targets.merge_projections = Pass("merge_projections", "off (gpu_check)", lambda g, ctx: False)
     try:
         yield
     finally:
-        targets.merge_projections_pass = merge
+        targets.merge_projections = merge
 
 
 def timed_generation(

@@ -1,5 +1,5 @@
 """Projections of one value merged into one contraction (``graphc.optimizer.merging``): the same numbers on every
-backend, one ``MatMul`` where there were several, and mapped checkpoint weights left as they are on the CPU."""
+backend, one ``MatMul`` where there were several, and only in the CUDA export."""
 
 from __future__ import annotations
 
@@ -10,14 +10,11 @@ import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.numpy import save_file
 
 import graphc
 from graphc.attention.hf_lm import causal_lm_config_from_hf
-from graphc.mapped import mapped_location
 from graphc.optimizer import PassContext
-from graphc.optimizer.merging import merge_projections_pass, projection_groups
-from graphc.weights import load_weights
+from graphc.optimizer.merging import merge_projections, projection_groups
 from lowering import export, random_inputs, run
 
 from conftest import installed
@@ -55,7 +52,7 @@ def _projections(widths: list[int], layouts: list[bool], dtype: str = "float32")
 def test_merged_projections_give_the_same_numbers(widths, layouts, seq):
     g = _projections(widths, layouts[: len(widths)])
     merged = g.copy()
-    assert merge_projections_pass()(merged, PassContext()).modified == (len(set(layouts[: len(widths)])) < len(widths))
+    assert merge_projections(merged, PassContext()).modified == (len(set(layouts[: len(widths)])) < len(widths))
     merged.verify()
     feeds = {"x": np.random.default_rng(seq).standard_normal((2, seq, 12)).astype(np.float32)}
     want = run(g, feeds, "numpy", compute_dtype="float64")["out"]
@@ -69,17 +66,6 @@ def test_a_projection_that_is_a_graph_output_or_of_another_dtype_stays():
     g.output("y2")
     groups = projection_groups(g)
     assert [[n.name for n in grp] for grp in groups] == [["y0", "y1"]]
-
-
-def test_mapped_weights_merge_only_when_asked(tmp_path):
-    g = _projections([3, 4], [True, True])
-    save_file({k: np.ascontiguousarray(v) for k, v in g.initializers.items()}, str(tmp_path / "model.safetensors"))
-    mapped = load_weights(tmp_path)
-    for name, arr in mapped.items():
-        g.initializers[name] = arr
-    assert all(mapped_location(a) is not None for a in g.initializers.values())
-    assert projection_groups(g, mapped=False) == []
-    assert len(projection_groups(g, mapped=True)) == 1
 
 
 @pytest.mark.skipif(not installed("ort-cpu"), reason="onnxruntime is not installed")

@@ -3,7 +3,7 @@
 A decoder layer reads its normed hidden state three times for q, k and v, and its MLP reads the second norm twice
 (gate and up).  At decode, each of those products is a matrix-vector product bound by reading its weight; one product
 over the concatenated weights reads the same bytes in one kernel launch instead of three (or two), which is what GPU
-runtimes do (onnxruntime-genai's builders pack q/k/v into one MatMul).  :func:`merge_projections_pass` rewrites each
+runtimes do (onnxruntime-genai's builders pack q/k/v into one MatMul).  :data:`merge_projections` rewrites each
 group of ``x @ W_i`` that share ``x`` (same einsum, 2-D constant weights, one dtype) to ``x @ concat(W_i)``
 followed by one ``Slice`` per original result; the merged weight is laid out ``[in, out]``, so an ONNX export writes a
 plain ``MatMul`` with no ``Transpose`` to fold.
@@ -11,24 +11,23 @@ plain ``MatMul`` with no ``Transpose`` to fold.
 The CUDA export runs it (:func:`lowering.exporter.targets.onnx_target`).  The CPU export does not: on onnxruntime's
 CPU provider (2 cores) a decode step measured the same with and without it (a 2-layer Mistral-7B-shaped float32 model
 97-110 vs 108-113 ms/token, a 8-layer hidden-512 one 6.9 vs 6.8), while the merged weights are a copy of the
-checkpoint's bytes where the separate ones are read from its mapped files.  ``mapped=False`` leaves alone a group any
-of whose weights is mapped from a file.
+checkpoint's bytes where the separate ones are read from its mapped files.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import numpy as np
 
 from graphc.graph import Graph, Node
-from graphc.mapped import mapped_location
 from graphc.ops import Einsum
 from graphc.tensor_ops import Slice
 
 from .infra import Pass, PassContext
 
-__all__ = ["merge_projections_pass", "projection_groups"]
+__all__ = ["merge_projections", "projection_groups"]
 
 
 def _projection(graph: Graph, node: Node) -> tuple[str, str, str] | None:
@@ -47,23 +46,14 @@ def _projection(graph: Graph, node: Node) -> tuple[str, str, str] | None:
     return x, node.op.spec, graph.types[w].dtype
 
 
-def projection_groups(graph: Graph, mapped: bool = True) -> list[list[Node]]:
-    """The groups of two or more projections of one value (same einsum, weight dtype and summed size), in graph order;
-    ``mapped=False`` skips a group with a weight mapped from a file."""
+def projection_groups(graph: Graph) -> list[list[Node]]:
+    """The groups of two or more projections of one value (same einsum, weight dtype and summed size), in graph order."""
     groups: dict[tuple[str, str, str], list[Node]] = defaultdict(list)
     for node in graph.topological_order():
         key = _projection(graph, node)
         if key is not None:
             groups[key].append(node)
-    out = []
-    for nodes in groups.values():
-        if len(nodes) < 2:
-            continue
-        weights = [graph.initializers[n.inputs[1]] for n in nodes]
-        if not mapped and any(mapped_location(w) is not None for w in weights):
-            continue
-        out.append(nodes)
-    return out
+    return [nodes for nodes in groups.values() if len(nodes) >= 2]
 
 
 def _merged_weight(graph: Graph, nodes: list[Node]) -> np.ndarray:
@@ -84,7 +74,7 @@ def _merge(graph: Graph, nodes: list[Node]) -> str:
     a, free = spec.inputs[0], spec.output[-1]
     summed = spec.inputs[1].replace(free, "")
     names = [n.inputs[1] for n in nodes]
-    common = _common_prefix(names)
+    common = os.path.commonprefix(names)
     prefix = common.rsplit(".", 1)[0] + "." if "." in common else ""
     heads = "_".join(n[len(prefix) :].split(".")[0] for n in names)
     weight = graph.add_initializer(graph.fresh_name(f"{prefix}merged_{heads}.weight"), _merged_weight(graph, nodes), copy=False)
@@ -102,23 +92,12 @@ def _merge(graph: Graph, nodes: list[Node]) -> str:
     return f"{len(nodes)} projections of {first.inputs[0]!r} ({', '.join(names)}) as one contraction over {weight.name!r}"
 
 
-def _common_prefix(names: list[str]) -> str:
-    prefix = names[0]
-    for n in names[1:]:
-        while not n.startswith(prefix):
-            prefix = prefix[:-1]
-    return prefix
+def _run(graph: Graph, ctx: PassContext) -> bool:
+    groups = projection_groups(graph)
+    for nodes in groups:
+        ctx.fired("merge_projections", nodes[0].name, _merge(graph, nodes))
+    return bool(groups)
 
 
-def merge_projections_pass(mapped: bool = True) -> Pass:
-    """The pass merging each group of projections of one value (:func:`projection_groups`); ``mapped=False`` keeps the
-    groups whose weights are mapped from checkpoint files as they are."""
-
-    def run(graph: Graph, ctx: PassContext) -> bool:
-        groups = projection_groups(graph, mapped)
-        for nodes in groups:
-            ctx.fired("merge_projections", nodes[0].name, _merge(graph, nodes))
-        return bool(groups)
-
-    where = "" if mapped else " (weights held in memory only)"
-    return Pass("merge_projections", f"projections of one value as one contraction over their concatenated weights{where}", run)
+merge_projections = Pass("merge_projections", "projections of one value as one contraction over their concatenated weights", _run)
+"""The pass merging each group of projections of one value (:func:`projection_groups`)."""

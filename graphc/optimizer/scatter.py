@@ -10,10 +10,6 @@ updates, and the mask analysis sees the mask as written.
 
 from __future__ import annotations
 
-import base64
-
-import onnx
-
 from graphc.graph import Graph, Node
 from graphc.opaque import Opaque
 from graphc.ops import Concat, Reshape
@@ -79,7 +75,7 @@ def _match_scatter_all(graph: Graph, node: Node, ctx: PassContext) -> Node | Mis
     op = node.op_as(Opaque)
     if (op.domain, op.op_type) != ("", "ScatterND") or len(node.inputs) != 3:
         return None
-    proto = onnx.NodeProto.FromString(base64.b64decode(op.proto))
+    proto = op.node_proto(node.inputs, node.outputs, node.name)
     if any(a.name == "reduction" and a.s not in (b"", b"none") for a in proto.attribute):
         return Miss(f"ScatterND {node.name!r} reduces into its data")
     data, indices, updates = node.inputs

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from onnx import TensorProto
 
 from graphc.dims import Shape, eval_shape, is_static
 from graphc.errors import BackendError
@@ -161,9 +162,6 @@ class _Sessions:
         return run
 
 
-_ONNX_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
-
-
 def bfloat16_cache(graph: Graph) -> frozenset[str]:
     """The pasts and presents of a causal LM step (``past_key_values.*``, ``present.*``) that are bfloat16: kept so at
     onnxruntime's interface, so a decode loop holds them as onnxruntime's own tensors (on the GPU under CUDA)."""
@@ -177,7 +175,7 @@ def _host_value(array: np.ndarray) -> Any:
 
     array = np.ascontiguousarray(array)
     if array.dtype.name == "bfloat16":
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _ONNX_BFLOAT16)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
@@ -308,7 +306,7 @@ class OrtKVCache(ArrayKVCache):
 
         def fresh(b: int, h: int, n: int, d: int, dtype: str) -> Any:
             if dtype == "bfloat16":  # no NumPy dtype onnxruntime takes: allocated by onnxruntime, zeroed through uint16
-                value = ort.OrtValue.ortvalue_from_shape_and_type([b, h, n, d], _ONNX_BFLOAT16, where, 0)
+                value = ort.OrtValue.ortvalue_from_shape_and_type([b, h, n, d], TensorProto.BFLOAT16, where, 0)
                 if b * h * n * d:
                     value.update_inplace(np.zeros((b, h, n, d), np.uint16))
                 return value

@@ -15,7 +15,7 @@ from graphc.dims import dim_add
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
-from graphc.optimizer.merging import merge_projections_pass
+from graphc.optimizer.merging import merge_projections
 
 from ..kernels.attention_kernel import is_key_mask_shape
 from .cuda_kernels import cuda_lacks_kernel
@@ -142,7 +142,7 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     if device not in DEVICES:
         raise UnknownNameError("export device", device, DEVICES)
     cuda = device == "cuda"
-    passes = (merge_projections_pass(), fuse_rms_norm, fuse_layer_norm) if cuda else (fuse_layer_norm,)
+    passes = (merge_projections, fuse_rms_norm, fuse_layer_norm) if cuda else (fuse_layer_norm,)
     precision, suffix = ("storage", "-cuda") if cuda else ("float32", "")
     gaps = cuda_lacks_kernel if cuda else None
     if mode == "decomposed":
