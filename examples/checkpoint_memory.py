@@ -31,10 +31,9 @@ CONFIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, 
           "num_key_value_heads": 2, "vocab_size": 8000, "rope_theta": 10000.0, "tie_word_embeddings": False}  # fmt: skip
 
 
-def small_checkpoint() -> Path:
-    """A folder as save_pretrained writes it: config.json and model.safetensors (seeded weights; a Llama graph's weights
-    carry transformers' names)."""
-    folder = Path(tempfile.mkdtemp())
+def small_checkpoint(folder: Path) -> Path:
+    """Write into ``folder`` what save_pretrained writes: config.json and model.safetensors (seeded weights; a Llama
+    graph's weights carry transformers' names)."""
     (folder / "config.json").write_text(json.dumps(CONFIG))
     seeded = graphc.causal_lm_graph(causal_lm_config_from_hf(CONFIG), seed=0)
     tensors = {k: np.ascontiguousarray(v) for k, v in seeded.initializers.items() if k.endswith(".weight")}
@@ -64,4 +63,8 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else small_checkpoint())
+    if len(sys.argv) > 1:
+        main(Path(sys.argv[1]))
+    else:
+        with tempfile.TemporaryDirectory() as work:  # the small checkpoint is removed afterwards
+            main(small_checkpoint(Path(work)))

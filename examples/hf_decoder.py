@@ -65,9 +65,10 @@ def main(config_path: Path, weights_path: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    work = Path(tempfile.mkdtemp())
-    if len(sys.argv) >= 3:
-        cfg, wts = Path(sys.argv[1]), Path(sys.argv[2])
-    else:
-        cfg, wts = small_checkpoint(work)
-    main(cfg, wts, Path(sys.argv[3]) if len(sys.argv) > 3 else work / "decoder.onnx")
+    with tempfile.TemporaryDirectory() as tmp:  # what is written here is removed afterwards; name an output to keep it
+        work = Path(tmp)
+        if len(sys.argv) >= 3:
+            cfg, wts = Path(sys.argv[1]), Path(sys.argv[2])
+        else:
+            cfg, wts = small_checkpoint(work)
+        main(cfg, wts, Path(sys.argv[3]) if len(sys.argv) > 3 else work / "decoder.onnx")
