@@ -93,9 +93,15 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
     return f"decomposed into grouped einsums (group {g}, no K/V copy)"
 
 
+_WIDE_FILL = ("float32", "float64")
+"""Dtypes whose finite fill absorbs any score: ``s + lowest == lowest`` for ``|s| < 1e31`` (float32), so a row whose
+every key is hidden holds the fill alone, its softmax is uniform, and it gives the mean of V with no guard."""
+
+
 def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, hkv: Dim, add) -> tuple[str, str | None]:  # noqa: ANN001
     """The causal mask, window and user mask on the scores ``s``; returns the masked scores and, when some row may see
-    no key, a bool ``[.., Sq, 1]`` marking such rows (they take the op's empty-row value)."""
+    no key, a bool ``[.., Sq, 1]`` marking such rows (they take the op's empty-row value).  A bool mask's rows that
+    should give the mean of V need no marking in :data:`_WIDE_FILL` dtypes: the finite fill makes them uniform."""
     sq, sk = graph.types[s].shape[-2:]
     dtype = graph.types[s].dtype
     empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
@@ -108,7 +114,8 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
         bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
         if op.causal_offset is not None:
             bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")
-        empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
+        if op.empty_rows != "mean" or dtype not in _WIDE_FILL:
+            empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
         s = add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked")
     else:
         if op.causal_offset is not None:
