@@ -15,12 +15,15 @@ from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elim
 from .cost import GraphCost, format_comparison, graph_cost
 from .grouping import ABOVE_REPEAT_RULE, EXPAND_REPEAT_RULE, FOLD_RULE, FUSE_REPEAT_RULE, HOIST_RULE
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule, Trace
+from .latent import ABSORB_LATENT_RULE
 from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
 from .scaling import SCALE_RULES
-from .scatter import SCATTER_ALL_RULE
+from .scatter import CONCAT_OF_TRANSPOSES_RULE, SCATTER_ALL_RULE, SCATTER_SLAB_RULE, SLICE_OF_CONCAT_RULE
 
 __all__ = ["optimize", "OptimizationResult", "OptimizationReport", "PIPELINES", "pipeline", "STAGES", "register_rule", "unregister_rule"]
+
+SCATTER_RULES = (SCATTER_ALL_RULE, SCATTER_SLAB_RULE, SLICE_OF_CONCAT_RULE, CONCAT_OF_TRANSPOSES_RULE)
 
 STAGES: dict[str, Pass] = {
     p.name: p
@@ -33,10 +36,20 @@ STAGES: dict[str, Pass] = {
         RewritePass(
             "simplify",
             "layout no-ops and chains, elementwise ops above layout changes, the scale onto the smallest operand or a weight, constants folded; "
-            "a repeat that the moves expose is grouped",
-            [*LAYOUT_RULES, HOIST_RULE, *SCALE_RULES, CONSTANT_FOLD_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE, SCATTER_ALL_RULE],
+            "a repeat that the moves expose is grouped; tensors assembled by scatters read as Concats; multi-head latent attention absorbed where cheaper",
+            [
+                *LAYOUT_RULES,
+                HOIST_RULE,
+                *SCALE_RULES,
+                CONSTANT_FOLD_RULE,
+                ABOVE_REPEAT_RULE,
+                FUSE_REPEAT_RULE,
+                FOLD_RULE,
+                *SCATTER_RULES,
+                ABSORB_LATENT_RULE,
+            ],
         ),
-        RewritePass("cleanup", "layout no-ops and chains, constants folded, whole scatters", [*LAYOUT_RULES, CONSTANT_FOLD_RULE, SCATTER_ALL_RULE]),
+        RewritePass("cleanup", "layout no-ops and chains, constants folded, scatters of grids", [*LAYOUT_RULES, CONSTANT_FOLD_RULE, *SCATTER_RULES]),
         plan_contractions,
         common_subexpression_elimination,
         dead_code_elimination,
