@@ -36,7 +36,8 @@ STAGES: dict[str, Pass] = {
         RewritePass(
             "simplify",
             "layout no-ops and chains, elementwise ops above layout changes, the scale onto the smallest operand or a weight, constants folded; "
-            "a repeat that the moves expose is grouped; tensors assembled by scatters read as Concats; multi-head latent attention absorbed where cheaper",
+            "a repeat that the moves expose is grouped; tensors assembled by scatters read as Concats; "
+            "multi-head latent attention absorbed where cheaper",
             [
                 *LAYOUT_RULES,
                 HOIST_RULE,
