@@ -116,13 +116,21 @@ def is_identity_grid(graph: Graph, indices: str, shape: tuple) -> bool:
     return starts is not None and all(normalize_dim(a) == 0 for a in starts)
 
 
-def _match_scatter_all(graph: Graph, node: Node, ctx: PassContext) -> Node | Miss | None:
+def _plain_scatter(node: Node) -> bool | Miss:
+    """True for an ONNX ``ScatterND`` that overwrites (no reduction), False for any other opaque op, a Miss for one that reduces."""
     op = node.op_as(Opaque)
     if (op.domain, op.op_type) != ("", "ScatterND") or len(node.inputs) != 3:
-        return None
+        return False
     proto = op.node_proto(node.inputs, node.outputs, node.name)
     if any(a.name == "reduction" and a.s not in (b"", b"none") for a in proto.attribute):
         return Miss(f"ScatterND {node.name!r} reduces into its data")
+    return True
+
+
+def _match_scatter_all(graph: Graph, node: Node, ctx: PassContext) -> Node | Miss | None:
+    plain = _plain_scatter(node)
+    if plain is not True:
+        return plain or None
     data, indices, updates = node.inputs
     shape = graph.types[data].shape
     if graph.types[updates].shape != shape or graph.types[updates].dtype != graph.types[data].dtype:
@@ -164,12 +172,9 @@ def _slab(graph: Graph, node: Node) -> tuple[int, Dim, Dim] | str:
 
 
 def _match_scatter_slab(graph: Graph, node: Node, ctx: PassContext) -> tuple[Node, tuple[int, Dim, Dim]] | Miss | None:
-    op = node.op_as(Opaque)
-    if (op.domain, op.op_type) != ("", "ScatterND") or len(node.inputs) != 3:
-        return None
-    proto = op.node_proto(node.inputs, node.outputs, node.name)
-    if any(a.name == "reduction" and a.s not in (b"", b"none") for a in proto.attribute):
-        return Miss(f"ScatterND {node.name!r} reduces into its data")
+    plain = _plain_scatter(node)
+    if plain is not True:
+        return plain or None
     slab = _slab(graph, node)
     if isinstance(slab, str):
         return Miss(f"ScatterND {node.name!r}: {slab}")
