@@ -2,7 +2,8 @@
 
     python benchmarks/torch_onnx_corpus.py [--families gptj,opt,...] [--work DIR]
 
-For each family of ``tests/real_exports.py``'s ``MORE_FAMILIES`` (default; any family there may be named) a 2-layer
+For each family of ``tests/real_exports.py``'s ``MORE_FAMILIES`` and ``MOE_FAMILIES`` (default; any family there may be
+named) a 2-layer
 random-weight transformers model (hidden 64, eager attention) is exported by both torch.onnx exporters, with and without
 a KV cache, and each file is imported, optimized and run by graphc (numpy and ort-cpu) against onnxruntime on the file
 at sizes never traced: prefill 5 and 130 tokens (batch 3, a left-padded row), decode over pasts of 100 and 260, a
@@ -75,10 +76,10 @@ def check(family: str, exporter: str, cache: bool, work: Path) -> tuple[str, str
 
 
 def main() -> None:
-    from real_exports import MORE_FAMILIES
+    from real_exports import MOE_FAMILIES, MORE_FAMILIES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default=",".join(MORE_FAMILIES))
+    parser.add_argument("--families", default=",".join((*MORE_FAMILIES, *MOE_FAMILIES)))
     parser.add_argument("--work", type=Path, default=None, help="where the files go (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

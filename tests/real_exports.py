@@ -22,8 +22,13 @@ ALIBI_FAMILIES = ("mpt", "bloom")
 MORE_FAMILIES = ("gptj", "opt", "gpt_bigcode", "phi", "stablelm", "olmo", "gemma", "starcoder2", "deepseek_v3")
 """Further decoders transformers exports: interleaved partial rotary (GPT-J), learned positions and a scale before the
 mask (OPT), multi-query attention (GPTBigCode), partial rotary with LayerNorm (Phi, StableLM), non-parametric norms
-(OLMo), one KV head (Gemma), biases everywhere (Starcoder2) and multi-head latent attention (DeepSeek-V3, its MoE layers
-left out: transformers' expert routing does not export), whose cache holds the compressed latents, not keys and values."""
+(OLMo), one KV head (Gemma), biases everywhere (Starcoder2) and multi-head latent attention (DeepSeek-V3, its layers
+dense here: ``MOE_FAMILIES`` has its MoE), whose cache holds the compressed latents, not keys and values."""
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3_moe")
+"""Mixture-of-experts decoders (4 experts, 2 per token): Mixtral and Qwen3-MoE (softmax top-k routing), DeepSeek-V3 with
+its MoE layer (sigmoid scores, group-limited top-k, a shared expert).  Exported with transformers' ``batched_mm``
+experts: each token gathers its experts' weights and runs batched MatMuls, a graph without data-dependent shapes (the
+default experts loop over the experts a batch hits, which the tracer would unroll for the traced routing)."""
 VOCAB = 128
 
 
@@ -44,6 +49,8 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, w
         return "BloomConfig", dict(hidden_size=hidden, n_head=4, n_layer=2, **common)
     if family in MORE_FAMILIES:
         return _more_config(family, hidden, common)
+    if family in MOE_FAMILIES:
+        return _moe_config(family, hidden, common)
     if family == "falcon":
         return "FalconConfig", dict(
             hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2, **common
@@ -98,6 +105,20 @@ def _more_config(family: str, hidden: int, common: dict) -> tuple[str, dict]:
         }[family]
     )
     return classes[family], kw
+
+
+def _moe_config(family: str, hidden: int, common: dict) -> tuple[str, dict]:
+    experts = dict(intermediate_size=2 * hidden, num_experts_per_tok=2, experts_implementation="batched_mm", **common)
+    if family == "mixtral":
+        gqa = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=hidden // 8)
+        return "MixtralConfig", dict(num_local_experts=4, **gqa, **experts)
+    if family == "qwen3_moe":
+        gqa = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=hidden // 8)
+        return "Qwen3MoeConfig", dict(moe_intermediate_size=hidden, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[], **gqa, **experts)
+    d = hidden // 8  # deepseek_v3_moe: layer 0 dense, layer 1 the MoE
+    mla = dict(kv_lora_rank=2 * d, q_lora_rank=3 * d, qk_rope_head_dim=d, qk_nope_head_dim=d, v_head_dim=d, num_key_value_heads=4)
+    routing = dict(first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=hidden)
+    return "DeepseekV3Config", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, **mla, **routing, **experts)
 
 
 def config(family: str, attention: str, hidden: int = 64, window: int = 16):  # noqa: ANN201 - a transformers PretrainedConfig

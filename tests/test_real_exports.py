@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from real_exports import ALIBI_FAMILIES, FAMILIES, MORE_FAMILIES, export_model, feeds  # noqa: E402
+from real_exports import ALIBI_FAMILIES, FAMILIES, MOE_FAMILIES, MORE_FAMILIES, export_model, feeds  # noqa: E402
 
 from graphc import optimize  # noqa: E402
 from graphc.cli import main  # noqa: E402
@@ -123,6 +123,25 @@ def test_more_families_cache_exports_are_one_causal_attention_per_layer_equal_to
     lowered = lower(optimized, KEEP_ALL)
     ops = [n.op for n in lowered.topological_order() if n.op.kind == "Attention"]
     latent = family == "deepseek_v3"
+    assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
+    _equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3], ("numpy", "ort-cpu"))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_mixture_of_experts_exports_import_their_routing_as_written(family, tmp_path):
+    """Mixtral, Qwen3-MoE and DeepSeek-V3 with its MoE layer, exported with their cache (transformers' ``batched_mm``
+    experts: top-k routing, each token's experts' weights gathered, batched MatMuls, the weighted sum).  The routing
+    imports as written (``TopK``, and DeepSeek's group mask a ``ScatterElements``, run by their ONNX semantics), each
+    layer's attention is one causal ``Attention``, and the model equals onnxruntime at untraced sizes, so tokens that
+    pick other experts than the traced ones included."""
+    path = export_model(family, "legacy", "eager", True, tmp_path / "model.onnx")
+    model = onnx.load(str(path), load_external_data=False)
+    graph = from_onnx(path)
+    optimized = optimize(graph).graph
+    routing = {n.op.op_type for n in optimized.nodes.values() if n.op.kind == "Opaque"}
+    assert "TopK" in routing, routing
+    ops = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
+    latent = family == "deepseek_v3_moe"
     assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
     _equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3], ("numpy", "ort-cpu"))
 
