@@ -112,13 +112,21 @@ def _session(path: Path, threads: int):  # noqa: ANN202 - an onnxruntime.Inferen
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
+def attention_of(family: str) -> str:
+    """transformers' attention the family is exported with: eager for MPT and Bloom (no sdpa) and the further and MoE
+    families (as their tests export them), sdpa for the others."""
+    from real_exports import ALIBI_FAMILIES, MOE_FAMILIES, MORE_FAMILIES
+
+    return "eager" if family in (*ALIBI_FAMILIES, *MORE_FAMILIES, *MOE_FAMILIES) else "sdpa"
+
+
 def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> list[tuple[str, float | None, str]]:
     """Rows ``(variant, median ms or None, note)`` for one family and case."""
     import onnx
-    from real_exports import ALIBI_FAMILIES, MORE_FAMILIES, export_model, feeds
+    from real_exports import export_model, feeds
 
     cache, seq, past = CASES[case]
-    attention = "eager" if family in (*ALIBI_FAMILIES, *MORE_FAMILIES) else "sdpa"  # MPT and Bloom have no sdpa; the others as tested
+    attention = attention_of(family)
     path = export_model(family, "legacy", attention, cache, work / "model.onnx", hidden=256, window=WINDOW)
     f = feeds(onnx.load(str(path), load_external_data=False), 1, seq, past)
     sizes = {"batch": 1, "seq": seq, **({"past_seq": past} if cache else {})}
@@ -170,7 +178,8 @@ def main() -> None:
 
     print(
         f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
-        f"no spinning; legacy torch.onnx exports, sdpa attention, hidden 256, 2 layers, float32, batch 1; "
+        f"no spinning; legacy torch.onnx exports, {'/'.join(sorted({attention_of(f) for f in args.families.split(',')}))} attention, "
+        "hidden 256, 2 layers, float32, batch 1; "
         f"median of {args.blocks} alternating blocks of {args.calls} back-to-back calls"
     )
     summary = []

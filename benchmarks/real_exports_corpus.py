@@ -249,7 +249,11 @@ def main() -> None:
             _, kw = config_kwargs(family, hidden=256)
             heads = kw.get("num_attention_heads") or kw.get("n_head") or kw.get("n_heads")
             head_dim = kw.get("head_dim") or 256 // heads
-            print(f"| {family} | {tool} | " + " | ".join(check(path, head_dim)) + " |", flush=True)
+            try:
+                row = check(path, head_dim)
+            except Exception as e:  # noqa: BLE001 - graphc's failure on one file is that file's row
+                row = ("-", "-", f"FAILED: {type(e).__name__}: {str(e)[:160]}")
+            print(f"| {family} | {tool} | " + " | ".join(row) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,46 @@ def test_a_scatter_has_its_data_shape_whatever_the_file_declares() -> None:
         np.testing.assert_allclose(run(g, feeds, backend=backend)["z"], _ort(model, feeds)[0], rtol=1e-6, err_msg=backend)
 
 
+def _expert_model() -> onnx.ModelProto:
+    """One expert of a mixture as transformers before 5 wrote it: the tokens routed to it found with NonZero (a count
+    only the data gives), gathered, projected by the expert's MatMul, viewed through that count, added back in place."""
+    nodes = [
+        helper.make_node("Greater", ["route", "zero"], ["mine"]),
+        helper.make_node("NonZero", ["mine"], ["nz"]),  # [1, k]
+        helper.make_node("Transpose", ["nz"], ["nzt"], perm=[1, 0]),  # [k, 1]
+        helper.make_node("Squeeze", ["nzt", "one"], ["tokens"]),  # [k]
+        helper.make_node("Gather", ["x", "tokens"], ["picked"], axis=0),  # [k, 6]
+        helper.make_node("MatMul", ["picked", "w"], ["h"]),  # [k, 4]: empty when no token picks the expert
+        helper.make_node("Shape", ["tokens"], ["k"]),
+        helper.make_node("Concat", ["k", "two", "two"], ["split"], axis=0),
+        helper.make_node("Reshape", ["h", "split"], ["h3"]),  # [k, 2, 2]
+        helper.make_node("ReduceSum", ["h3", "last"], ["y"], keepdims=0),  # [k, 2]
+    ]
+    inits = [numpy_helper.from_array(np.array(0.0, np.float32), "zero"), numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array([2], np.int64), "two"), numpy_helper.from_array(np.array([2], np.int64), "last"),
+             numpy_helper.from_array(_w(6, 4), "w")]  # fmt: skip
+    inputs = [helper.make_tensor_value_info("x", F, ["n", 6]), helper.make_tensor_value_info("route", F, ["n"])]
+    return _model(nodes, inputs, [helper.make_tensor_value_info("y", F, None)], inits)
+
+
+@pytest.mark.parametrize("picked", [3, 1, 0])
+def test_a_count_only_the_data_gives_is_bound_as_computed(picked: int, tmp_path: Path) -> None:
+    """A NonZero's count (``unk``) sizes a Reshape and a MatMul downstream: the NumPy interpreter binds it when the
+    NonZero runs, the ONNX export reads it off the first value that carries it, and onnxruntime runs such a graph's
+    contractions in the session that survives an empty one (no token for this expert)."""
+    model = _expert_model()
+    graph = optimize(from_onnx(model)).graph
+    route = np.where(np.arange(5) < picked, 1.0, -1.0).astype(np.float32)
+    feeds = {"x": _w(5, 6), "route": route}
+    want = _ort(model, feeds)[0]
+    assert want.shape == (picked, 2)
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(graph, feeds, backend=backend)["y"], want, rtol=1e-5, atol=1e-6, err_msg=backend)
+    path = tmp_path / "expert.onnx"
+    export(graph, path)
+    np.testing.assert_allclose(_ort(onnx.load(str(path)), feeds)[0], want, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- ops graphc does not model
 def _cumsum_model() -> onnx.ModelProto:
     nodes = [

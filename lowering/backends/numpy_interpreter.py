@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from graphc.attention_op import Attention
+from graphc.dims import dim_symbols, is_symbol
 from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 from graphc.mapped import release_pages
@@ -97,6 +98,7 @@ class NumpyInterpreter:
         for name, idx in last.items():
             if not graph.is_output(name):
                 self._free_after[idx].append(name)
+        self._data_dims = _data_dependent_dims(graph, self.order)
 
     def _precompute_constants(self, order: list[Any]) -> list[Any]:
         """Run once, here, the nodes that read only weights (the float32 casts of low-precision weights); return the rest."""
@@ -153,7 +155,7 @@ class NumpyInterpreter:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the graph on ``feeds`` (checked first) and return its outputs by name."""
-        dims = self._check(feeds)
+        dims = dict(self._check(feeds))
         env: dict[str, np.ndarray] = dict(self._weights)
         env.update({k: self._cast(v if isinstance(v, np.ndarray) else np.asarray(v)) for k, v in feeds.items()})  # a KV prefix stays one
         for idx, node in enumerate(self.order):
@@ -164,6 +166,8 @@ class NumpyInterpreter:
                 raise ExecutionError(f"node {node.name!r} ({node.op}) failed on operands {shapes}: {type(e).__name__}: {e}", node.name) from e
             for name, value in zip(node.outputs, results):
                 env[name] = value
+            for out, axis, symbol in self._data_dims[idx]:  # a count only the data gives (a NonZero's): bound as computed
+                dims[symbol] = int(results[out].shape[axis])
             for name in self._free_after[idx]:
                 env.pop(name, None)
         return {o: env[o] if isinstance(env[o], np.ndarray) else np.asarray(env[o]) for o in self.graph.outputs}  # a KV prefix stays one
@@ -174,3 +178,19 @@ def run_numpy(
 ) -> dict[str, np.ndarray]:
     """One-shot convenience: ``NumpyInterpreter(graph, compute_dtype, threads, reference).run(feeds)`` (no lowering)."""
     return NumpyInterpreter(graph, compute_dtype, threads, reference).run(feeds)
+
+
+def _data_dependent_dims(graph: Graph, order: list[Any]) -> list[list[tuple[int, int, str]]]:
+    """Per node of ``order``: ``(output index, axis, symbol)`` for each symbol no input's shape binds that first
+    appears as that axis of the node's output (a data-dependent count, e.g. an imported NonZero's ``unk``)."""
+    bound = {s for name in graph.inputs for d in graph.types[name].shape for s in dim_symbols(d)}
+    out: list[list[tuple[int, int, str]]] = []
+    for node in order:
+        here = []
+        for i, name in enumerate(node.outputs):
+            for axis, d in enumerate(graph.types[name].shape):
+                if is_symbol(d) and str(d) not in bound:
+                    bound.add(str(d))
+                    here.append((i, axis, str(d)))
+        out.append(here)
+    return out

@@ -13,7 +13,8 @@ onnxruntime's extended graph rewrites fuse a Transpose into ``MatMul``
 among them) divide by zero inside that kernel when a transposed operand has a
 zero-size axis: the process dies with SIGFPE.  A run whose contractions have a
 zero-size operand under the run's sizes therefore uses a second session built
-with the basic rewrites only; every other run uses the fully optimized one.
+with the basic rewrites only; every other run uses the fully optimized one.  A graph whose contractions have a size
+only the data gives (an imported ``NonZero``'s count: the tokens one expert of a mixture gets) always uses it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
-from graphc.dims import Shape, eval_shape, is_static
+from graphc.dims import Shape, dim_symbols, eval_shape, is_static
 from graphc.errors import BackendError
 from graphc.graph import Graph
 from graphc.ops import Einsum
@@ -267,7 +268,9 @@ def prepare_ort(
     del proto
     sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32, cuda_graph, bfloat16_io=bool(kept))
     shapes = contraction_shapes(graph)
-    static_empty = any(0 in s for s in shapes)
+    input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}
+    # a size only the data gives (an imported NonZero's count: the tokens one expert gets) may be zero on any run
+    static_empty = any(0 in s or not {x for d in s for x in dim_symbols(d)} <= input_symbols for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
 
     def run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

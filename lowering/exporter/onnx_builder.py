@@ -44,8 +44,18 @@ class OnnxBuilder:
         self.known_shapes: dict[str, tuple[Dim, ...]] = {}
         self.may_carry_neg_inf = may_carry_neg_inf(graph)
         self.symbol_source: dict[str, tuple[str, int]] = {}
+        self._shaped: list[str] = list(graph.inputs)  # values whose shapes a Shape node may read (inputs, then computed ones)
         for name in graph.inputs:
             for axis, d in enumerate(graph.types[name].shape):
+                if is_symbol(d):
+                    self.symbol_source.setdefault(str(d), (name, axis))
+
+    def computed(self, values: tuple[str, ...]) -> None:
+        """Record node outputs now in the ONNX graph: a dim no input has (a data-dependent count, such as a NonZero's or
+        an import's ``unk``) is read from the first of them that carries it."""
+        for name in values:
+            self._shaped.append(name)
+            for axis, d in enumerate(self.graph.types[name].shape):
                 if is_symbol(d):
                     self.symbol_source.setdefault(str(d), (name, axis))
 
@@ -91,8 +101,9 @@ class OnnxBuilder:
         return out
 
     def _solve(self, sym: str) -> str:
-        """A symbol seen only inside an input's dim expression: ``past_seq`` from an axis of ``past_seq+seq``."""
-        for name in self.graph.inputs:
+        """A symbol seen only inside a dim expression of an input (or a value computed so far): ``past_seq`` from an axis
+        of ``past_seq+seq``."""
+        for name in self._shaped:
             for axis, d in enumerate(self.graph.types[name].shape):
                 terms = dim_terms(d)
                 mine = [(syms, c) for syms, c in terms if sym in syms]
@@ -106,7 +117,7 @@ class OnnxBuilder:
                 rest_dim = dim_sub(d, dim_mul(coef, sym))
                 value = self.op("Sub", [total, self.dim(rest_dim)]) if rest else total
                 return self.op("Div", [value, self.dim(coef)], base=f"dim_{sym}") if coef != 1 else value
-        raise ExportError(f"symbolic dim {sym!r} cannot be computed at run time from any graph input's shape")
+        raise ExportError(f"symbolic dim {sym!r} cannot be computed at run time from any graph input's or earlier value's shape")
 
     def _poly(self, d: Dim) -> str:
         total: str | None = None

@@ -475,6 +475,7 @@ def export(
     b = OnnxBuilder(lowered)
     for node in lowered.topological_order():
         _lower_node(b, node, attention)
+        b.computed(node.outputs)
     b.initializers.extend(_initializers(lowered, path, external_data, place_weights))
     onnx_graph = helper.make_graph(
         b.nodes,
