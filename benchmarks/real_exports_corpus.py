@@ -42,6 +42,7 @@ FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon",  # the causal LMs of tests/real_exports.py
     "mpt", "bloom",  # its ALiBi families
     "gptj", "opt", "gpt_bigcode", "phi", "stablelm", "olmo", "gemma", "starcoder2", "deepseek_v3",  # and its MORE_FAMILIES
+    "mixtral", "qwen3_moe", "deepseek_v3_moe",  # and its MOE_FAMILIES
 )  # fmt: skip
 SIZES = [(1, 5, 0, 0), (2, 9, 0, 3), (1, 1, 100, 0), (2, 1, 260, 0), (3, 7, 13, 0), (2, 30, 5, 0), (3, 7, 13, 2), (3, 1, 20, 4)]
 """(batch, new tokens, past, left padding of row 0)."""
