@@ -30,6 +30,18 @@ its MoE layer (sigmoid scores, group-limited top-k, a shared expert).  Exported 
 experts: each token gathers its experts' weights and runs batched MatMuls, a graph without data-dependent shapes (the
 default experts loop over the experts a batch hits, which the tracer would unroll for the traced routing)."""
 VOCAB = 128
+REAL_SHAPES = {
+    "deepseek_v2_lite_attention": (
+        "DeepseekV3Config",
+        dict(
+            hidden_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, intermediate_size=2048, kv_lora_rank=512,
+            q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=2, n_routed_experts=4,
+            n_group=1, topk_group=1,
+        ),
+    ),
+}  # fmt: skip
+"""Models at a real shape (``hidden`` is ignored): DeepSeek-V2-Lite's attention (16 heads, a 512-wide latent, rotary 64,
+nope 128, value 128) in 2 layers whose MLPs are dense and of the hidden width."""
 
 
 def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, window: int = 16) -> tuple[str, dict]:
@@ -37,6 +49,9 @@ def config_kwargs(family: str, attention: str | None = None, hidden: int = 64, w
     2 KV heads where the family has GQA, else 4 heads; Mistral and Gemma 2 with a sliding ``window``.  Plain data, so
     that other environments (other transformers versions) build the same models."""
     common: dict = dict(vocab_size=VOCAB, **({"attn_implementation": attention} if attention else {}))
+    if family in REAL_SHAPES:
+        name, kw = REAL_SHAPES[family]
+        return name, dict(kw, **common)
     if family == "bert":
         return "BertConfig", dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, **common)
     if family == "gpt2":
