@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphc.graph import Graph, Node
-from graphc.ops import Concat, Einsum, Repeat, Reshape, Transpose
+from graphc.ops import Concat, Einsum, Op, Repeat, Reshape, Transpose
 from graphc.tensor_ops import Slice
 
 from .infra import PassContext, Rule
@@ -133,10 +133,11 @@ def _match(graph: Graph, node: Node, ctx: PassContext) -> _Match | Miss | None:
         return Miss(f"scores {node.name!r}: keys projected from a latent, but the rest of each key is not one head repeated")
     if key.start != 0 or key.stop != graph.types[nope].shape[3]:
         return Miss(f"scores {node.name!r}: the keys' latent part is not the first columns of each head's projection")
+    key_cut = graph.producer(nope)
     values = [
         (name, p)
         for n in graph.consumers(key.source)
-        if n.name != graph.producer(nope).name  # type: ignore[union-attr]  # matched above
+        if key_cut is None or n.name != key_cut.name
         for name in n.outputs
         if (p := latent_projection(graph, name)) is not None and p.latent == key.latent
     ]
@@ -182,8 +183,8 @@ def _rewrite(graph: Graph, m: _Match, ctx: PassContext) -> str:
     dn, r = m.key.stop - m.key.start, m.key.weight.shape[0]
     dq = graph.types[q].shape[3]
 
-    def add(op: object, inputs: list[str], label: str) -> str:
-        return graph.add_node(op, inputs, graph.fresh_name(f"{base}_{label}"), before=at).name  # type: ignore[arg-type]
+    def add(op: Op, inputs: list[str], label: str) -> str:
+        return graph.add_node(op, inputs, graph.fresh_name(f"{base}_{label}"), before=at).name
 
     w_k = graph.add_initializer(graph.fresh_name(f"{base}_absorbed_key.weight"), np.ascontiguousarray(m.key.weight[:, :, m.key.start : m.key.stop]))
     q_nope = add(Slice(3, 0, dn), [q], "q_nope")

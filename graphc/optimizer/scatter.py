@@ -223,13 +223,14 @@ def _operand_span(graph: Graph, node: Node) -> tuple[str, Dim] | None:
     return None
 
 
-def _match_slice_of_concat(graph: Graph, node: Node, ctx: PassContext) -> Node | None:
-    return node if _operand_span(graph, node) is not None else None
+def _match_slice_of_concat(graph: Graph, node: Node, ctx: PassContext) -> tuple[Node, str, Dim] | None:
+    span = _operand_span(graph, node)
+    return None if span is None else (node, *span)
 
 
-def _rewrite_slice_of_concat(graph: Graph, node: Node, ctx: PassContext) -> str:
+def _rewrite_slice_of_concat(graph: Graph, m: tuple[Node, str, Dim], ctx: PassContext) -> str:
+    node, part, offset = m
     op = node.op_as(Slice)
-    part, offset = _operand_span(graph, node)  # type: ignore[misc]  # matched
     inner = Slice(op.axis, dim_sub(op.start, offset), dim_sub(op.stop, offset))
     out = graph.add_node(inner, [part], graph.fresh_name(f"{node.output}_part"), before=node.name)
     concat = node.inputs[0]

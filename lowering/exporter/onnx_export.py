@@ -225,6 +225,7 @@ def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
     if emit is None:
         raise ExportError(f"node {node.name!r}: no ONNX lowering for {node.op.kind}")
     emit(b, node, mode)
+    b.computed(node.outputs)
 
 
 OpT = TypeVar("OpT", bound=Op)
@@ -475,7 +476,6 @@ def export(
     b = OnnxBuilder(lowered)
     for node in lowered.topological_order():
         _lower_node(b, node, attention)
-        b.computed(node.outputs)
     b.initializers.extend(_initializers(lowered, path, external_data, place_weights))
     onnx_graph = helper.make_graph(
         b.nodes,
