@@ -15,6 +15,7 @@ from .cleanup import CONSTANT_FOLD_RULE, LAYOUT_RULES, common_subexpression_elim
 from .cost import GraphCost, format_comparison, graph_cost
 from .grouping import ABOVE_REPEAT_RULE, EXPAND_REPEAT_RULE, FOLD_RULE, FUSE_REPEAT_RULE, HOIST_RULE
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule, Trace
+from .experts import DENSE_EXPERTS_RULE
 from .latent import ABSORB_LATENT_RULE
 from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
@@ -48,6 +49,7 @@ STAGES: dict[str, Pass] = {
                 FOLD_RULE,
                 *SCATTER_RULES,
                 ABSORB_LATENT_RULE,
+                DENSE_EXPERTS_RULE,
             ],
         ),
         RewritePass("cleanup", "layout no-ops and chains, constants folded, scatters of grids", [*LAYOUT_RULES, CONSTANT_FOLD_RULE, *SCATTER_RULES]),
