@@ -50,6 +50,8 @@ def _match(graph: Graph, node: Node, ctx: PassContext) -> tuple[Node, int] | Mis
         term, other = spec.inputs[pos], spec.inputs[1 - pos]
         if graph.types[ids].rank != 1 or graph.types[ids].dtype != "int64" or node.inputs.count(name) != 1:
             continue
+        if graph.types[gather.inputs[0]].rank != 3:  # [experts, out, in]; a table of rows (an embedding) is no expert
+            continue
         experts = graph.types[gather.inputs[0]].shape[0]
         if not (term[0] in other and spec.output[:1] == term[0]):
             return Miss(f"einsum {node.name!r}: its gathered weights' token axis is not a batch axis leading the output")
