@@ -393,3 +393,24 @@ def test_only_the_identity_grid_of_indices_reads_as_a_whole_scatter():
     assert is_identity_grid(g, grid([batch, heads, rows, cols]), full)
     assert not is_identity_grid(g, grid([batch, heads, cols, rows]), full)
     assert not is_identity_grid(g, grid([batch, heads, moved, cols]), full)
+
+
+def test_a_constant_grid_component_must_lie_along_its_own_axis():
+    """A constant ``arange`` placed along the heads, broadcast to the grid, is no column index even where the two
+    axes have one length; placed along the columns it is, with its start (the slab a legacy export writes)."""
+    from graphc.ops import Concat, Reshape
+    from graphc.optimizer.scatter import grid_starts
+    from graphc.tensor_ops import BroadcastTo
+
+    g = Graph("grid")
+    full = (1, 4, 1, 4)
+
+    def component(name: str, values: np.ndarray) -> str:
+        return g.add_node(Reshape((*full, 1)), [g.add_node(BroadcastTo(full), [g.constant(name, values)])]).name
+
+    zero = component("zero", np.zeros((1, 1, 1, 1), np.int64))
+    heads = component("heads", np.arange(4, dtype=np.int64).reshape(1, 4, 1, 1))
+    cols = component("cols", np.arange(8, 12, dtype=np.int64).reshape(1, 1, 1, 4))
+    across = component("across", np.arange(4, dtype=np.int64).reshape(1, 4, 1, 1))  # the heads' positions again
+    assert grid_starts(g, g.add_node(Concat(4), [zero, heads, zero, cols]).name, full) == [0, 0, 0, 8]
+    assert grid_starts(g, g.add_node(Concat(4), [zero, heads, zero, across]).name, full) is None

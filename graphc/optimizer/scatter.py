@@ -55,7 +55,7 @@ def _is_zero(graph: Graph, value: str) -> bool:
 def _start_along(graph: Graph, value: str, axis: int, rank: int) -> Dim | None:
     """``a`` when ``value`` (``rank`` axes and a trailing 1) holds ``a + i`` at index ``i`` of ``axis`` and is constant
     along every other axis, else None.  The root is a ``Positions`` of the axis' length (its offset is ``a``) or a
-    constant with one non-unit axis holding consecutive integers; each step outwards is a Reshape that keeps every
+    constant of consecutive integers, 1-D or already lying along ``axis`` (every other axis 1); each step outwards is a Reshape that keeps every
     other axis 1, a trailing unit axis, or a broadcast (BroadcastTo, or a Repeat off ``axis``) of the same rank."""
     chain = _chain(graph, value)
     length = graph.types[value].shape[axis]
@@ -65,7 +65,8 @@ def _start_along(graph: Graph, value: str, axis: int, rank: int) -> Dim | None:
         start = producer.op.offset
     elif graph.is_constant(root) and isinstance(length, int):
         flat = np.asarray(graph.initializers[root])
-        if flat.dtype.kind in "iu" and flat.size == length and sum(d != 1 for d in flat.shape) <= 1:
+        placed = flat.ndim == 1 or (flat.ndim in (rank, rank + 1) and all(d == 1 for i, d in enumerate(flat.shape) if i != axis))
+        if flat.dtype.kind in "iu" and flat.size == length and placed:  # 1-D, or already along ``axis``
             flat = flat.reshape(-1)
             if length and np.array_equal(flat, flat[0] + np.arange(length)):
                 start = int(flat[0])
