@@ -150,29 +150,25 @@ def _match(graph: Graph, node: Node, ctx: PassContext) -> _Match | Miss | None:
         return Miss(f"scores {node.name!r}: the keys' heads, the repeated rotary key and the values disagree")
     if graph.is_output(value_name) or graph.is_output(node.inputs[1]):
         return Miss(f"scores {node.name!r}: the projected keys or values are graph outputs")
+    if graph.types[shared].shape[:3] != graph.types[key.latent].shape[:3]:
+        return Miss(f"scores {node.name!r}: the rotary key and the latent cover other tokens")
     m = _Match(node, key, value, value_name, shared, int(heads))
-    if _absorbed_cost(graph, m, ctx) >= _projected_cost(graph, m, ctx):
+    projected, absorbed = _costs(graph, m, ctx)
+    if absorbed >= projected:
         return Miss(f"scores {node.name!r}: for these sizes the projected form costs fewer multiply-adds than the absorbed one")
     return m
 
 
-def _sizes(graph: Graph, m: _Match, ctx: PassContext) -> tuple[int, int, int, int, int, int, int, int]:
+def _costs(graph: Graph, m: _Match, ctx: PassContext) -> tuple[int, int]:
+    """Multiply-adds of the projected and of the absorbed form under the hints."""
     b, h, s, _ = (ctx.size(d) for d in graph.types[m.scores.inputs[0]].shape)
     t = ctx.size(graph.types[m.key.latent].shape[2])
     r = m.key.weight.shape[0]
     dn, dv = m.key.stop - m.key.start, m.value.stop - m.value.start
     dr = ctx.size(graph.types[m.rotary].shape[3])
-    return b, h, s, t, r, dn, dv, dr
-
-
-def _projected_cost(graph: Graph, m: _Match, ctx: PassContext) -> int:
-    b, h, s, t, r, dn, dv, dr = _sizes(graph, m, ctx)
-    return b * (t * r * h * (dn + dv) + s * t * h * (dn + dr) + s * t * h * dv)
-
-
-def _absorbed_cost(graph: Graph, m: _Match, ctx: PassContext) -> int:
-    b, h, s, t, r, dn, dv, dr = _sizes(graph, m, ctx)
-    return b * (s * h * dn * r + s * t * h * (r + dr) + s * t * h * r + s * h * r * dv)
+    projected = b * (t * r * h * (dn + dv) + s * t * h * (dn + dr) + s * t * h * dv)
+    absorbed = b * (s * h * dn * r + s * t * h * (r + dr) + s * t * h * r + s * h * r * dv)
+    return projected, absorbed
 
 
 def _rewrite(graph: Graph, m: _Match, ctx: PassContext) -> str:
