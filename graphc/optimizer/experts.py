@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphc.dims import dim_mul
+from graphc.einsum_spec import fresh_labels
 from graphc.graph import Graph, Node
 from graphc.ops import Binary, Compare, Einsum, Op, Reshape, Where
 from graphc.rotary import Positions
@@ -68,7 +69,7 @@ def _rewrite(graph: Graph, m: tuple[Node, int], ctx: PassContext) -> str:
     weights, ids = gather.inputs
     experts = int(graph.types[weights].shape[0])
     term = spec.inputs[pos]
-    e = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in "".join(spec.inputs) + spec.output)
+    e = fresh_labels(spec.labels, 1)
     terms = list(spec.inputs)
     terms[pos] = e + term[1:]
     inputs = list(node.inputs)

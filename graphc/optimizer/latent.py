@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from graphc.einsum_spec import fresh_labels
 from graphc.graph import Graph, Node
 from graphc.ops import Concat, Einsum, Op, Repeat, Reshape, Transpose
 from graphc.tensor_ops import Slice
@@ -198,8 +199,7 @@ def _rewrite(graph: Graph, m: _Match, ctx: PassContext) -> str:
         spec = reader.op_as(Einsum).parsed
         pos = reader.inputs.index(m.value_name)
         term = spec.inputs[pos]  # [B, H, T, dv] in this reader's letters
-        free = sorted(set("abcdefghijklmnopqrstuvwxyz") - set("".join(spec.inputs) + spec.output))
-        lat = free[0]
+        lat = fresh_labels(spec.labels, 1)
         terms = list(spec.inputs)
         terms[pos] = term[:3] + lat
         inner_out = spec.output.replace(term[3], lat)
