@@ -33,7 +33,7 @@ from graphc.ops import Einsum
 from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
-from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, plan_session_weights
+from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .runner import Runner, StepFn
 
@@ -170,16 +170,6 @@ def bfloat16_cache(graph: Graph) -> frozenset[str]:
     return frozenset(n for n in names if graph.types[n].dtype == "bfloat16")
 
 
-def _host_value(array: np.ndarray) -> Any:
-    """``array`` as a host ``OrtValue`` over its memory (bfloat16 through its bits: NumPy has no dtype onnxruntime maps)."""
-    import onnxruntime as ort
-
-    array = np.ascontiguousarray(array)
-    if array.dtype.name == "bfloat16":
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), TensorProto.BFLOAT16)
-    return ort.OrtValue.ortvalue_from_numpy(array)
-
-
 def _to_numpy(value: Any) -> np.ndarray:
     """A host ``OrtValue`` as a NumPy array (a copy; bfloat16 read as its bits)."""
     if value.data_type() != "tensor(bfloat16)":
@@ -197,7 +187,7 @@ def _to_numpy(value: Any) -> np.ndarray:
 def _bound_run(session: Any, names: list[str], inputs: Mapping[str, np.ndarray], options: Any = None) -> list[np.ndarray]:
     """One run through an IO binding, every output copied to host memory: arrays of any dtype in and out."""
     io = session.io_binding()
-    held = {k: _host_value(v) for k, v in inputs.items()}  # alive until the run is done
+    held = {k: host_ortvalue(v) for k, v in inputs.items()}  # alive until the run is done
     for k, v in held.items():
         io.bind_ortvalue_input(k, v)
     for n in names:

@@ -52,7 +52,7 @@ from graphc.numerics import contiguous
 
 from ..exporter.onnx_builder import ONNX_DTYPES
 
-__all__ = ["DEFAULT_INLINE_MAX_BYTES", "SessionWeights", "plan_session_weights"]
+__all__ = ["DEFAULT_INLINE_MAX_BYTES", "SessionWeights", "plan_session_weights", "host_ortvalue"]
 
 DEFAULT_INLINE_MAX_BYTES = 64 << 20
 """Weights up to this many bytes in all are serialized into the model; above it, :class:`SessionWeights` places them."""
@@ -149,13 +149,11 @@ class SessionWeights:
     def session_options(self, so: Any) -> list[Any]:
         """Point ``so`` (an ``onnxruntime.SessionOptions``) at the weights; returns the ``OrtValue`` s to keep alive
         until the session is built."""
-        import onnxruntime as ort
-
         if self.folder is not None:
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", self.folder)
         if not self.handed:
             return []
-        values = [_ortvalue(ort, contiguous(a)) for a in self.handed.values()]
+        values = [host_ortvalue(a) for a in self.handed.values()]
         so.add_external_initializers(list(self.handed), values)
         return values
 
@@ -195,11 +193,15 @@ def _cache_folder() -> str:
     return tempfile.mkdtemp(prefix="graphc-weights-", dir=root)
 
 
+def host_ortvalue(array: np.ndarray) -> Any:
+    """``array`` as a host ``OrtValue`` over its (C-contiguous) memory; bfloat16 through its bits, typed by ONNX element
+    type (onnxruntime's NumPy bridge has no bfloat16)."""
+    import onnxruntime as ort
 
-def _ortvalue(ort: Any, arr: np.ndarray) -> Any:
-    if str(arr.dtype) == "bfloat16":  # onnxruntime's NumPy bridge has no bfloat16: the same bits, typed by ONNX element type
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr.view(np.uint16), onnx.TensorProto.BFLOAT16)
-    return ort.OrtValue.ortvalue_from_numpy(arr)
+    array = contiguous(array)
+    if str(array.dtype) == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), onnx.TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
 
 
 def plan_session_weights(
