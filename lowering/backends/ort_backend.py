@@ -260,11 +260,11 @@ def prepare_ort(
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}
     # a size only the data gives (an imported NonZero's count: the tokens one expert gets) may be zero on any run
-    static_empty = any(0 in s or not {x for d in s for x in dim_symbols(d)} <= input_symbols for s in shapes)
+    always_basic = any(0 in s or not {x for d in s for x in dim_symbols(d)} <= input_symbols for s in shapes)
     symbolic = [s for s in shapes if not is_static(s)]  # only these need the run's sizes
 
     def run(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        basic = static_empty or (bool(symbolic) and has_empty_contraction(symbolic, check_inputs(graph, inputs)))
+        basic = always_basic or (bool(symbolic) and has_empty_contraction(symbolic, check_inputs(graph, inputs)))
         feeds = {k: (v.astype(np.float32) if k in bf16_in else v) for k, v in inputs.items()}  # exact: bfloat16 is a float32 prefix
         outs = dict(zip(sessions.outputs, sessions.session(basic)(feeds)))
         return {k: (v.astype("bfloat16") if k in bf16_out else v) for k, v in outs.items()}
