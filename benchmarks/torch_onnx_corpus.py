@@ -3,9 +3,8 @@
     python benchmarks/torch_onnx_corpus.py [--families gptj,opt,...] [--work DIR]
 
 For each family of ``tests/real_exports.py``'s ``MORE_FAMILIES`` and ``MOE_FAMILIES`` (default; any family there may be
-named) a 2-layer
-random-weight transformers model (hidden 64, eager attention) is exported by both torch.onnx exporters, with and without
-a KV cache, and each file is imported, optimized and run by graphc (numpy and ort-cpu) against onnxruntime on the file
+named) a 2-layer random-weight transformers model (hidden 64, eager attention) is exported by both torch.onnx exporters,
+with and without a KV cache, and each file is imported, optimized and run by graphc (numpy and ort-cpu) against onnxruntime on the file
 at sizes never traced: prefill 5 and 130 tokens (batch 3, a left-padded row), decode over pasts of 100 and 260, a
 7-token chunk over a past.  The test suite runs the legacy cache export of each family; this runs all four routes.
 Prints a Markdown table: the ``Attention`` ops graphc finds per file (causal offset, cache, mask) and the worst error
