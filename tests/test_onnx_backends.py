@@ -185,7 +185,8 @@ def test_auto_records_the_form_it_chose_in_the_trace():
         (
             True,
             1024,
-        ): "kept as ChunkedCausalAttention: query chunks over the visible keys: causal prefill skips the masked half (4096 query rows per KV head)",
+        ): "kept as ChunkedCausalAttention: query chunks over the visible keys: causal prefill skips the masked half"
+        " (4096 query rows per KV head, 8 chunks)",
         (False, 1024): "kept as OnnxAttention: the standard ONNX Attention op (opset 23+) (4096 query rows per KV head)",
         (True, 1): "decomposed into grouped einsums: auto: 4 query row(s) per KV head, under 64",
     }
@@ -207,6 +208,25 @@ def test_chunked_causal_attention_gives_the_decomposed_numbers(kind, seq):
     model = export(g, attention="chunked")
     assert [n.op_type for n in model.graph.node].count("Softmax") == 8
     _check(g, {**sizes, "seq": seq}, ("onnx-reference", "ort-cpu"), attention="chunked")
+
+
+@pytest.mark.parametrize(("q_len", "chunks"), [(100, 2), (256, 4), (300, 5), (4096, 8)])
+def test_auto_splits_a_causal_prefill_into_chunks_of_at_least_64_rows(q_len, chunks):
+    """The chunk count follows the known query length (one chunk per 64 rows, 2 to 8), and the chunks still give the
+    decomposed numbers at other lengths than the one they were chosen for."""
+    import onnxruntime as ort
+
+    from lowering.exporter.forms import causal_chunks
+
+    assert causal_chunks(q_len) == chunks and causal_chunks(None) == 8
+    g = graphc.sdpa_graph(CFG, mask=True)
+    model = export(g, attention="auto", sizes={"batch": 4, "seq": q_len})
+    assert [n.op_type for n in model.graph.node].count("Softmax") == chunks
+    feeds = random_inputs(g, seed=3, batch=2, seq=37)
+    feeds["attn_mask"][1, :, :, :5] = False  # left padding: rows 0-4 of batch row 1 see no key
+    want = run_numpy(g, feeds, compute_dtype="float64")["attn_BHSD"]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, **F32)
 
 
 def test_chunked_refuses_what_it_cannot_carry():

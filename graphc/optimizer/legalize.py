@@ -34,9 +34,10 @@ from .precision import KernelGap, has_low_precision, promote_low_precision
 
 __all__ = ["Target", "LOW_PRECISION_MODES", "AttentionPolicy", "legalize", "lower", "LOWERING_STAGES", "REFERENCE_TARGET"]
 
-AttentionPolicy = Callable[[Graph, Node, PassContext], "str | type[Attention] | None"]
+AttentionPolicy = Callable[[Graph, Node, PassContext], "str | type[Attention] | Attention | None"]
 """Decides one ``Attention`` node, once: ``None`` keeps it for the backend's kernel, an ``Attention`` subclass (a form,
-e.g. ``lowering.exporter.forms.ChunkedCausalAttention``) keeps it as that op, a string is the reason to decompose it."""
+e.g. ``lowering.exporter.forms.ChunkedCausalAttention``) keeps it as that op with the node's fields, an instance of one
+is the op the node becomes (a form with fields of its own), a string is the reason to decompose it."""
 
 
 def _always_decompose(graph: Graph, node: Node, ctx: PassContext) -> str:
@@ -90,15 +91,17 @@ def _match_attention(graph: Graph, node: Node, ctx: PassContext) -> object:
     return node, decision
 
 
-def _rewrite_attention(graph: Graph, m: tuple[Node, str | type[Attention]], ctx: PassContext) -> str:
+def _rewrite_attention(graph: Graph, m: tuple[Node, str | type[Attention] | Attention], ctx: PassContext) -> str:
     node, decision = m
     if isinstance(decision, str):
         decompose_attention(graph, node.name)
         return f"decomposed into grouped einsums: {decision}"
     op = node.op
-    graph.redefine(node.name, decision(**{f.name: getattr(op, f.name) for f in payload_fields(op)}), node.inputs)
+    form = decision if isinstance(decision, Attention) else decision(**{f.name: getattr(op, f.name) for f in payload_fields(op)})
+    graph.redefine(node.name, form, node.inputs)
     detail = ctx.target.kernel(graph, node, ctx) if ctx.target is not None and ctx.target.kernel is not None else ""
-    return f"kept as {decision.__name__}: {(decision.__doc__ or '').strip()}" + (f" ({detail})" if detail else "")
+    kind = type(form)
+    return f"kept as {kind.__name__}: {(kind.__doc__ or '').strip()}" + (f" ({detail})" if detail else "")
 
 
 def _match_long_einsum(graph: Graph, node: Node, ctx: PassContext) -> object:

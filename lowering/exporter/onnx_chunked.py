@@ -19,19 +19,18 @@ from graphc.attention_op import Attention
 from graphc.graph import Node
 from graphc.numerics import lowest
 
+from .forms import CAUSAL_CHUNKS, ChunkedCausalAttention
 from .onnx_builder import OnnxBuilder
 
-__all__ = ["emit_chunked_attention", "CAUSAL_CHUNKS"]
-
-CAUSAL_CHUNKS = 8
-"""Query chunks of a chunked causal prefill: 56% of the full square's work.  On 2 cores (mistral-7b core,
-causal prefill 1024, onnxruntime 1.32): 2 chunks 139 ms, 4 chunks 114 ms, 8 chunks 105 ms, the Attention op 159 ms."""
+__all__ = ["emit_chunked_attention"]
 
 
 def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None) -> None:
-    """Emit ``node`` (a causal :class:`~graphc.Attention`) as ``chunks`` (default :data:`CAUSAL_CHUNKS`) query chunks over the visible keys."""
-    chunks = CAUSAL_CHUNKS if chunks is None else chunks
+    """Emit ``node`` (a causal :class:`~graphc.Attention`) as ``chunks`` query chunks over the visible keys (default: the
+    node's own count if it is a :class:`~lowering.exporter.forms.ChunkedCausalAttention`, else :data:`~lowering.exporter.forms.CAUSAL_CHUNKS`)."""
     op = node.op_as(Attention)
+    if chunks is None:
+        chunks = op.chunks if isinstance(op, ChunkedCausalAttention) else CAUSAL_CHUNKS
     g = b.graph
     q, k, v = node.inputs[:3]
     dtype = g.types[q].dtype
@@ -81,11 +80,17 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         hidden = b.op("Greater", [kpos, b.op("Add", [qpos, past])], base=f"chunk{i}_hidden")
         if mask is None:
             bias = b.op("Where", [hidden, neg_inf, zero], base=f"chunk{i}_bias")  # [C, L]
-        else:  # [B?, Hkv|1, G|1, C, L]: 0 where visible, finfo.min where hidden (finite: no NaN rows); a row of it all < 0 is empty
+        else:  # [B?, Hkv|1, G|1, C, L]: 0 (or the additive mask) where visible, finfo.min where hidden (finite: no NaN rows)
             mc = b.op("Slice", [m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if rows_masked else m5
             mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if keys_masked else mc
-            bias = b.op("Where", [b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible"), zero, finite_fill], base=f"chunk{i}_bias")
-            empty = b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), zero], base=f"chunk{i}_empty")
+            if op.mask == "additive":  # hidden: above the diagonal, or -inf in the mask; a row of them all is empty
+                raw = b.op("Where", [hidden, neg_inf, mc], base=f"chunk{i}_mask_causal")
+                bias = b.op("Max", [raw, finite_fill], base=f"chunk{i}_bias")
+                empty = b.op("Equal", [b.op("ReduceMax", [raw, i64([-1])], base=f"chunk{i}_row_max"), neg_inf], base=f"chunk{i}_empty")
+            else:  # a row of it all < 0 is empty
+                visible = b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible")
+                bias = b.op("Where", [visible, zero, finite_fill], base=f"chunk{i}_bias")
+                empty = b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), zero], base=f"chunk{i}_empty")
         p = b.op("Softmax", [b.op("Add", [s5, bias], base=f"chunk{i}_masked")], base=f"chunk{i}_probs", axis=-1)
         p_rows = b.op("Reshape", [p, b.op("Shape", [s])], base=f"chunk{i}_probs_rows", allowzero=1)
         o = b.op("MatMul", [p_rows, vc], base=f"chunk{i}_out")  # [B, Hkv, G*C, E]

@@ -24,6 +24,7 @@ from .forms import (
     ChunkedCausalAttention,
     OnnxAttention,
     OrtGroupQueryAttention,
+    as_form,
     gqa_unsupported,
     onnx_attention_unsupported,
     past_length,
@@ -48,13 +49,15 @@ __all__ = [
 
 ATTENTION_MODES = ("decomposed", "onnx-attention", "ort-gqa", "chunked", "auto")
 AUTO_MIN_QUERY_ROWS = 64
-AUTO_MIN_CHUNKED_SCORES = 2**22
+AUTO_MIN_CHUNKED_SCORES = 2**18
 """``auto`` chunks a causal prefill whose scores (batch x query heads x queries x keys) hold at least this many
-elements; a smaller one runs as grouped MatMuls (each chunk costs some twenty small ops).
+elements, in :func:`~lowering.exporter.forms.causal_chunks` chunks; a smaller one runs as grouped MatMuls (each chunk
+costs some twenty small ops).
 
-From ``benchmarks/bench_real_exports.py`` and the mistral-7b layer on 2 cores: grouped MatMuls win at 1-2M score
-elements (hidden-256 Llama/GPT-2 exports at 512 tokens by 4-16%, the mistral-7b layer at 256 ties), query chunks
-win from 4M (the exports at 1024 tokens by 12-30%, the mistral-7b layer at 512 by 7%)."""
+From ``benchmarks/bench_real_exports.py``'s hidden-256 exports on 2 cores (graphc / export, grouped MatMuls vs query
+chunks): at 512 tokens (1-2M score elements) chunks win everywhere (Llama 0.72 vs 0.48, OPT 0.99 vs 0.88, GPT-J 1.01
+vs 0.90); at 256 tokens (256-512K) they tie or win by a few percent; at 128 tokens with 4 heads (64K) grouped MatMuls
+win by 10-15%."""
 
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
@@ -150,20 +153,20 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
     if mode in _NAMED_FORMS:  # asked for by name: an attention it cannot carry is an error
         form = _NAMED_FORMS[mode]
 
-        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | None:
+        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | Attention | None:
             reason = unsupported(form, graph, node, ctx, opset)
             if reason:
                 raise ExportError(f"attention={mode!r} cannot carry {node.name!r}: {reason}; use attention='auto' to fall back")
-            return form
+            return as_form(form, graph, node, ctx)
 
     elif cuda:
 
-        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | None:
+        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | Attention | None:
             return _cuda_auto_policy(graph, node, ctx, opset)
 
     else:
 
-        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | None:
+        def policy(graph: Graph, node: Node, ctx: PassContext) -> str | type[Attention] | Attention | None:
             rows = _rows_per_kv_head(graph, node, ctx)
             if rows is None:
                 return "auto: the query length is not known (give sizes), so the grouped MatMul form is kept"
@@ -173,12 +176,13 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
                 scores = _score_elements(graph, node, ctx)
                 if scores < AUTO_MIN_CHUNKED_SCORES:
                     return f"auto: {scores} score elements, under {AUTO_MIN_CHUNKED_SCORES}: one grouped MatMul pass beats query chunks"
-                return ChunkedCausalAttention  # faster than the fused op on causal prefill
+                return as_form(ChunkedCausalAttention, graph, node, ctx)  # faster than the fused op on causal prefill
             return unsupported(OnnxAttention, graph, node, ctx, opset) or OnnxAttention
 
     def kernel(graph: Graph, node: Node, ctx: PassContext) -> str:
         rows = _rows_per_kv_head(graph, node, ctx)
-        return "" if rows is None else f"{rows} query rows per KV head"
+        chunks = f"{node.op.chunks} chunks" if isinstance(node.op, ChunkedCausalAttention) else ""
+        return ", ".join(x for x in ("" if rows is None else f"{rows} query rows per KV head", chunks) if x)
 
     where = " for CUDA" if cuda else ""
     description = f"ONNX export{where}, attention={mode}"
