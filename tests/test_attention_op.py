@@ -320,6 +320,60 @@ def test_empty_rows_mean_is_what_a_min_filled_additive_mask_gives(hkv, group, s,
         np.testing.assert_allclose(got["o"], want, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+def _ref_alibi(q, k, v, bias, keep, offset, scale=0.3):
+    """MPT/Bloom's eager path in float64: ``softmax(scale q k^T + bias + where(keep & causal, 0, finfo(float32).min)) v``."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, g, 1), np.repeat(v, g, 1)
+    i, j = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None]
+    visible = np.broadcast_to(keep, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])) & (j <= i + offset)
+    s = q @ k.transpose(0, 1, 3, 2) * scale + bias + np.where(visible, 0.0, float(np.finfo(np.float32).min))
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ v
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    s=st.integers(1, 9),
+    past=st.integers(0, 5),
+    pad=st.integers(0, 6),
+    seed=st.integers(0, 99),
+)
+def test_a_bias_with_padding_at_minus_inf_and_a_causal_offset_is_what_alibi_files_give(hkv, group, s, past, pad, seed):
+    """An ALiBi layer as graphc reads it: an additive key mask (a per-head bias, the padded keys at -inf), the causal
+    offset and ``empty_rows="mean"``.  A row that sees no key gives the mean of V over every key, as the file's finfo.min
+    fill does; every backend and form (decomposed, query chunks) gives the file's numbers."""
+    g = Graph("att")
+    heads = hkv * group
+    q = g.input("q", ["b", heads, "s", 8])
+    k, v = g.input("k", ["b", hkv, "s", 8]), g.input("v", ["b", hkv, "s", 6])
+    m = g.input("m", ["b", heads, 1, "p+s"])
+    pk, pv = g.input("pk", ["b", hkv, "p", 8]), g.input("pv", ["b", hkv, "p", 6])
+    g.output(*g.attention(q, k, v, 0.3, "p", m, "additive", pk, pv, names=["o", "pres_k", "pres_v"], empty_rows="mean"))
+    feeds = random_inputs(g, seed=seed, b=2, s=s, p=past)
+    keep = np.ones((2, 1, 1, past + s), bool)
+    keep[0, ..., :pad] = False  # row 0 left-padded: its first queries see no key
+    slopes = 2.0 ** -np.arange(1, heads + 1, dtype=np.float32)
+    bias = (slopes[:, None, None] * np.arange(-(past + s) + 1, 1, dtype=np.float32))[None]  # [1, H, 1, T]
+    feeds["m"] = np.where(keep, bias, np.float32(-np.inf)).astype(np.float32)
+    kk, vv = np.concatenate([feeds["pk"], feeds["k"]], 2), np.concatenate([feeds["pv"], feeds["v"]], 2)
+    want = _ref_alibi(feeds["q"], kk, vv, bias, keep, past)
+    np.testing.assert_allclose(run(g, feeds, reference=True)["o"], want, rtol=2e-5, atol=2e-6)
+    d = g.copy()
+    decompose_attention(d, "o")
+    results = {
+        "decomposed": run(d, feeds, reference=True),
+        "numpy": run(g, feeds),
+        "onnx decomposed": run(g, feeds, "ort-cpu", attention="decomposed"),
+        "onnx chunked": run(g, feeds, "ort-cpu", attention="chunked"),
+        "onnx reference chunked": run(g, feeds, "onnx-reference", attention="chunked"),
+    }
+    for name, got in results.items():
+        np.testing.assert_allclose(got["o"], want, rtol=2e-4, atol=2e-5, err_msg=name)
+
+
 def test_empty_rows_zero_and_mean_differ_only_on_rows_with_no_visible_key():
     g = _attention_graph(4, 2, 0, "bool", dtype="float32")
     feeds = random_inputs(g, seed=7, b=1, s=4, t=4)

@@ -19,10 +19,12 @@ from real_exports import ALIBI_FAMILIES, FAMILIES, MOE_FAMILIES, MORE_FAMILIES, 
 
 from graphc import optimize  # noqa: E402
 from graphc.cli import main  # noqa: E402
+from graphc.dims import dim_sub, normalize_dim  # noqa: E402
 from graphc.errors import InputError  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
 from graphc.optimizer import Target, lower  # noqa: E402
 from lowering import prepare, run  # noqa: E402
+from lowering.exporter.onnx_export import export  # noqa: E402
 from lowering.exporter.targets import NUMPY_TARGET  # noqa: E402
 
 SLIDING = {"mistral", "gemma2"}  # families with a sliding window of 16: their caches keep min(past + new, 15) keys
@@ -95,18 +97,38 @@ fails (its shape guards on the ALiBi slice, ``s70 + Max(0, -s15 - 2*s70 + 1) == 
 
 @pytest.mark.parametrize("case", ALIBI_CASES, ids=[f"{f}-{ex}-{'cache' if c else 'nocache'}" for f, ex, c in ALIBI_CASES])
 def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tmp_path):
-    """MPT masks the scores with ``masked_fill(hide, finfo.min)`` after adding its ALiBi bias, the padding in ``hide``;
-    Bloom adds its bias to the ``[batch*heads]`` scores before viewing them as ``[batch, heads, ...]`` and adding the
-    position mask: one ``Attention`` per layer whose additive mask is the bias plus the mask, equal to onnxruntime on
-    the file at untraced sizes, left-padded rows that see no key included."""
+    """MPT masks the scores with ``masked_fill(hide, finfo.min)`` after adding its ALiBi bias, the causal keys and the
+    padding in ``hide``; Bloom adds its bias to the ``[batch*heads]`` scores before viewing them as ``[batch, heads, ...]``
+    and adding the position mask.  Each layer is one causal ``Attention`` at the past's offset whose additive mask is the
+    bias with the padded keys at ``-inf`` (MPT's KV cache its own), equal to onnxruntime on the file at untraced sizes,
+    left-padded rows that see no key included (the file gives them the mean of V over every key), on the backends and in
+    query chunks (``attention="chunked"``)."""
     family, exporter, cache = case
     path = export_model(family, exporter, "eager", cache, tmp_path / "model.onnx")
     model = onnx.load(str(path), load_external_data=False)
     graph = from_onnx(path)
     optimized = optimize(graph).graph
-    attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
-    assert len(attention) == 2 and all(op.mask == "additive" for op in attention), attention
+    lowered = lower(optimized, KEEP_ALL)
+    attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
+    assert [(n.op.mask, n.op.empty_rows, n.op.kv_cache) for n in attention] == [("additive", "mean", cache and family == "mpt")] * 2, attention
+    for n in attention:  # causal at the past's offset (keys minus queries); a key mask: the bias and the padding, no triangle
+        keys, queries = lowered.types[n.inputs[1]].shape[2], lowered.types[n.inputs[0]].shape[2]
+        assert n.op.causal_offset == ("past_seq" if n.op.kv_cache else normalize_dim(dim_sub(keys, queries))), n
+        assert lowered.types[n.inputs[3]].shape[-2] == 1, n
     _equals_onnxruntime(path, model, graph, optimized, SIZES[cache], ("numpy", "ort-cpu"))
+    if family == "mpt":  # Bloom's heads are its [batch*heads] view's, not static
+        _chunked_equals_onnxruntime(path, model, graph, optimized, SIZES[cache])
+
+
+def _chunked_equals_onnxruntime(path, model, graph, optimized, sizes) -> None:  # noqa: ANN001
+    """``optimized`` exported with ``attention="chunked"`` (two query chunks) against onnxruntime on the file."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    chunked = ort.InferenceSession(export(optimized, attention="chunked", sizes={"seq": 100}).SerializeToString(), providers=["CPUExecutionProvider"])
+    for batch, seq, past, pad in sizes:
+        f = feeds(model, batch, seq, past, pad)
+        mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
+        for got, want in zip(chunked.run(None, {i.name: mine[i.name] for i in chunked.get_inputs()}), session.run(None, f)):
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=f"chunked at {batch, seq, past, pad}")
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)

@@ -36,7 +36,7 @@ from graphc.tensor_ops import BroadcastTo
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
-from .masks import FILL_LIMIT, split_additive_mask
+from .masks import FILL_LIMIT, MaskSplit, split_additive_mask
 
 __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
 
@@ -77,6 +77,7 @@ class AttentionMatch:
     mask_view: tuple[tuple[Dim, ...], tuple[Dim, ...]] | None = None  # the masks' view and the op's, when they differ
     more_masks: tuple[str, ...] = ()  # further masks on ``mask``: ANDed (bool), added (additive)
     negate_mask: bool = False  # ``mask`` is bool and hides where True (transformers' padding before 4.58)
+    hiding_masks: tuple[tuple[str, bool], ...] = ()  # bool masks added to an additive one as -inf: (value, True hides)
     moved: tuple[str, ...] = ()  # readers of the cache Concats before the PV einsum (a present cut to a window), moved after the op
 
 
@@ -128,6 +129,7 @@ class _Scores:
     mask_kind: str = "none"
     more_masks: tuple[str, ...] = ()
     negate_mask: bool = False
+    hiding_masks: tuple[tuple[str, bool], ...] = ()
     empty_rows: str = "zero"
     view_for_rows: tuple[Dim, ...] | None = None  # the shape the masks act on
     split_from: str | None = None  # the additive position mask ``mask`` and ``offset`` were read from
@@ -286,13 +288,13 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if sc.mask is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
         if sc.mask_kind != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
-        if split is None or split.keep or split.hide:  # not positions alone (MPT's padding is in it): the op's mask is the two added
+        if split is None:  # not a position mask: the op's mask is the two added
             seen = _through_views(graph, node.inputs[1 - pos], sc)
             if isinstance(seen, Miss):
                 return seen
             sc.more_masks = (*sc.more_masks, node.inputs[1 - pos])
             return node.inputs[pos]
-        sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
+        _positions_beside_bias(sc, split)  # MPT: masked_fill(causal | padding, finfo.min) after the bias
         return node.inputs[pos]
     if sc.scale != 1.0 and (split is None or sc.scale < _MIN_SCALE_THROUGH_MASK):
         # c * (s + Where(keep, 0, fill)) hides the same keys as (c * s) + Where(keep, 0, fill) for c > 0 (fill * c still
@@ -311,18 +313,29 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
 
 def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) -> str | Miss:
     """A bias added further up than a position mask with padding in it (Bloom: ALiBi on the ``[batch*heads]`` scores
-    before their view as ``[batch, heads, ...]``, then ``Where(causal & padding, 0, finfo.min)``).  The op's one mask
-    is then the position mask as written plus the bias, seen through the views passed since the position mask; the
-    causal offset stays inside it (the op's own would give a row of padding the mean of V over the visible keys
-    only, where the written graph averages over every key)."""
+    before their view as ``[batch, heads, ...]``, then ``Where(causal & padding, 0, finfo.min)``): the op's additive mask
+    is the bias, seen through the views passed since the position mask, with the padding added as ``-inf``
+    (:func:`_positions_beside_bias`)."""
     bias = node.inputs[1 - pos]
     seen = _through_views(graph, bias, sc)
     if isinstance(seen, Miss):
         return seen
-    sc.mask, sc.mask_kind, sc.more_masks, sc.negate_mask = sc.split_from, "additive", (bias,), False
-    sc.offset = sc.window = sc.split_from = None
-    sc.empty_rows = "zero"  # additive alone: every key stays visible, its fill in the scores
+    keep = (sc.mask, *sc.more_masks) if sc.mask is not None else ()
+    hiding = tuple((m, sc.negate_mask) for m in keep)
+    sc.mask, sc.mask_kind, sc.more_masks, sc.negate_mask, sc.split_from = None, "additive", (bias,), False, None
+    sc.hiding_masks = hiding
     return node.inputs[pos]
+
+
+def _positions_beside_bias(sc: _Scores, split: MaskSplit) -> None:
+    """A position mask on the scores beside a bias (ALiBi): its causal offset and window become the op's, its other
+    conjuncts (padding) are added to the bias as ``-inf``.  A row whose every key is hidden then gives what the written
+    graph gives with a finite fill (the mean of V over every key: ``split.empty_rows``), and every other row its
+    softmax over the visible keys."""
+    sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
+    if split.hide is not None:
+        sc.hiding_masks = (*sc.hiding_masks, (split.hide, True))
+    sc.hiding_masks = (*sc.hiding_masks, *((k, False) for k in split.keep))
 
 
 def _through_views(graph: Graph, bias: str, sc: _Scores) -> tuple[Dim, ...] | Miss:
@@ -446,7 +459,8 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
     q_shape = (dim_prod(s[c] for c in r.batch[:-1]), dim_prod([s[r.batch[-1]] if r.batch else 1, r.group]), r.sq, s[r.d])
     target = (*q_shape[:3], s[r.t])
     mask_view = None
-    if sc.mask is not None and graph.types[sc.mask].rank > 2 and sc.view_for_rows != target:
+    first_mask = sc.mask or next(iter([m for m, _ in sc.hiding_masks] + list(sc.more_masks)), None)
+    if first_mask is not None and graph.types[first_mask].rank > 2 and sc.view_for_rows != target:
         view = sc.view_for_rows or ()
         same_rows = len(view) == 4 and view[2:] == target[2:] and normalize_dim(dim_prod(view[:2])) == normalize_dim(dim_prod(target[:2]))
         if not (same_rows and sc.mask_kind == "additive"):
@@ -493,6 +507,7 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
         empty_rows=sc.empty_rows,
         more_masks=sc.more_masks,
         negate_mask=sc.negate_mask,
+        hiding_masks=sc.hiding_masks,
         mask_views=sc.mask_views,
         mask_view=mask_view,
     )
@@ -581,6 +596,11 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
     if m.negate_mask and mask is not None:  # True hides: the op's mask keeps where it is False
         no, yes = graph.shared_initializer("attention_false", np.array(False)), graph.shared_initializer("attention_true", np.array(True))
         mask = graph.insert_before(anchor, Where(), [mask, no, yes], f"{base}_keep").name
+    for hider, hides in m.hiding_masks:  # bool masks on an additive one: -inf where they hide
+        dtype = graph.types[m.q].dtype
+        neg_inf, zero = (graph.shared_initializer(f"attention_{n}_{dtype}", np.array(x, dtype)) for n, x in (("neg_inf", -np.inf), ("zero", 0)))
+        hidden = graph.insert_before(anchor, Where(), [hider, *((neg_inf, zero) if hides else (zero, neg_inf))], f"{base}_hidden_keys").name
+        mask = hidden if mask is None else graph.insert_before(anchor, Binary("add"), [mask, hidden], f"{base}_mask_sum").name
     for extra in m.more_masks:  # bool masks ANDed, additive ones added
         if extra in m.mask_views:
             extra = graph.insert_before(anchor, Reshape(m.mask_views[extra]), [extra], f"{base}_bias_view").name
@@ -593,7 +613,10 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
             mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
     if mask is not None and m.mask_view is not None:  # a [batch, heads, S, T] mask for [batch*heads, 1, S, T] scores
         full, target = m.mask_view
-        if graph.types[mask].shape != full:
+        mshape = graph.types[mask].shape
+        if len(mshape) >= 2 and mshape[-2] == 1:  # a key mask stays one row
+            full, target = (*full[:-2], 1, full[-1]), (*target[:-2], 1, target[-1])
+        if mshape != full:
             mask = graph.insert_before(anchor, BroadcastTo(full), [mask], f"{base}_mask_full").name
         mask = graph.insert_before(anchor, Reshape(target), [mask], f"{base}_mask_rows").name
     inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
@@ -623,8 +646,9 @@ def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
         parts.append(f"causal offset {m.offset}" + (f", window {m.window}" if m.window is not None else ""))
     if m.softcap is not None:
         parts.append(f"softcap {m.softcap:g}")
-    if m.mask:
-        parts.append(f"{m.mask_kind} mask {m.mask!r}" + (f" and {len(m.more_masks)} more" if m.more_masks else ""))
+    if m.mask or m.more_masks or m.hiding_masks:
+        masks = [x for x in (m.mask, *(h for h, _ in m.hiding_masks), *m.more_masks) if x is not None]
+        parts.append(f"{m.mask_kind} mask {masks[0]!r}" + (f" and {len(masks) - 1} more" if len(masks) > 1 else ""))
     if m.empty_rows != "zero":
         parts.append(f"rows with no visible key give the {m.empty_rows} of V")
     if m.past:

@@ -161,8 +161,15 @@ def _disjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None
 
 
 def _negation(graph: Graph, value: str) -> str | None:
-    """``k`` where ``value`` is ``not k``, written ``Where(k, False, True)`` (an imported ``Not``), else None."""
+    """``k`` where ``value`` is ``not k``, written ``Where(k, False, True)`` (an imported ``Not``) or
+    ``Cast(Where(k, 0, x), bool)`` with ``x`` a nonzero constant (MPT's ``mask.bool()`` of an additive mask), else None."""
     node = graph.producer(value)
+    if node is not None and isinstance(node.op, Cast) and node.op.dtype == "bool":
+        where = graph.producer(node.inputs[0])
+        if where is None or not isinstance(where.op, Where) or graph.types[where.inputs[0]].dtype != "bool":
+            return None
+        zero, other = _scalar(graph, where.inputs[1]), _scalar(graph, where.inputs[2])
+        return where.inputs[0] if zero is not None and other is not None and float(zero) == 0 and float(other) != 0 else None
     if node is None or not isinstance(node.op, Where) or graph.types[value].dtype != "bool":
         return None
     t, f = _scalar(graph, node.inputs[1]), _scalar(graph, node.inputs[2])
@@ -199,7 +206,12 @@ def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str],
         if any(k is None for k in kept):
             return None  # hiding by anything else would need its negation as a bool mask
         negated = [("lower", dim_add(d, 1)) if side == "upper" else ("upper", dim_sub(d, 1)) for side, d in (pl for pl in found if pl)]
-        return negated, [k for k in kept if k is not None], vx
+        conjuncts: list[str] = []  # ``not (a and b)`` hides: a and b keep (MPT's hide, the negation of the causal & padding keep)
+        for k in kept:
+            if k is not None:
+                _conjuncts(graph, k, conjuncts)
+        kept_planes = [(p, _half_plane(graph, p)) for p in conjuncts]
+        return negated + [pl for _, pl in kept_planes if pl is not None], [p for p, pl in kept_planes if pl is None], vx
     return None
 
 
