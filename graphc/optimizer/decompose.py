@@ -106,16 +106,20 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
     dtype = graph.types[s].dtype
     empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
     wide_mean = op.empty_rows == "mean" and dtype in _WIDE_FILL
-    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows) or (op.mask == "additive" and op.causal_offset is not None and wide_mean):
-        # one additive bias [mb, mh, Sq, Sk]: 0 (or an additive mask's value) where visible, finfo.min where hidden
-        # (finite: no NaN rows, so no guard)
+    if op.mask == "additive" and op.causal_offset is not None and wide_mean and mask is not None:
+        # one bias [mb, mh, Sq, Sk] that every layer shares: the mask plus the causal -inf, raised to the finite fill (a
+        # row hidden whole is then uniform, the mean of V over every key): two passes over it, no broadcast copy
+        fill = graph.shared_initializer(f"attention_fill_{dtype}", lowest(dtype))
+        zero = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
+        causal = add(CausalMask(op.causal_offset, op.window), [add(BroadcastTo((1, 1, sq, sk)), [zero], "causal_rows")], "causal_bias")
+        bias = add(Binary("max"), [add(Binary("add"), [mask, causal], "bias_causal"), fill], "bias")
+        return add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked"), None
+    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
+        # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
         fill = graph.shared_initializer(f"attention_fill_{dtype}", lowest(dtype))
         zero = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
         mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
-        if op.mask == "additive":  # its -inf keys at the fill: a row of them all is uniform, the mean of V
-            bias = add(Binary("max"), [mask, fill], "bias")
-        else:
-            bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
+        bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
         bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
         if op.causal_offset is not None:
             bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")

@@ -17,7 +17,7 @@ from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, 
 from graphc.errors import ExportError
 from graphc.graph import Graph
 from graphc.mapped import all_finite
-from graphc.ops import FLOAT_DTYPES
+from graphc.ops import FLOAT_DTYPES, Binary
 
 __all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES"]
 
@@ -196,6 +196,14 @@ def _copying_shape(shape: tuple[Dim, ...], source: tuple[Dim, ...]) -> np.ndarra
     return np.array(out, np.int64)
 
 
+def _finite_constant(g: Graph, name: str) -> bool:
+    """``name`` is a small constant (a fill) whose every entry is a finite number."""
+    if not g.is_constant(name):
+        return False
+    arr = g.initializers[name]
+    return arr.size <= 16 and str(arr.dtype) in FLOAT_DTYPES and all_finite(arr)
+
+
 def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
     """For every value: can a row of it be all ``-inf`` (so that a softmax over it needs the NaN guard)?
 
@@ -221,6 +229,8 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
     for node in g.topological_order():
         flow = node.op.neg_inf_rows(len(node.inputs))  # the op says (graphc.ops.Op.neg_inf_rows)
         sources = node.inputs[1:] if flow == "select" else node.inputs
+        if isinstance(node.op, Binary) and node.op.fn == "max" and any(_finite_constant(g, i) for i in node.inputs):
+            flow = "clear"  # max(x, a finite number) is finite (a mask's -inf raised to the fill)
         if flow == "clear":
             flags = (False, False)
         elif flow == "introduce":
