@@ -100,7 +100,8 @@ def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tm
     """MPT masks the scores with ``masked_fill(hide, finfo.min)`` after adding its ALiBi bias, the causal keys and the
     padding in ``hide``; Bloom adds its bias to the ``[batch*heads]`` scores before viewing them as ``[batch, heads, ...]``
     and adding the position mask.  Each layer is one causal ``Attention`` at the past's offset whose additive mask is the
-    bias with the padded keys at ``-inf`` (MPT's KV cache its own), equal to onnxruntime on the file at untraced sizes,
+    bias with the padded keys at ``-inf`` and its KV cache its own (Bloom's ``[batch*heads]`` view read back as
+    ``[batch, heads]``), equal to onnxruntime on the file at untraced sizes,
     left-padded rows that see no key included (the file gives them the mean of V over every key), on the backends and in
     query chunks (``attention="chunked"``)."""
     family, exporter, cache = case
@@ -110,14 +111,14 @@ def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tm
     optimized = optimize(graph).graph
     lowered = lower(optimized, KEEP_ALL)
     attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
-    assert [(n.op.mask, n.op.empty_rows, n.op.kv_cache) for n in attention] == [("additive", "mean", cache and family == "mpt")] * 2, attention
+    assert [(n.op.mask, n.op.empty_rows, n.op.kv_cache) for n in attention] == [("additive", "mean", cache)] * 2, attention
+    assert all(lowered.types[n.inputs[0]].shape[1] == 4 for n in attention)  # Bloom's [batch*heads] view read as [batch, 4 heads]
     for n in attention:  # causal at the past's offset (keys minus queries); a key mask: the bias and the padding, no triangle
         keys, queries = lowered.types[n.inputs[1]].shape[2], lowered.types[n.inputs[0]].shape[2]
-        assert n.op.causal_offset == ("past_seq" if n.op.kv_cache else normalize_dim(dim_sub(keys, queries))), n
-        assert lowered.types[n.inputs[3]].shape[-2] == 1, n
+        past = lowered.types[n.inputs[4]].shape[2] if n.op.kv_cache else normalize_dim(dim_sub(keys, queries))
+        assert n.op.causal_offset == past and lowered.types[n.inputs[3]].shape[-2] == 1, n
     _equals_onnxruntime(path, model, graph, optimized, SIZES[cache], ("numpy", "ort-cpu"))
-    if family == "mpt":  # Bloom's heads are its [batch*heads] view's, not static
-        _chunked_equals_onnxruntime(path, model, graph, optimized, SIZES[cache])
+    _chunked_equals_onnxruntime(path, model, graph, optimized, SIZES[cache])
 
 
 def _chunked_equals_onnxruntime(path, model, graph, optimized, sizes) -> None:  # noqa: ANN001

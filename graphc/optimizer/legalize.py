@@ -27,6 +27,7 @@ from graphc.rotary import Rotary, decompose_rotary
 
 from .attention import fuse_attention
 from .decompose import decompose_attention
+from .heads import ABSORB_KV_CACHE_RULE, UNFLATTEN_HEADS_RULE
 from .cleanup import LAYOUT_RULES, common_subexpression_elimination, dead_code_elimination
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule
 from .planning import SPLIT_RULE
@@ -127,7 +128,11 @@ legalize = RewritePass(
     ],
 )
 
-simplify_views = RewritePass("simplify_views", "fold the views the attention rewrite left", list(LAYOUT_RULES))
+simplify_views = RewritePass(
+    "simplify_views",
+    "fold the views the attention rewrite left; an attention over a [batch*heads] view on [batch, heads], a KV cache concatenated before it taken in",
+    [*LAYOUT_RULES, UNFLATTEN_HEADS_RULE, ABSORB_KV_CACHE_RULE],
+)
 
 LOWERING_STAGES: tuple[Pass, ...] = (fuse_attention, simplify_views, legalize, common_subexpression_elimination, dead_code_elimination)
 """The target-aware stages, in order (CSE merges what the decompositions of several layers share: one mask bias per model)."""
