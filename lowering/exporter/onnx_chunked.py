@@ -20,7 +20,7 @@ from graphc.graph import Node
 from graphc.numerics import lowest
 
 from .forms import CAUSAL_CHUNKS, ChunkedCausalAttention
-from .onnx_builder import OnnxBuilder
+from .onnx_builder import ONNX_DTYPES, OnnxBuilder
 
 __all__ = ["emit_chunked_attention"]
 
@@ -52,6 +52,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     q5 = b.reshape(b.op("Mul", [q, scale], base=f"{q}_scaled"), [batch, n_kv, group, sq, head])  # [B, Hkv, G, S, D]
     neg_inf, zero = b.const(np.array(-np.inf, dtype), "neg_inf"), b.const(np.zeros((), dtype), "zero")
     one = i64(1)
+    key_counts = None
     if mask is not None:  # [B?, H?, S?, T] viewed as [B?, Hkv|1, G|1, S?, T]
         mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
         m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else (n_kv, group)), *mshape[2:]])
@@ -60,6 +61,12 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         fill = zero  # the value of a row with no visible key: zeros, or the mean of V
         if op.empty_rows == "mean":  # over every key
             fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, i64([2])], base=f"{node.name}_v_mean"), i64([2])], base=f"{node.name}_v_mean5")
+        if op.mask == "additive" and not rows_masked and keys_masked:  # a key mask (ALiBi: a bias, padding at -inf)
+            # raised to the finite fill once; a query row is empty when no key up to its causal limit is finite: the
+            # running count of finite keys, read at each row's limit (small tensors, no pass over the chunk's scores)
+            lifted = b.op("Max", [m5, finite_fill], base=f"{node.name}_mask_lifted")
+            finite = b.op("Cast", [b.op("Greater", [m5, neg_inf], base=f"{node.name}_mask_finite")], to=ONNX_DTYPES[dtype])
+            key_counts = b.op("CumSum", [finite, i64(4)], base=f"{node.name}_keys_seen")  # [B?, Hkv|1, G|1, 1, T]
     parts = []
     for i in range(chunks):
         lo = b.op("Min", [b.op("Mul", [step, i64(i)]), s_len], base=f"chunk{i}_lo")
@@ -83,7 +90,13 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         else:  # [B?, Hkv|1, G|1, C, L]: 0 (or the additive mask) where visible, finfo.min where hidden (finite: no NaN rows)
             mc = b.op("Slice", [m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if rows_masked else m5
             mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if keys_masked else mc
-            if op.mask == "additive":  # hidden: above the diagonal, or -inf in the mask; a row of them all is empty
+            if op.mask == "additive" and key_counts is not None:
+                lc = b.op("Slice", [lifted, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask_keys")
+                bias = b.op("Where", [hidden, finite_fill, lc], base=f"chunk{i}_bias")  # [B?, Hkv|1, G|1, C, L]
+                limits = b.op("Add", [b.op("Range", [lo, hi, one]), past], base=f"chunk{i}_row_limits")  # [C]
+                seen = b.op("Gather", [key_counts, limits], base=f"chunk{i}_keys_seen", axis=4)  # [B?, Hkv|1, G|1, 1, C]
+                empty = b.op("Transpose", [b.op("Equal", [seen, zero])], base=f"chunk{i}_empty", perm=[0, 1, 2, 4, 3])
+            elif op.mask == "additive":  # hidden: above the diagonal, or -inf in the mask; a row of them all is empty
                 raw = b.op("Where", [hidden, neg_inf, mc], base=f"chunk{i}_mask_causal")
                 bias = b.op("Max", [raw, finite_fill], base=f"chunk{i}_bias")
                 empty = b.op("Equal", [b.op("ReduceMax", [raw, i64([-1])], base=f"chunk{i}_row_max"), neg_inf], base=f"chunk{i}_empty")
