@@ -62,8 +62,8 @@ def _match_unflatten(graph: Graph, node: Node, ctx: PassContext) -> object:
     if op.has_mask:
         m = node.inputs[3]
         mshape = graph.types[m].shape
-        if mshape[:2] == (1, 1):
-            mask = m
+        if len(mshape) < 3 or (len(mshape) == 3 and mshape[0] == 1) or (len(mshape) == 4 and mshape[:2] == (1, 1)):
+            mask = m  # the same for every batch row and head: it broadcasts over [batch, heads] as it did
         else:
             found = _unflattened(graph, m, q[1])
             if found is None:

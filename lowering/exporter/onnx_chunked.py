@@ -13,9 +13,12 @@ repeated.  What the form can carry is :func:`lowering.exporter.forms.chunked_uns
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from graphc.attention_op import Attention
+from graphc.dims import Dim
 from graphc.graph import Node
 from graphc.numerics import lowest
 
@@ -52,21 +55,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     q5 = b.reshape(b.op("Mul", [q, scale], base=f"{q}_scaled"), [batch, n_kv, group, sq, head])  # [B, Hkv, G, S, D]
     neg_inf, zero = b.const(np.array(-np.inf, dtype), "neg_inf"), b.const(np.zeros((), dtype), "zero")
     one = i64(1)
-    key_counts = None
-    if mask is not None:  # [B?, H?, S?, T] viewed as [B?, Hkv|1, G|1, S?, T]
-        mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
-        m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else (n_kv, group)), *mshape[2:]])
-        rows_masked, keys_masked = mshape[2] != 1, mshape[3] != 1
-        finite_fill = b.const(lowest(dtype), "fill")
-        fill = zero  # the value of a row with no visible key: zeros, or the mean of V
-        if op.empty_rows == "mean":  # over every key
-            fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, i64([2])], base=f"{node.name}_v_mean"), i64([2])], base=f"{node.name}_v_mean5")
-        if op.mask == "additive" and not rows_masked and keys_masked:  # a key mask (ALiBi: a bias, padding at -inf)
-            # raised to the finite fill once; a query row is empty when no key up to its causal limit is finite: the
-            # running count of finite keys, read at each row's limit (small tensors, no pass over the chunk's scores)
-            lifted = b.op("Max", [m5, finite_fill], base=f"{node.name}_mask_lifted")
-            finite = b.op("Cast", [b.op("Greater", [m5, neg_inf], base=f"{node.name}_mask_finite")], to=ONNX_DTYPES[dtype])
-            key_counts = b.op("CumSum", [finite, i64(4)], base=f"{node.name}_keys_seen")  # [B?, Hkv|1, G|1, 1, T]
+    prepared = _ChunkMask.of(b, node, mask, v, (n_kv, group)) if mask is not None else None
     parts = []
     for i in range(chunks):
         lo = b.op("Min", [b.op("Mul", [step, i64(i)]), s_len], base=f"chunk{i}_lo")
@@ -85,32 +74,76 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         qpos = b.op("Unsqueeze", [b.op("Range", [lo, hi, one]), i64([1])], base=f"chunk{i}_rows_pos")  # [C, 1]
         kpos = b.op("Range", [i64(0), keys, one], base=f"chunk{i}_key_pos")  # [L]
         hidden = b.op("Greater", [kpos, b.op("Add", [qpos, past])], base=f"chunk{i}_hidden")
-        if mask is None:
+        if prepared is None:
             bias = b.op("Where", [hidden, neg_inf, zero], base=f"chunk{i}_bias")  # [C, L]
-        else:  # [B?, Hkv|1, G|1, C, L]: 0 (or the additive mask) where visible, finfo.min where hidden (finite: no NaN rows)
-            mc = b.op("Slice", [m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if rows_masked else m5
-            mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if keys_masked else mc
-            if op.mask == "additive" and key_counts is not None:
-                lc = b.op("Slice", [lifted, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask_keys")
-                bias = b.op("Where", [hidden, finite_fill, lc], base=f"chunk{i}_bias")  # [B?, Hkv|1, G|1, C, L]
-                limits = b.op("Add", [b.op("Range", [lo, hi, one]), past], base=f"chunk{i}_row_limits")  # [C]
-                seen = b.op("Gather", [key_counts, limits], base=f"chunk{i}_keys_seen", axis=4)  # [B?, Hkv|1, G|1, 1, C]
-                empty = b.op("Transpose", [b.op("Equal", [seen, zero])], base=f"chunk{i}_empty", perm=[0, 1, 2, 4, 3])
-            elif op.mask == "additive":  # hidden: above the diagonal, or -inf in the mask; a row of them all is empty
-                raw = b.op("Where", [hidden, neg_inf, mc], base=f"chunk{i}_mask_causal")
-                bias = b.op("Max", [raw, finite_fill], base=f"chunk{i}_bias")
-                empty = b.op("Equal", [b.op("ReduceMax", [raw, i64([-1])], base=f"chunk{i}_row_max"), neg_inf], base=f"chunk{i}_empty")
-            else:  # a row of it all < 0 is empty
-                visible = b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible")
-                bias = b.op("Where", [visible, zero, finite_fill], base=f"chunk{i}_bias")
-                empty = b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), zero], base=f"chunk{i}_empty")
+        else:
+            bias, empty = prepared.bias(i, lo, hi, keys, past, hidden)
         p = b.op("Softmax", [b.op("Add", [s5, bias], base=f"chunk{i}_masked")], base=f"chunk{i}_probs", axis=-1)
         p_rows = b.op("Reshape", [p, b.op("Shape", [s])], base=f"chunk{i}_probs_rows", allowzero=1)
         o = b.op("MatMul", [p_rows, vc], base=f"chunk{i}_out")  # [B, Hkv, G*C, E]
         out_shape = b.op("Concat", [b.op("Shape", [qc], end=4), i64([int(e_dim)])], base="shape", axis=0)
         o5 = b.op("Reshape", [o, out_shape], base=f"chunk{i}_out5", allowzero=1)
-        if mask is not None:  # rows with no visible key take the op's empty-row value
-            o5 = b.op("Where", [empty, fill, o5], base=f"chunk{i}_out5_rows")
+        if prepared is not None:  # rows with no visible key take the op's empty-row value
+            o5 = b.op("Where", [empty, prepared.fill, o5], base=f"chunk{i}_out5_rows")
         parts.append(o5)
     merged = b.op("Concat", parts, base=f"{node.name}_chunks", axis=3)  # [B, Hkv, G, S, E]
     b.reshape(merged, [batch, n_heads, sq, e_dim], node.name)
+
+
+@dataclass
+class _ChunkMask:
+    """A user mask ``[B?, H?, S?, T]`` viewed as ``[B?, Hkv|1, G|1, S?, T]`` (``m5``), and what every chunk reads of it."""
+
+    b: OnnxBuilder
+    kind: str  # "bool" or "additive"
+    dtype: str  # the scores'
+    m5: str
+    rows_masked: bool
+    keys_masked: bool
+    fill: str  # the value of a row with no visible key: zeros, or the mean of V over every key
+    lifted: str | None = None  # a key mask raised to the finite fill (additive)
+    key_counts: str | None = None  # the running count of its finite keys [B?, Hkv|1, G|1, 1, T] (additive)
+
+    @classmethod
+    def of(cls, b: OnnxBuilder, node: Node, mask: str, v: str, heads: tuple[Dim, int]) -> _ChunkMask:
+        op, g = node.op_as(Attention), b.graph
+        dtype = g.types[v].dtype
+        mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
+        m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else heads), *mshape[2:]])
+        axes = b.const(np.array([2], np.int64), "i")
+        fill = b.const(np.zeros((), dtype), "zero")
+        if op.empty_rows == "mean":  # over every key
+            fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, axes], base=f"{node.name}_v_mean"), axes], base=f"{node.name}_v_mean5")
+        cm = cls(b, op.mask, dtype, m5, mshape[2] != 1, mshape[3] != 1, fill)
+        if op.mask == "additive" and not cm.rows_masked and cm.keys_masked:  # a key mask (ALiBi: a bias, padding at -inf)
+            # raised to the finite fill once; a query row is empty when no key up to its causal limit is finite: the
+            # running count of finite keys, read at each row's limit (small tensors, no pass over the chunk's scores)
+            cm.lifted = b.op("Max", [m5, b.const(lowest(dtype), "fill")], base=f"{node.name}_mask_lifted")
+            finite = b.op("Greater", [m5, b.const(np.array(-np.inf, dtype), "neg_inf")], base=f"{node.name}_mask_finite")
+            counts = b.op("Cast", [finite], to=ONNX_DTYPES[dtype])
+            cm.key_counts = b.op("CumSum", [counts, b.const(np.array(4, np.int64), "i")], base=f"{node.name}_keys_seen")
+        return cm
+
+    def bias(self, i: int, lo: str, hi: str, keys: str, past: str, hidden: str) -> tuple[str, str]:
+        """Chunk ``i``'s additive bias ``[B?, Hkv|1, G|1, C, L]`` (the mask where visible, finfo.min where hidden: finite,
+        so no NaN rows) and its bool ``[.., C, 1]`` of rows that see no key."""
+        b = self.b
+        i64 = lambda x: b.const(np.array(x, np.int64), "i")  # noqa: E731
+        consts = (("neg_inf", np.array(-np.inf, self.dtype)), ("zero", np.zeros((), self.dtype)), ("fill", lowest(self.dtype)))
+        neg_inf, zero, finite_fill = (b.const(x, n) for n, x in consts)
+        unsq = lambda x: b.op("Unsqueeze", [x, i64([0])])  # noqa: E731
+        if self.key_counts is not None and self.lifted is not None:
+            lc = b.op("Slice", [self.lifted, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask_keys")
+            bias = b.op("Where", [hidden, finite_fill, lc], base=f"chunk{i}_bias")
+            limits = b.op("Add", [b.op("Range", [lo, hi, i64(1)]), past], base=f"chunk{i}_row_limits")  # [C]
+            seen = b.op("Gather", [self.key_counts, limits], base=f"chunk{i}_keys_seen", axis=4)  # [B?, Hkv|1, G|1, 1, C]
+            return bias, b.op("Transpose", [b.op("Equal", [seen, zero])], base=f"chunk{i}_empty", perm=[0, 1, 2, 4, 3])
+        mc = b.op("Slice", [self.m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if self.rows_masked else self.m5
+        mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if self.keys_masked else mc
+        if self.kind == "additive":  # hidden: above the diagonal, or -inf in the mask; a row of them all is empty
+            raw = b.op("Where", [hidden, neg_inf, mc], base=f"chunk{i}_mask_causal")
+            bias = b.op("Max", [raw, finite_fill], base=f"chunk{i}_bias")
+            return bias, b.op("Equal", [b.op("ReduceMax", [raw, i64([-1])], base=f"chunk{i}_row_max"), neg_inf], base=f"chunk{i}_empty")
+        visible = b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible")  # a row of the bias all < 0 is empty
+        bias = b.op("Where", [visible, zero, finite_fill], base=f"chunk{i}_bias")
+        return bias, b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), zero], base=f"chunk{i}_empty")
