@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -29,3 +30,23 @@ def _temporary_files_under_pytest(tmp_path_factory: pytest.TempPathFactory) -> I
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = before_env
+
+
+_EXPORTS_KEY = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the controlling process (before pytest-xdist starts its workers, who inherit the variable): a folder where the
+    test processes share the models they export (``tests/real_exports.py``)."""
+    if not hasattr(config, "workerinput") and "GRAPHC_TEST_EXPORTS" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="graphc-test-exports-")
+        os.environ["GRAPHC_TEST_EXPORTS"] = folder
+        config.stash[_EXPORTS_KEY] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the shared exports folder this process made."""
+    folder = config.stash.get(_EXPORTS_KEY, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("GRAPHC_TEST_EXPORTS", None)

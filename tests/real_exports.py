@@ -8,12 +8,19 @@ sequence and past lengths, by the legacy TorchScript exporter (``dynamo=False``,
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each test process keeps its own exports
+    fcntl = None
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon", "bert")
 """The causal LMs, and BERT (an encoder: ``last_hidden_state`` out, no cache)."""
@@ -173,17 +180,28 @@ def export_model(
 ) -> Path:
     """Export one tiny model (see the module doc; ``window``: Mistral's and Gemma 2's sliding window); returns ``path``.
 
-    Each model is exported once per test process: a second request copies the first file (torch's exporters take
-    seconds a model, and several tests read the same one)."""
+    Each model is exported once per test run: a second request copies the first file (torch's exporters take seconds a
+    model, and several tests read the same one).  The test processes of one run share the files through the folder
+    ``$GRAPHC_TEST_EXPORTS`` (``tests/conftest.py`` makes it), one lock a model, so two workers never export the same
+    model twice; without it (a benchmark) the files are kept per process."""
     key = (family, exporter, attention, cache, seed, hidden, window)
-    done = _EXPORTED.get(key)
-    if done is not None:
-        shutil.copyfile(done, path)
+    shared = os.environ.get("GRAPHC_TEST_EXPORTS")
+    if shared and fcntl is not None:
+        stored = Path(shared) / f"{hashlib.sha1(repr(key).encode()).hexdigest()}.onnx"
+        with open(f"{stored}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return _export_or_copy(key, path, stored)
+    return _export_or_copy(key, path, _EXPORTED.setdefault(key, Path(_CACHE_DIR.name) / f"{len(_EXPORTED)}.onnx"))
+
+
+def _export_or_copy(key: tuple, path: str | Path, stored: Path) -> Path:
+    """Copy ``stored`` to ``path`` if a model was exported there, else export it to ``path`` and keep a copy."""
+    if stored.exists():
+        shutil.copyfile(stored, path)
         return Path(path)
-    _export_model(family, exporter, attention, cache, path, seed, hidden, window)
+    _export_model(*key[:4], path, *key[4:])
     if not Path(f"{path}.data").exists():  # one self-contained file (tiny models always are): safe to copy
-        _EXPORTED[key] = Path(_CACHE_DIR.name) / f"{len(_EXPORTED)}.onnx"
-        shutil.copyfile(path, _EXPORTED[key])
+        shutil.copyfile(path, stored)
     return Path(path)
 
 
