@@ -255,3 +255,46 @@ def test_a_bias_on_the_flat_heads_scores_beside_a_masked_fill_is_one_attention()
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)
+
+
+@pytest.mark.parametrize("pad", [0, 2, 9])
+def test_the_converter_mask_of_transformers_4_is_causal_at_the_past_offset(pad):
+    """transformers 4.x's ``AttentionMaskConverter`` (MPT's optimum file): a triangle over the new keys after a block of
+    zeros for the past (``Concat``), ``masked_fill``ed by the inverted padding (``Where(Cast(inverted, bool), fill, c)``),
+    then ``.bool()`` and a masked fill of the scores plus an ALiBi bias.  One causal ``Attention`` at the past's offset
+    with its cache, equal to the graph as written (``pad=9``: row 0 sees no key at all)."""
+    g = Graph("converter")
+    ids = g.input("ids", ["b", "s"], "int64")
+    att = g.input("attention_mask", ["b", "p+s"], "int64")
+    q, k, v = (g.input(n, ["b", HEADS, "s", D]).name for n in "qkv")
+    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
+    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
+    fill, zero = const("fill", np.float32(MIN32)), const("zero", np.float32(0))
+    k = add(Concat(2), [g.input("past_k", ["b", HEADS, "p", D]), k], "present_k")
+    v = add(Concat(2), [g.input("past_v", ["b", HEADS, "p", D]), v], "present_v")
+    rows = add(Positions(1), [ids], "rows")  # the triangle over the new keys: j < i + 1 visible
+    upto = add(Reshape(("s", 1)), [add(Binary("add"), [rows, const("one", np.int64(1))], "rows_1")], "rows_col")
+    triangle = add(Where(), [add(Compare("less"), [rows, upto], "below"), zero, fill], "triangle")
+    past_block = add(BroadcastTo(("s", "p")), [const("past_zero", np.float32(0))], "past_block")
+    causal = add(Reshape((1, 1, "s", "p+s")), [add(Concat(1), [past_block, triangle], "causal2d")], "causal")
+    expanded = add(Cast("float32"), [add(BroadcastTo(("b", 1, "s", "p+s")), [add(Reshape(("b", 1, 1, "p+s")), [att], "att4")], "att_x")], "att_f")
+    inverted = add(Binary("sub"), [const("one_f", np.float32(1)), expanded], "inverted")
+    padding = add(Where(), [add(Cast("bool"), [inverted], "inverted_b"), fill, inverted], "padding")
+    mask = add(Where(), [add(Cast("bool"), [padding], "padded"), fill, causal], "mask")
+    hide = add(Cast("bool"), [mask], "hide")
+    slopes = const("slopes", (2.0 ** -np.arange(1, HEADS + 1, dtype=np.float32)).reshape(1, HEADS, 1, 1))
+    key_pos = add(Cast("float32"), [add(Reshape((1, 1, 1, "p+s")), [add(Positions(1), [att], "kpos")], "kpos4")], "kpos_f")
+    s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+    masked = add(Where(), [hide, fill, add(Binary("add"), [s, add(Binary("mul"), [slopes, key_pos], "alibi")], "biased")], "masked")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"), k, v)
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert [(op.causal_offset, op.kv_cache, op.mask, op.empty_rows) for op in attention] == [("p", True, "additive", "mean")], attention
+    feeds = random_inputs(g, seed=6, b=2, s=5, p=3)
+    feeds["attention_mask"] = np.ones((2, 8), np.int64)
+    feeds["attention_mask"][0, :pad] = 0
+    want = run(g, feeds, reference=True, compute_dtype="float64")
+    for backend in ("numpy", "ort-cpu"):
+        got = run(optimized, feeds, backend)
+        for name in g.outputs:
+            np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-5, err_msg=f"{backend} {name}")

@@ -19,14 +19,14 @@ is uniform over all keys; the split records that as ``empty_rows="mean"``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeGuard
 
 import numpy as np
 
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph, Node
-from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Reshape, Where
+from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Concat, Reshape, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
 
@@ -275,20 +275,94 @@ def _old_transformers_mask(graph: Graph, node: Node) -> MaskSplit | None:
     return MaskSplit(normalize_dim(dim_sub(found[0], 1)), None, (), "mean", hide=equal)
 
 
-def split_additive_mask(graph: Graph, mask: str) -> MaskSplit | None:
+def _adds_unit_axes(graph: Graph, node: Node) -> bool:
+    """``node`` is a ``Reshape`` that only puts axes of size 1 in front (``[S, T] -> [1, 1, S, T]``)."""
+    if not isinstance(node.op, Reshape):
+        return False
+    src, dst = graph.types[node.inputs[0]].shape, graph.types[node.name].shape
+    return len(dst) >= len(src) and dst[len(dst) - len(src) :] == src and all(d == 1 for d in dst[: len(dst) - len(src)])
+
+
+def _nested_mask(graph: Graph, node: Node, depth: int) -> MaskSplit | None:
+    """The masks transformers 4.x's ``AttentionMaskConverter`` writes (MPT's optimum file), read through what they nest:
+
+    - ``Where(Cast(m, bool), fill, 0)`` hides where the float mask ``m`` (zeros and a finite fill) is nonzero: ``m``'s split;
+    - ``Where(hide, fill, c)`` with ``hide`` bool and ``c`` a position mask: ``c``'s causal offset, ``hide`` besides it;
+    - ``Concat(zeros[.., P], c)`` along the keys (the past visible to every query): ``c``'s offset moved by ``P``."""
+    if depth > 8:
+        return None
+    if isinstance(node.op, Concat) and len(node.inputs) == 2 and node.op.axis % graph.types[node.name].rank == graph.types[node.name].rank - 1:
+        block, rest = node.inputs
+        if not _is_zero_block(graph, block):
+            return None
+        inner = split_additive_mask(graph, rest, depth + 1)
+        if inner is None or inner.offset is None:
+            return None
+        return replace(inner, offset=normalize_dim(dim_add(inner.offset, graph.types[block].shape[-1])))
+    if isinstance(node.op, Binary) and node.op.fn == "add":  # c + Where(hide, fill, 0): graphc's reading of Where(hide, fill, c)
+        for at in (0, 1):
+            w = graph.producer(node.inputs[at])
+            if w is None or not isinstance(w.op, Where) or not _is_zero(_scalar(graph, w.inputs[2])):
+                continue
+            found = _hidden_beside(graph, w.inputs[0], w.inputs[1], node.inputs[1 - at], depth)
+            if found is not None:
+                return found
+        return None
+    if not isinstance(node.op, Where):
+        return None
+    cond, x, y = node.inputs
+    fill = _scalar(graph, x)
+    if not _is_fill(fill) or not np.isfinite(fill) or graph.types[cond].dtype != "bool":
+        return None
+    cast = graph.producer(cond)
+    if _is_zero(_scalar(graph, y)):  # Where(Cast(m, bool), fill, 0)
+        if cast is None or not isinstance(cast.op, Cast) or str(graph.types[cast.inputs[0]].dtype) not in FLOAT_DTYPES:
+            return None
+        return split_additive_mask(graph, cast.inputs[0], depth + 1)
+    return _hidden_beside(graph, cond, x, y, depth)
+
+
+def _hidden_beside(graph: Graph, hide: str, fill: str, positions: str, depth: int) -> MaskSplit | None:
+    """A bool ``hide`` (not a half-plane) filled with a finite ``fill`` over a position mask ``positions``."""
+    f = _scalar(graph, fill)
+    if not _is_fill(f) or not np.isfinite(f) or graph.types[hide].dtype != "bool" or _half_plane(graph, hide) is not None:
+        return None
+    if graph.is_constant(positions) or str(graph.types[positions].dtype) not in FLOAT_DTYPES:
+        return None
+    inner = split_additive_mask(graph, positions, depth + 1)
+    if inner is None or inner.offset is None or inner.keep or inner.hide is not None:
+        return None
+    return MaskSplit(inner.offset, inner.window, (), "mean", hide=hide)
+
+
+def _is_zero_block(graph: Graph, value: str) -> bool:
+    """``value`` is all zeros: a zero constant, or one broadcast."""
+    node = graph.producer(value)
+    if node is not None and isinstance(node.op, BroadcastTo):
+        value = node.inputs[0]
+    if not graph.is_constant(value):
+        return False
+    arr = graph.initializers[value]
+    return str(arr.dtype) in FLOAT_DTYPES and arr.size > 0 and not np.any(arr)
+
+
+def split_additive_mask(graph: Graph, mask: str, depth: int = 0) -> MaskSplit | None:
     """Read ``mask`` (added to the scores) as :class:`MaskSplit`, or ``None`` when it is not ``Where(keep, 0, fill)``
     (or graphc's own ``Where(hide, fill, 0)``, see :func:`_planes`).
 
     ``keep`` may hold one causal bound (and one window edge with it) and any other bool conjuncts; without a causal
     bound it is a plain bool mask (BERT's padding)."""
     node = graph.producer(mask)
-    while node is not None and isinstance(node.op, BroadcastTo):  # a mask expanded to the scores' shape (optimum's files)
+    while node is not None and (isinstance(node.op, BroadcastTo) or _adds_unit_axes(graph, node)):  # expanded or viewed
         node = graph.producer(node.inputs[0])
     if node is None:
         return None
     old = _old_transformers_mask(graph, node)
     if old is not None:
         return old
+    nested = _nested_mask(graph, node, depth)
+    if nested is not None:
+        return nested
     causal = _hidden_product(graph, mask)
     if causal is not None:  # the causal product alone (no padding)
         bound = normalize_dim(dim_sub(causal[0], 1))
