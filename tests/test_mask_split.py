@@ -298,3 +298,29 @@ def test_the_converter_mask_of_transformers_4_is_causal_at_the_past_offset(pad):
         got = run(optimized, feeds, backend)
         for name in g.outputs:
             np.testing.assert_allclose(got[name], want[name], rtol=2e-4, atol=2e-5, err_msg=f"{backend} {name}")
+
+
+def test_a_finite_fill_over_a_bool_of_an_infinite_mask_gives_padded_rows_the_mean():
+    """``Where(Cast(m, bool), finfo.min, 0)`` with ``m = Where(causal & padding, 0, -inf)``: the keys ``m`` hides, filled
+    with a finite number, so a row of padding is uniform (the mean of V), not the zeros ``m``'s own ``-inf`` would give."""
+    from graphc.optimizer.masks import split_additive_mask
+
+    g, q, k, v, add, const, key_pos, query_pos = _heads_and_positions("cast_of_inf")
+    pad = g.input("attention_mask", ["b", "s"], "bool")
+    keep = add(
+        Where(),
+        [add(Compare("less_equal"), [key_pos, query_pos], "causal"), add(Reshape(("b", 1, 1, "s")), [pad], "pad4"), const("false", False)],
+        "keep",
+    )
+    inner = add(Where(), [keep, const("zero", np.float32(0)), const("neg_inf", np.float32(-np.inf))], "inner")
+    mask = add(Where(), [add(Cast("bool"), [inner], "hidden"), const("fill", np.float32(MIN32)), const("zero2", np.float32(0))], "mask")
+    split = split_additive_mask(g, mask)
+    assert split is not None and (split.offset, split.empty_rows) == (0, "mean"), split
+    s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [add(Binary("add"), [s, mask], "masked")], "probs"), v], "out"))
+    optimized = optimize(g).graph
+    feeds = random_inputs(g, seed=7, b=2, s=6)
+    feeds["attention_mask"] = np.array([[False] * 3 + [True] * 3, [True] * 6])  # row 0: its first 3 queries see no key
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)

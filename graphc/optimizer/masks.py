@@ -318,7 +318,11 @@ def _nested_mask(graph: Graph, node: Node, depth: int) -> MaskSplit | None:
     if _is_zero(_scalar(graph, y)):  # Where(Cast(m, bool), fill, 0)
         if cast is None or not isinstance(cast.op, Cast) or str(graph.types[cast.inputs[0]].dtype) not in FLOAT_DTYPES:
             return None
-        return split_additive_mask(graph, cast.inputs[0], depth + 1)
+        inner = split_additive_mask(graph, cast.inputs[0], depth + 1)
+        if inner is None:
+            return None
+        may_be_empty = bool(inner.keep) or inner.hide is not None or inner.offset is None or not dim_is_nonnegative(inner.offset)
+        return replace(inner, empty_rows="mean") if may_be_empty else inner  # this fill is finite, whatever m's was
     return _hidden_beside(graph, cond, x, y, depth)
 
 
