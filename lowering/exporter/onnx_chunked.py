@@ -13,6 +13,7 @@ repeated.  What the form can carry is :func:`lowering.exporter.forms.chunked_uns
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,9 +54,9 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     step = b.op("Div", [b.op("Add", [s_len, i64(chunks - 1)]), i64(chunks)], base="chunk_rows")
     scale = b.const(np.array(op.scale, dtype), "scale")
     q5 = b.reshape(b.op("Mul", [q, scale], base=f"{q}_scaled"), [batch, n_kv, group, sq, head])  # [B, Hkv, G, S, D]
-    neg_inf, zero = b.const(np.array(-np.inf, dtype), "neg_inf"), b.const(np.zeros((), dtype), "zero")
+    scalar = _scalars(b, dtype)
     one = i64(1)
-    prepared = _ChunkMask.of(b, node, mask, v, (n_kv, group)) if mask is not None else None
+    prepared = _ChunkMask.of(b, node, mask, v, (n_kv, group), scalar) if mask is not None else None
     parts = []
     for i in range(chunks):
         lo = b.op("Min", [b.op("Mul", [step, i64(i)]), s_len], base=f"chunk{i}_lo")
@@ -75,7 +76,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         kpos = b.op("Range", [i64(0), keys, one], base=f"chunk{i}_key_pos")  # [L]
         hidden = b.op("Greater", [kpos, b.op("Add", [qpos, past])], base=f"chunk{i}_hidden")
         if prepared is None:
-            bias = b.op("Where", [hidden, neg_inf, zero], base=f"chunk{i}_bias")  # [C, L]
+            bias = b.op("Where", [hidden, scalar("neg_inf"), scalar("zero")], base=f"chunk{i}_bias")  # [C, L]
         else:
             bias, empty = prepared.bias(i, lo, hi, keys, past, hidden)
         p = b.op("Softmax", [b.op("Add", [s5, bias], base=f"chunk{i}_masked")], base=f"chunk{i}_probs", axis=-1)
@@ -90,37 +91,51 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     b.reshape(merged, [batch, n_heads, sq, e_dim], node.name)
 
 
+def _scalars(b: OnnxBuilder, dtype: str) -> Callable[[str], str]:
+    """The scalar constants of one attention (``"neg_inf"``, ``"zero"`` and the finite ``"fill"``), each made once and
+    only if used: an initializer no node reads is one onnxruntime warns about when it loads the model."""
+    values = {"neg_inf": np.array(-np.inf, dtype), "zero": np.zeros((), dtype), "fill": lowest(dtype)}
+    made: dict[str, str] = {}
+
+    def scalar(name: str) -> str:
+        if name not in made:
+            made[name] = b.const(values[name], name)
+        return made[name]
+
+    return scalar
+
+
 @dataclass
 class _ChunkMask:
     """A user mask ``[B?, H?, S?, T]`` viewed as ``[B?, Hkv|1, G|1, S?, T]`` (``m5``), and what every chunk reads of it."""
 
     b: OnnxBuilder
     kind: str  # "bool" or "additive"
-    dtype: str  # the scores'
     m5: str
     rows_masked: bool
     keys_masked: bool
     fill: str  # the value of a row with no visible key: zeros, or the mean of V over every key
+    scalar: Callable[[str], str]  # the attention's scalar constants (:func:`_scalars`)
     lifted: str | None = None  # a key mask raised to the finite fill (additive)
     key_counts: str | None = None  # the running count of its finite keys [B?, Hkv|1, G|1, 1, T] (additive)
 
     @classmethod
-    def of(cls, b: OnnxBuilder, node: Node, mask: str, v: str, heads: tuple[Dim, int]) -> _ChunkMask:
+    def of(cls, b: OnnxBuilder, node: Node, mask: str, v: str, heads: tuple[Dim, int], scalar: Callable[[str], str]) -> _ChunkMask:
         op, g = node.op_as(Attention), b.graph
-        dtype = g.types[v].dtype
         mshape = (1,) * (4 - g.types[mask].rank) + g.types[mask].shape
         m5 = b.reshape(mask, [mshape[0], *((1, 1) if mshape[1] == 1 else heads), *mshape[2:]])
-        axes = b.const(np.array([2], np.int64), "i")
-        fill = b.const(np.zeros((), dtype), "zero")
         if op.empty_rows == "mean":  # over every key
+            axes = b.const(np.array([2], np.int64), "i")
             fill = b.op("Unsqueeze", [b.op("ReduceMean", [v, axes], base=f"{node.name}_v_mean"), axes], base=f"{node.name}_v_mean5")
-        cm = cls(b, op.mask, dtype, m5, mshape[2] != 1, mshape[3] != 1, fill)
+        else:
+            fill = scalar("zero")
+        cm = cls(b, op.mask, m5, mshape[2] != 1, mshape[3] != 1, fill, scalar)
         if op.mask == "additive" and not cm.rows_masked and cm.keys_masked:  # a key mask (ALiBi: a bias, padding at -inf)
             # raised to the finite fill once; a query row is empty when no key up to its causal limit is finite: the
             # running count of finite keys, read at each row's limit (small tensors, no pass over the chunk's scores)
-            cm.lifted = b.op("Max", [m5, b.const(lowest(dtype), "fill")], base=f"{node.name}_mask_lifted")
-            finite = b.op("Greater", [m5, b.const(np.array(-np.inf, dtype), "neg_inf")], base=f"{node.name}_mask_finite")
-            counts = b.op("Cast", [finite], to=ONNX_DTYPES[dtype])
+            cm.lifted = b.op("Max", [m5, scalar("fill")], base=f"{node.name}_mask_lifted")
+            finite = b.op("Greater", [m5, scalar("neg_inf")], base=f"{node.name}_mask_finite")
+            counts = b.op("Cast", [finite], to=ONNX_DTYPES[g.types[v].dtype])
             cm.key_counts = b.op("CumSum", [counts, b.const(np.array(4, np.int64), "i")], base=f"{node.name}_keys_seen")
         return cm
 
@@ -129,21 +144,20 @@ class _ChunkMask:
         so no NaN rows) and its bool ``[.., C, 1]`` of rows that see no key."""
         b = self.b
         i64 = lambda x: b.const(np.array(x, np.int64), "i")  # noqa: E731
-        consts = (("neg_inf", np.array(-np.inf, self.dtype)), ("zero", np.zeros((), self.dtype)), ("fill", lowest(self.dtype)))
-        neg_inf, zero, finite_fill = (b.const(x, n) for n, x in consts)
         unsq = lambda x: b.op("Unsqueeze", [x, i64([0])])  # noqa: E731
         if self.key_counts is not None and self.lifted is not None:
             lc = b.op("Slice", [self.lifted, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask_keys")
-            bias = b.op("Where", [hidden, finite_fill, lc], base=f"chunk{i}_bias")
+            bias = b.op("Where", [hidden, self.scalar("fill"), lc], base=f"chunk{i}_bias")
             limits = b.op("Add", [b.op("Range", [lo, hi, i64(1)]), past], base=f"chunk{i}_row_limits")  # [C]
             seen = b.op("Gather", [self.key_counts, limits], base=f"chunk{i}_keys_seen", axis=4)  # [B?, Hkv|1, G|1, 1, C]
-            return bias, b.op("Transpose", [b.op("Equal", [seen, zero])], base=f"chunk{i}_empty", perm=[0, 1, 2, 4, 3])
+            return bias, b.op("Transpose", [b.op("Equal", [seen, self.scalar("zero")])], base=f"chunk{i}_empty", perm=[0, 1, 2, 4, 3])
         mc = b.op("Slice", [self.m5, unsq(lo), unsq(hi), i64([3])], base=f"chunk{i}_mask_rows") if self.rows_masked else self.m5
         mc = b.op("Slice", [mc, i64([0]), unsq(keys), i64([4])], base=f"chunk{i}_mask") if self.keys_masked else mc
         if self.kind == "additive":  # hidden: above the diagonal, or -inf in the mask; a row of them all is empty
-            raw = b.op("Where", [hidden, neg_inf, mc], base=f"chunk{i}_mask_causal")
-            bias = b.op("Max", [raw, finite_fill], base=f"chunk{i}_bias")
-            return bias, b.op("Equal", [b.op("ReduceMax", [raw, i64([-1])], base=f"chunk{i}_row_max"), neg_inf], base=f"chunk{i}_empty")
+            raw = b.op("Where", [hidden, self.scalar("neg_inf"), mc], base=f"chunk{i}_mask_causal")
+            bias = b.op("Max", [raw, self.scalar("fill")], base=f"chunk{i}_bias")
+            row_max = b.op("ReduceMax", [raw, i64([-1])], base=f"chunk{i}_row_max")
+            return bias, b.op("Equal", [row_max, self.scalar("neg_inf")], base=f"chunk{i}_empty")
         visible = b.op("And", [mc, b.op("Not", [hidden])], base=f"chunk{i}_visible")  # a row of the bias all < 0 is empty
-        bias = b.op("Where", [visible, zero, finite_fill], base=f"chunk{i}_bias")
-        return bias, b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), zero], base=f"chunk{i}_empty")
+        bias = b.op("Where", [visible, self.scalar("zero"), self.scalar("fill")], base=f"chunk{i}_bias")
+        return bias, b.op("Less", [b.op("ReduceMax", [bias, i64([-1])], base=f"chunk{i}_row_max"), self.scalar("zero")], base=f"chunk{i}_empty")

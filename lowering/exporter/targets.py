@@ -172,9 +172,9 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
                 return "auto: the query length is not known (give sizes), so the grouped MatMul form is kept"
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
-            if node.op_as(Attention).mask == "additive" and unsupported(ChunkedCausalAttention, graph, node, ctx, opset) is None:
-                return "auto: an additive mask (a bias per head) costs each query chunk passes over its scores; grouped MatMuls share one bias"
             if unsupported(ChunkedCausalAttention, graph, node, ctx, opset) is None:
+                if node.op_as(Attention).mask == "additive":
+                    return "auto: an additive mask (a bias per head) costs each query chunk passes over its scores; grouped MatMuls share one bias"
                 scores = _score_elements(graph, node, ctx)
                 if scores < AUTO_MIN_CHUNKED_SCORES:
                     return f"auto: {scores} score elements, under {AUTO_MIN_CHUNKED_SCORES}: one grouped MatMul pass beats query chunks"
