@@ -311,19 +311,24 @@ def _nested_mask(graph: Graph, node: Node, depth: int) -> MaskSplit | None:
     if not isinstance(node.op, Where):
         return None
     cond, x, y = node.inputs
-    fill = _scalar(graph, x)
-    if not _is_fill(fill) or not np.isfinite(fill) or graph.types[cond].dtype != "bool":
+    if not _is_zero(_scalar(graph, y)):
+        return _hidden_beside(graph, cond, x, y, depth)
+    fill, cast = _scalar(graph, x), graph.producer(cond)  # Where(Cast(m, bool), fill, 0)
+    if not _is_fill(fill) or not np.isfinite(fill) or cast is None or not isinstance(cast.op, Cast) or cast.op.dtype != "bool":
         return None
-    cast = graph.producer(cond)
-    if _is_zero(_scalar(graph, y)):  # Where(Cast(m, bool), fill, 0)
-        if cast is None or not isinstance(cast.op, Cast) or str(graph.types[cast.inputs[0]].dtype) not in FLOAT_DTYPES:
-            return None
-        inner = split_additive_mask(graph, cast.inputs[0], depth + 1)
-        if inner is None:
-            return None
-        may_be_empty = bool(inner.keep) or inner.hide is not None or inner.offset is None or not dim_is_nonnegative(inner.offset)
-        return replace(inner, empty_rows="mean") if may_be_empty else inner  # this fill is finite, whatever m's was
-    return _hidden_beside(graph, cond, x, y, depth)
+    if str(graph.types[cast.inputs[0]].dtype) not in FLOAT_DTYPES:
+        return None
+    inner = split_additive_mask(graph, cast.inputs[0], depth + 1)
+    if inner is None:
+        return None
+    return replace(inner, empty_rows=_empty_rows(True, bool(inner.keep) or inner.hide is not None, inner.offset))  # this fill is finite
+
+
+def _empty_rows(finite_fill: bool, more_masks: bool, offset: Dim | None) -> str:
+    """What a row with no visible key gives (:attr:`MaskSplit.empty_rows`): under a finite fill, the mean of V wherever
+    some row may see no key (another mask besides the positions, no causal bound, or one that may be negative); else
+    zeros."""
+    return "mean" if finite_fill and (more_masks or offset is None or not dim_is_nonnegative(offset)) else "zero"
 
 
 def _hidden_beside(graph: Graph, hide: str, fill: str, positions: str, depth: int) -> MaskSplit | None:
@@ -370,7 +375,7 @@ def split_additive_mask(graph: Graph, mask: str, depth: int = 0) -> MaskSplit | 
     causal = _hidden_product(graph, mask)
     if causal is not None:  # the causal product alone (no padding)
         bound = normalize_dim(dim_sub(causal[0], 1))
-        return MaskSplit(bound, None, (), "zero" if dim_is_nonnegative(bound) else "mean")
+        return MaskSplit(bound, None, (), _empty_rows(True, False, bound))  # the product's fill is finite
     if not isinstance(node.op, Where):
         return None
     found = _planes(graph, node)
@@ -388,6 +393,4 @@ def split_additive_mask(graph: Graph, mask: str, depth: int = 0) -> MaskSplit | 
         if not isinstance(w, int) or w < 1:
             return None
         window = w
-    finite = bool(np.isfinite(f))
-    empty = "mean" if finite and (rest or offset is None or not dim_is_nonnegative(offset)) else "zero"
-    return MaskSplit(offset, window, tuple(rest), empty)
+    return MaskSplit(offset, window, tuple(rest), _empty_rows(bool(np.isfinite(f)), bool(rest), offset))
