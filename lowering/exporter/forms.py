@@ -75,8 +75,9 @@ def causal_chunks(queries: int | None) -> int:
     """How many query chunks a causal prefill of ``queries`` tokens (``None``: unknown) is split into: one per
     :data:`CHUNK_ROWS` rows, at least 2 and at most :data:`CAUSAL_CHUNKS`.
 
-    From ``benchmarks/bench_real_exports.py``'s hidden-256 exports on 2 cores (onnxruntime 1.32, graphc / export): at 512
-    tokens 2/4/8 chunks give Llama 0.57/0.50/0.48 and OLMo 0.93/0.89/0.90; at 256 tokens Llama 0.72/0.71 (2/4 chunks)."""
+    From an A/B of chunk counts on the hidden-256 exports ``benchmarks/bench_real_exports.py`` times (2 cores, onnxruntime
+    1.32, graphc / export, one run): at 512 tokens 2/4/8 chunks gave Llama 0.57/0.50/0.48 and OLMo 0.93/0.89/0.90; at 256
+    tokens Llama 0.72/0.71 (2/4 chunks)."""
     if queries is None:
         return CAUSAL_CHUNKS
     return min(CAUSAL_CHUNKS, max(2, math.ceil(queries / CHUNK_ROWS)))

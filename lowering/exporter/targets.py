@@ -54,10 +54,10 @@ AUTO_MIN_CHUNKED_SCORES = 2**18
 elements, in :func:`~lowering.exporter.forms.causal_chunks` chunks; a smaller one runs as grouped MatMuls (each chunk
 costs some twenty small ops).
 
-From ``benchmarks/bench_real_exports.py``'s hidden-256 exports on 2 cores (graphc / export, grouped MatMuls vs query
-chunks): at 512 tokens (1-2M score elements) chunks win everywhere (Llama 0.72 vs 0.48, OPT 0.99 vs 0.88, GPT-J 1.01
-vs 0.90); at 256 tokens (256-512K) they tie or win by a few percent; at 128 tokens with 4 heads (64K) grouped MatMuls
-win by 10-15%."""
+From an A/B of the two forms on the hidden-256 exports ``benchmarks/bench_real_exports.py`` times (2 cores, graphc /
+export, grouped MatMuls vs query chunks, one run): at 512 tokens (1-2M score elements) chunks win everywhere (Llama
+0.72 vs 0.48, OPT 0.99 vs 0.88, GPT-J 1.01 vs 0.90); at 256 tokens (256-512K) they tie or win by a few percent; at 128
+tokens with 4 heads (64K) grouped MatMuls win by 10-15%."""
 
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
