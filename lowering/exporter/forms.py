@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from graphc.attention_op import Attention
-from graphc.dims import Dim, dim_is_nonnegative, normalize_dim
+from graphc.dims import Dim, dim_add, dim_is_nonnegative, normalize_dim
 from graphc.errors import OpError
 from graphc.graph import Graph, Node
 from graphc.ops import payload_fields, register_op
@@ -142,6 +142,9 @@ def chunked_unsupported(graph: Graph, node: Node) -> str | None:
     q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
     if not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int) and isinstance(graph.types[node.inputs[2]].shape[3], int)):
         return "head counts and head dims must be static"
+    keys = graph.types[node.outputs[1] if op.kv_cache else node.inputs[1]].shape[2]
+    if normalize_dim(keys) != normalize_dim(dim_add(q[2], op.causal_offset)):
+        return f"the keys ({keys}) are not the queries plus the causal offset ({q[2]} + {op.causal_offset}), as a causal prefill's are"
     return None
 
 

@@ -7,7 +7,8 @@ solved from an input's dim expression) and the ``-inf`` analysis that says which
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import onnx
@@ -20,6 +21,8 @@ from graphc.mapped import all_finite
 from graphc.ops import FLOAT_DTYPES, Binary
 
 __all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES"]
+
+_T = TypeVar("_T")
 
 ONNX_DTYPES = {
     "float16": TensorProto.FLOAT16,
@@ -45,6 +48,7 @@ class OnnxBuilder:
         self.may_carry_neg_inf = may_carry_neg_inf(graph)
         self.symbol_source: dict[str, tuple[str, int]] = {}
         self._shaped: list[str] = list(graph.inputs)  # values whose shapes a Shape node may read (inputs, then computed ones)
+        self._once: dict[Hashable, Any] = {}
         for name in graph.inputs:
             for axis, d in enumerate(graph.types[name].shape):
                 if is_symbol(d):
@@ -59,6 +63,18 @@ class OnnxBuilder:
                 if is_symbol(d):
                     self.symbol_source.setdefault(str(d), (name, axis))
 
+    def once(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """What ``make`` emits, emitted once per graph for ``key`` and shared by every later caller with an equal key (the
+        chunk bounds and masks every layer's attention reads).  Nodes are appended in order, so the first caller's
+        nodes precede every later reader."""
+        if key not in self._once:
+            self._once[key] = make()
+        return cast(_T, self._once[key])
+
+    def ints(self, *values: int) -> str:
+        """A 1-D int64 constant holding ``values`` (axes, Slice bounds), one initializer per graph for equal values."""
+        return self.once(("ints", values), lambda: self.const(np.array(values, np.int64), "axes"))
+
     def fresh(self, base: str) -> str:
         """A tensor name not used yet."""
         name, i = base, 1
@@ -72,6 +88,12 @@ class OnnxBuilder:
         out = output or self.fresh(base)
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(f"n_{out}"), domain=domain, **attrs))
         return out
+
+    def op_outputs(self, op_type: str, inputs: list[str], count: int, base: str = "t", **attrs: Any) -> list[str]:
+        """Append an ONNX node with ``count`` outputs (a Split) and return their names."""
+        outs = [self.fresh(f"{base}_{i}") for i in range(count)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.fresh(f"n_{outs[0]}"), **attrs))
+        return outs
 
     def const(self, array: np.ndarray, base: str = "c") -> str:
         """An initializer holding ``array``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import dim_add
+from graphc.dims import dim_add, normalize_dim
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
@@ -57,7 +57,9 @@ costs some twenty small ops).
 From an A/B of the two forms on the hidden-256 exports ``benchmarks/bench_real_exports.py`` times (2 cores, graphc /
 export, grouped MatMuls vs query chunks, one run): at 512 tokens (1-2M score elements) chunks win everywhere (Llama
 0.72 vs 0.48, OPT 0.99 vs 0.88, GPT-J 1.01 vs 0.90); at 256 tokens (256-512K) they tie or win by a few percent; at 128
-tokens with 4 heads (64K) grouped MatMuls win by 10-15%."""
+tokens with 4 heads (64K) grouped MatMuls win by 10-15%.  Chunks take an additive key mask too (ALiBi's bias per head,
+padding at ``-inf``: Bloom 512 tokens 0.89 vs 1.02), its slices made once and read by every layer; a mask per query row
+stays grouped."""
 
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
@@ -173,8 +175,8 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             if unsupported(ChunkedCausalAttention, graph, node, ctx, opset) is None:
-                if node.op_as(Attention).mask == "additive":
-                    return "auto: an additive mask (a bias per head) costs each query chunk passes over its scores; grouped MatMuls share one bias"
+                if node.op_as(Attention).mask == "additive" and normalize_dim(graph.types[node.inputs[3]].shape[-2]) != 1:
+                    return "auto: an additive mask per query row costs query chunks passes over it; grouped MatMuls add it once"
                 scores = _score_elements(graph, node, ctx)
                 if scores < AUTO_MIN_CHUNKED_SCORES:
                     return f"auto: {scores} score elements, under {AUTO_MIN_CHUNKED_SCORES}: one grouped MatMul pass beats query chunks"
