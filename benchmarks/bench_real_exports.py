@@ -15,7 +15,9 @@ onnxscript's ``optimize`` + ``rewrite`` and ``optimize_for_ort``; onnxslim
 (when installed).  Method: every session is warmed up, then blocks of
 back-to-back calls alternate between the variants (A B C ... A B C ...), so a
 noisy stretch of the machine hits all of them; the figure is the median over
-blocks of each block's median call; onnxruntime runs with ``--threads`` intra-op
+blocks of each block's median call, and a variant's ratio to the export is the
+median over blocks of its block median over the export's in the same round (a
+slow stretch of the machine moves both); onnxruntime runs with ``--threads`` intra-op
 threads and no spinning.  A variant that cannot be made or run is reported with
 its error.  Prints a Markdown table (ratios to the export in the same run).
 """
@@ -120,8 +122,12 @@ def attention_of(family: str) -> str:
     return "eager" if family in (*ALIBI_FAMILIES, *MORE_FAMILIES, *MOE_FAMILIES) else "sdpa"
 
 
-def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> list[tuple[str, float | None, str]]:
-    """Rows ``(variant, median ms or None, note)`` for one family and case."""
+Row = tuple[str, float | None, float | None, str]
+"""``(variant, median ms, ratio to the export paired by round, note)``; None where the variant could not be timed."""
+
+
+def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> list[Row]:
+    """One row per variant for one family and case (the export first)."""
     import onnx
     from real_exports import export_model, feeds
 
@@ -134,7 +140,7 @@ def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> li
     try:
         want = base.run(None, f)
     except Exception as e:  # noqa: BLE001 - e.g. a sliding-window cache export, valid only for a past shorter than the window
-        return [("torch.onnx export", None, f"onnxruntime fails on the export itself at this size: {str(e).splitlines()[0][-90:]}")]
+        return [("torch.onnx export", None, None, f"onnxruntime fails on the export itself at this size: {str(e).splitlines()[0][-90:]}")]
     runners: dict[str, Callable[[], object]] = {}
     notes: dict[str, str] = {}
     for name, make in _variants(path, work, sizes).items():
@@ -162,7 +168,10 @@ def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> li
                 run()
                 block.append(1e3 * (time.perf_counter() - t0))
             times[name].append(statistics.median(block))
-    return [(name, statistics.median(times[name]) if name in times else None, notes.get(name, "")) for name in _variants(path, work, sizes)]
+    export = times["torch.onnx export"]
+    paired = {name: statistics.median(t / e for t, e in zip(block, export)) for name, block in times.items()}
+    medians = {name: statistics.median(block) for name, block in times.items()}
+    return [(name, medians.get(name), paired.get(name), notes.get(name, "")) for name in _variants(path, work, sizes)]
 
 
 def main() -> None:
@@ -189,27 +198,27 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 rows = run_case(family, case, args, Path(tmp))
             base = rows[0][1]
-            for name, ms, note in rows:
+            for name, ms, paired, note in rows:
                 if base is None and name != "torch.onnx export":
                     continue
-                ratio = f"{ms / base:.2f}" if ms is not None and base else "-"
+                ratio = "-" if paired is None else f"{paired:.2f}"
                 print(f"| {case} | {name} | {'-' if ms is None else f'{ms:.2f}'} | {ratio} | {note} |", flush=True)
             summary.append(_summary_row(family, case, rows))
-    print("\nsummary (best graphc form against the best peer):\n")
+    print("\nsummary (best graphc form against the best peer; ratios paired by round):\n")
     print("| model | case | export ms | graphc ms (best form) | graphc / export | best peer | peer / export |\n|---|---|---|---|---|---|---|")
     print("\n".join(summary))
 
 
-def _summary_row(family: str, case: str, rows: list[tuple[str, float | None, str]]) -> str:
-    """One line of the summary: the export, graphc's faster form and the fastest peer, as ratios to the export."""
+def _summary_row(family: str, case: str, rows: list[Row]) -> str:
+    """One line of the summary: the export, graphc's faster form and the fastest peer (by their paired ratios)."""
     base = rows[0][1]
     if base is None:
-        return f"| {family} | {case} | - | - | - | - | - ({rows[0][2]}) |"
-    timed = [(ms, name) for name, ms, _ in rows[1:] if ms is not None]
-    ours = min(((ms, name) for ms, name in timed if name.startswith("graphc")), default=None)
-    peer = min(((ms, name) for ms, name in timed if not name.startswith("graphc")), default=None)
-    mine = f"{ours[0]:.2f} ({ours[1].removeprefix('graphc (').rstrip(')')}) | {ours[0] / base:.2f}" if ours else "- | -"
-    theirs = f"{peer[1]} | {peer[0] / base:.2f}" if peer else "- | -"
+        return f"| {family} | {case} | - | - | - | - | - ({rows[0][3]}) |"
+    timed = [(paired, ms, name) for name, ms, paired, _ in rows[1:] if ms is not None and paired is not None]
+    ours = min(((p, ms, name) for p, ms, name in timed if name.startswith("graphc")), default=None)
+    peer = min(((p, ms, name) for p, ms, name in timed if not name.startswith("graphc")), default=None)
+    mine = f"{ours[1]:.2f} ({ours[2].removeprefix('graphc (').rstrip(')')}) | {ours[0]:.2f}" if ours else "- | -"
+    theirs = f"{peer[2]} | {peer[0]:.2f}" if peer else "- | -"
     return f"| {family} | {case} | {base:.2f} | {mine} | {theirs} |"
 
 

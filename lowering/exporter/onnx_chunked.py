@@ -63,7 +63,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     if op.scale != 1.0:
         q = b.op("Mul", [q, b.const(np.array(op.scale, dtype), "scale")], base=f"{q}_scaled")
     q = layout.queries(q, sq)
-    masks = _ChunkMask.of(b, op.mask, node.inputs[3], layout, scalar) if op.has_mask else None
+    masks = _ChunkMask.of(b, op.mask, node.inputs[3], layout, dtype, scalar) if op.has_mask else None
     kt = b.op("Transpose", [k], base=f"{node.name}_keys_t", perm=[0, 1, 3, 2])  # [B, Hkv, D, T], sliced per chunk
     parts = []
     for c, qc in zip(plan.chunks, layout.chunk_queries(q, plan)):
@@ -236,8 +236,8 @@ class _ChunkMask:
     empty: str  # [.., S, 1]: the rows whose every key is hidden (their softmax is NaN, the op's empty-row value replaces it)
 
     @classmethod
-    def of(cls, b: OnnxBuilder, kind: str, mask: str, layout: _Layout, scalar: Callable[[str], str]) -> _ChunkMask:
-        """The chunked ``mask`` (``kind`` ``"bool"`` or ``"additive"``) of an attention in ``layout``."""
+    def of(cls, b: OnnxBuilder, kind: str, mask: str, layout: _Layout, dtype: str, scalar: Callable[[str], str]) -> _ChunkMask:
+        """The chunked ``mask`` (``kind`` ``"bool"`` or ``"additive"``) of an attention in ``layout`` whose scores are ``dtype``."""
         mshape = (1,) * (4 - b.graph.types[mask].rank) + b.graph.types[mask].shape
         _, n_kv, group, _, _ = layout.dims
         heads = [1] if mshape[1] == 1 else [n_kv]
@@ -245,7 +245,7 @@ class _ChunkMask:
             heads = [1, 1] if mshape[1] == 1 else [n_kv, group]
         target = (mshape[0], *heads, *mshape[2:])
         view = lambda: mask if tuple(b.graph.types[mask].shape) == target else b.reshape(mask, list(target))  # noqa: E731
-        return b.once((layout.plan.key, "mask", mask, target), lambda: cls._make(b, kind, view(), layout, mshape, scalar))
+        return b.once((layout.plan.key, "mask", mask, target, dtype), lambda: cls._make(b, kind, view(), layout, mshape, scalar))
 
     @classmethod
     def _make(cls, b: OnnxBuilder, kind: str, view: str, layout: _Layout, mshape: tuple[Dim, ...], scalar: Callable[[str], str]) -> _ChunkMask:
