@@ -138,7 +138,8 @@ def test_more_families_cache_exports_are_one_causal_attention_per_layer_equal_to
     exporter here; ``benchmarks/torch_onnx_corpus.py`` runs both exporters, with and without a cache): each layer one
     causal ``Attention`` at the past's offset with its padding mask, the cache its K/V inputs, equal to onnxruntime at
     sizes never traced.  DeepSeek-V3's cache holds its compressed latents: keys and values are computed from all of
-    them each step, so the op has no cache of its own."""
+    them each step, so the op has no cache of its own.  Exported as query chunks too (bounds, causal biases and the
+    padding mask's chunk biases shared by both layers), equal to onnxruntime."""
     path = export_model(family, "legacy", "eager", True, tmp_path / "model.onnx")
     model = onnx.load(str(path), load_external_data=False)
     graph = from_onnx(path)
@@ -148,6 +149,7 @@ def test_more_families_cache_exports_are_one_causal_attention_per_layer_equal_to
     latent = family == "deepseek_v3"
     assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
     _equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3], ("numpy", "ort-cpu"))
+    _chunked_equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3])
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -137,14 +137,12 @@ def chunked_unsupported(graph: Graph, node: Node) -> str | None:
         return "chunking is implemented for causal attention without a sliding window or softcap"
     if not dim_is_nonnegative(op.causal_offset):
         return "the causal offset may be negative"
-    if normalize_dim(op.causal_offset) != past_length(graph, node):
-        return f"causal offset {op.causal_offset!r} is not the past length"
     q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
     if not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int) and isinstance(graph.types[node.inputs[2]].shape[3], int)):
         return "head counts and head dims must be static"
     keys = graph.types[node.outputs[1] if op.kv_cache else node.inputs[1]].shape[2]
     if normalize_dim(keys) != normalize_dim(dim_add(q[2], op.causal_offset)):
-        return f"the keys ({keys}) are not the queries plus the causal offset ({q[2]} + {op.causal_offset}), as a causal prefill's are"
+        return f"the keys ({keys}) are not the queries plus the causal offset ({q[2]} + {op.causal_offset}): chunks read the offset as keys - queries"
     return None
 
 
