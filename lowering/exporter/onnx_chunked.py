@@ -233,7 +233,7 @@ class _ChunkMask:
     additive bias and the rows that see no key, made once per graph for every attention that reads the same mask."""
 
     biases: list[str]  # per chunk [.., C, L]: the mask (a bool one as 0 / -inf) plus -inf above the diagonal
-    empty: str  # [.., S, 1]: the rows whose every key is hidden (their softmax is NaN, the op's empty-row value replaces it)
+    empty: str  # [.., S, 1]: the rows whose every key is hidden (the op's empty-row value replaces what their softmax gives)
 
     @classmethod
     def of(cls, b: OnnxBuilder, kind: str, mask: str, layout: _Layout, dtype: str, scalar: Callable[[str], str]) -> _ChunkMask:
@@ -269,7 +269,9 @@ class _ChunkMask:
     def _of_keys(cls, b: OnnxBuilder, kind: str, view: str, ra: int, plan: _ChunkPlan, scalar: Callable[[str], str]) -> _ChunkMask:
         """A key mask ``[.., 1, T]`` (padding; ALiBi's bias): hidden keys raised to the finite fill on the small mask, so
         no chunk row is all ``-inf``, and a row is empty when no key up to its causal limit is kept: the running count of
-        kept keys read at each row's limit (small tensors, no pass over a chunk's scores)."""
+        kept keys read at each row's limit (small tensors, no pass over a chunk's scores).  The one row this is not exact
+        for sees no key above the fill but some at ``-inf`` and some at the fill itself (``finfo.min``): the op gives the
+        mean over the fill keys, the chunk over both."""
         if kind == "bool":
             kept, mask_bias = view, b.op("Where", [view, scalar("zero"), scalar("fill")], base="mask_bias")
         else:
@@ -279,7 +281,8 @@ class _ChunkMask:
         )  # [.., 1, T]
         limits = b.op("Add", [b.op("Range", [plan.origin, plan.s_len, plan.one]), plan.past], base="row_limits")  # [S]
         read = b.op("Gather", [seen, limits], base="keys_seen", axis=ra + 1)  # [.., 1, S]
-        empty = b.op("Transpose", [b.op("Equal", [read, b.const(np.array(0, np.int64), "none")])], base="empty_rows", perm=[*range(ra), ra + 1, ra])
+        none_seen = b.op("Equal", [read, b.const(np.array(0, np.int64), "no_keys")])
+        empty = b.op("Transpose", [none_seen], base="empty_rows", perm=[*range(ra), ra + 1, ra])
         biases = []
         for c in plan.chunks:
             mc = b.op("Slice", [mask_bias, plan.zero, c.keys, b.ints(ra + 1)], base=f"chunk{c.index}_mask")
