@@ -71,10 +71,6 @@ class OnnxBuilder:
             self._once[key] = make()
         return cast(_T, self._once[key])
 
-    def ints(self, *values: int) -> str:
-        """A 1-D int64 constant holding ``values`` (axes, Slice bounds), one initializer per graph for equal values."""
-        return self.once(("ints", values), lambda: self.const(np.array(values, np.int64), "axes"))
-
     def fresh(self, base: str) -> str:
         """A tensor name not used yet."""
         name, i = base, 1

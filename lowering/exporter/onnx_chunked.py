@@ -59,7 +59,7 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
         v = b.op("Concat", [node.inputs[4 + op.has_mask], v], node.outputs[2], axis=2)
     plan = _ChunkPlan.of(b, q, k, (sq, keys_dim), chunks)
     layout = _Layout(b, plan, (batch, int(n_kv), group, int(head), int(e_dim)))
-    scalar = b.once(("attention_scalars", dtype), lambda: _scalars(b, dtype))
+    scalar = _scalars(b, dtype)
     if op.scale != 1.0:
         q = b.op("Mul", [q, b.const(np.array(op.scale, dtype), "scale")], base=f"{q}_scaled")
     q = layout.queries(q, sq)
@@ -68,8 +68,8 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
     parts = []
     for c, qc in zip(plan.chunks, layout.chunk_queries(q, plan)):
         i, last = c.index, c.index == len(plan.chunks) - 1  # the last chunk sees every key: nothing to slice
-        kc = kt if last else b.op("Slice", [kt, plan.zero, c.keys, b.ints(3)], base=f"chunk{i}_k")
-        vc = v if last else b.op("Slice", [v, plan.zero, c.keys, b.ints(2)], base=f"chunk{i}_v")
+        kc = kt if last else b.op("Slice", [kt, b.dim(0), c.keys, b.dim(3)], base=f"chunk{i}_k")
+        vc = v if last else b.op("Slice", [v, b.dim(0), c.keys, b.dim(2)], base=f"chunk{i}_v")
         s = b.op("MatMul", [qc, kc], base=f"chunk{i}_scores")  # [B, Hkv, G*C, L]
         bias = masks.biases[i] if masks is not None else plan.causal_bias(c, scalar)
         p = b.op("Softmax", [b.op("Add", [layout.split_rows(s, c, "scores"), bias], base=f"chunk{i}_masked")], base=f"chunk{i}_probs", axis=-1)
@@ -86,12 +86,10 @@ def emit_chunked_attention(b: OnnxBuilder, node: Node, chunks: int | None = None
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Chunk ``index``: query rows ``[lo, hi)`` (scalars), as the 1-element ``starts``/``ends`` of a Slice, their count
+    """Chunk ``index``: query rows ``[lo, hi)`` as the 1-element ``starts``/``ends`` of a Slice, their count
     ``rows`` (``[hi - lo]``), ``keys`` (``[hi + past]``, the visible prefix) and ``hidden``, the bool ``[C, L]`` that is true above the diagonal."""
 
     index: int
-    lo: str
-    hi: str
     starts: str
     ends: str
     rows: str
@@ -106,7 +104,6 @@ class _ChunkPlan:
     b: OnnxBuilder
     key: tuple[object, ...]
     past: str
-    zero: str  # [0]
     origin: str  # 0
     one: str  # 1
     s_len: str  # the query length
@@ -122,8 +119,8 @@ class _ChunkPlan:
     @classmethod
     def _make(cls, b: OnnxBuilder, key: tuple[object, ...], q: str, k: str, count: int) -> _ChunkPlan:
         i64 = lambda x: b.const(np.array(x, np.int64), "i")  # noqa: E731
-        scalar = lambda vec: b.op("Squeeze", [vec, i64([0])], base="n")  # noqa: E731
-        unsq = lambda x: b.op("Unsqueeze", [x, i64([0])])  # noqa: E731
+        scalar = lambda vec: b.op("Squeeze", [vec, b.dim(0)], base="n")  # noqa: E731
+        unsq = lambda x: b.op("Unsqueeze", [x, b.dim(0)])  # noqa: E731
         s_len = scalar(b.op("Shape", [q], base="q_len", start=2, end=3))
         t_len = scalar(b.op("Shape", [k], base="k_len", start=2, end=3))
         past = b.op("Sub", [t_len, s_len], base="past_len")
@@ -133,13 +130,13 @@ class _ChunkPlan:
             lo = b.op("Min", [b.op("Mul", [step, i64(i)]), s_len], base=f"chunk{i}_lo")
             hi = b.op("Min", [b.op("Mul", [step, i64(i + 1)]), s_len], base=f"chunk{i}_hi")
             keys = b.op("Add", [hi, past], base=f"chunk{i}_keys")
-            qpos = b.op("Unsqueeze", [b.op("Range", [lo, hi, one]), i64([1])], base=f"chunk{i}_rows_pos")  # [C, 1]
+            qpos = b.op("Unsqueeze", [b.op("Range", [lo, hi, one]), b.dim(1)], base=f"chunk{i}_rows_pos")  # [C, 1]
             kpos = b.op("Range", [origin, keys, one], base=f"chunk{i}_key_pos")  # [L]
             hidden = b.op("Greater", [kpos, b.op("Add", [qpos, past])], base=f"chunk{i}_hidden")
             starts, ends = unsq(lo), unsq(hi)
-            chunks.append(_Chunk(i, lo, hi, starts, ends, b.op("Sub", [ends, starts], base=f"chunk{i}_rows"), unsq(keys), hidden))
+            chunks.append(_Chunk(i, starts, ends, b.op("Sub", [ends, starts], base=f"chunk{i}_rows"), unsq(keys), hidden))
         sizes = b.op("Concat", [c.rows for c in chunks], base="chunk_sizes", axis=0)
-        return cls(b, key, past, i64([0]), origin, one, s_len, sizes, chunks)
+        return cls(b, key, past, origin, one, s_len, sizes, chunks)
 
     def causal_bias(self, c: _Chunk, scalar: Callable[[str], str]) -> str:
         """Chunk ``c``'s causal bias ``[C, L]`` in the dtype of ``scalar``'s constants: ``-inf`` above the diagonal, 0 elsewhere."""
@@ -193,11 +190,11 @@ class _Layout:
 
         def make() -> str:
             rows = c.rows
-            lead = [b.dim(batch), b.ints(n_kv)]
+            lead = [b.dim(batch), b.dim(n_kv)]
             if what in ("queries", "probs"):
-                tail = [b.op("Mul", [rows, b.ints(group)]), b.ints(head) if what == "queries" else c.keys]
+                tail = [b.op("Mul", [rows, b.dim(group)]), b.dim(head) if what == "queries" else c.keys]
             else:
-                tail = [b.ints(group), rows, c.keys if what == "scores" else b.ints(e_dim)]
+                tail = [b.dim(group), rows, c.keys if what == "scores" else b.dim(e_dim)]
             return b.op("Concat", [*lead, *tail], base="shape", axis=0)
 
         return b.once((self.plan.key, "shape", c.index, what, self.dims), make)
@@ -205,16 +202,9 @@ class _Layout:
 
 def _scalars(b: OnnxBuilder, dtype: str) -> Callable[[str], str]:
     """The scalar constants of chunked attention in ``dtype`` (``"neg_inf"``, ``"zero"`` and the finite ``"fill"``), each
-    made once and only if used: an initializer no node reads is one onnxruntime warns about when it loads the model."""
+    made once per graph and only if used: an initializer no node reads is one onnxruntime warns about when it loads the model."""
     values = {"neg_inf": np.array(-np.inf, dtype), "zero": np.zeros((), dtype), "fill": lowest(dtype)}
-    made: dict[str, str] = {}
-
-    def scalar(name: str) -> str:
-        if name not in made:
-            made[name] = b.const(values[name], name)
-        return made[name]
-
-    return scalar
+    return lambda name: b.once(("attention_scalar", name, dtype), lambda: b.const(values[name], name))
 
 
 def _empty_row_fill(b: OnnxBuilder, node: Node, v: str, layout: _Layout, scalar: Callable[[str], str]) -> str:
@@ -222,9 +212,8 @@ def _empty_row_fill(b: OnnxBuilder, node: Node, v: str, layout: _Layout, scalar:
     layout's shape."""
     if node.op_as(Attention).empty_rows != "mean":
         return scalar("zero")
-    axes = b.const(np.array([2], np.int64), "i")
-    mean = b.op("ReduceMean", [v, axes], base=f"{node.name}_v_mean")  # [B, Hkv, 1, E]
-    return b.op("Unsqueeze", [mean, axes], base=f"{node.name}_v_mean5") if layout.grouped else mean
+    mean = b.op("ReduceMean", [v, b.dim(2)], base=f"{node.name}_v_mean")  # [B, Hkv, 1, E]
+    return b.op("Unsqueeze", [mean, b.dim(2)], base=f"{node.name}_v_mean5") if layout.grouped else mean
 
 
 @dataclass
@@ -255,12 +244,12 @@ class _ChunkMask:
         biases, empties = [], []
         for c in plan.chunks:  # a mask per query row: each chunk's bias says which of its rows see no key
             i = c.index
-            mc = b.op("Slice", [view, c.starts, c.ends, b.ints(ra)], base=f"chunk{i}_mask_rows") if mshape[2] != 1 else view
-            mc = b.op("Slice", [mc, plan.zero, c.keys, b.ints(ra + 1)], base=f"chunk{i}_mask") if mshape[3] != 1 else mc
+            mc = b.op("Slice", [view, c.starts, c.ends, b.dim(ra)], base=f"chunk{i}_mask_rows") if mshape[2] != 1 else view
+            mc = b.op("Slice", [mc, b.dim(0), c.keys, b.dim(ra + 1)], base=f"chunk{i}_mask") if mshape[3] != 1 else mc
             if kind == "bool":
                 mc = b.op("Where", [mc, scalar("zero"), scalar("neg_inf")], base=f"chunk{i}_mask_bias")
             raw = b.op("Add", [mc, plan.causal_bias(c, scalar)], base=f"chunk{i}_mask_causal")
-            empty = b.op("Equal", [b.op("ReduceMax", [raw, b.ints(-1)], base=f"chunk{i}_row_max"), scalar("neg_inf")], base=f"chunk{i}_empty")
+            empty = b.op("Equal", [b.op("ReduceMax", [raw, b.dim(-1)], base=f"chunk{i}_row_max"), scalar("neg_inf")], base=f"chunk{i}_empty")
             biases.append(b.op("Where", [empty, scalar("zero"), raw], base=f"chunk{i}_bias"))  # no row of -inf: no NaN
             empties.append(empty)
         return cls(biases, b.op("Concat", empties, base="empty_rows", axis=ra))
@@ -285,6 +274,6 @@ class _ChunkMask:
         empty = b.op("Transpose", [none_seen], base="empty_rows", perm=[*range(ra), ra + 1, ra])
         biases = []
         for c in plan.chunks:
-            mc = b.op("Slice", [mask_bias, plan.zero, c.keys, b.ints(ra + 1)], base=f"chunk{c.index}_mask")
+            mc = b.op("Slice", [mask_bias, b.dim(0), c.keys, b.dim(ra + 1)], base=f"chunk{c.index}_mask")
             biases.append(b.op("Add", [mc, plan.causal_bias(c, scalar)], base=f"chunk{c.index}_bias"))
         return cls(biases, empty)
