@@ -19,10 +19,11 @@ def tiled(h: int, hq: int, hkv: int) -> int:
     return h % hkv
 
 
-def ref_sdpa(q, k, v, causal=False, offset=None, mask=None, scale=None, kv_head_of=consecutive, window=None, softcap=None):
-    """softmax(masks(softcap(scale * q k^T))) v per query head, float64; fully masked rows give zeros.
+def ref_sdpa(q, k, v, causal=False, offset=None, mask=None, scale=None, kv_head_of=consecutive, window=None, softcap=None, bias=None):
+    """softmax(masks(softcap(scale * q k^T) + bias)) v per query head, float64; fully masked rows give zeros.
 
-    ``window``: query i sees keys i + offset - window < j <= i + offset (Mistral's sliding window).
+    ``window``: query i sees keys i + offset - window < j <= i + offset (Mistral's sliding window).  ``bias``: an additive
+    ``[B, 1|Hq, Sq|1, Sk]`` added to the scores (finite; hide keys with the bool ``mask``).
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     b, hq, sq, d = q.shape
@@ -35,6 +36,8 @@ def ref_sdpa(q, k, v, causal=False, offset=None, mask=None, scale=None, kv_head_
         s = q[:, h] @ k[:, kv].transpose(0, 2, 1) * scale  # [b, sq, sk]
         if softcap is not None:
             s = softcap * np.tanh(s / softcap)
+        if bias is not None:
+            s = s + np.broadcast_to(np.asarray(bias, np.float64)[:, h if bias.shape[1] > 1 else 0], (b, sq, sk))
         keep = np.ones((b, sq, sk), bool)
         if causal:
             i = np.arange(sq)[:, None]

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference import ref_sdpa
+
 from graphc import Graph
 from graphc.errors import ExportError
 from lowering import export, random_inputs, run
@@ -34,27 +36,14 @@ def _two_layers(hkv: int, group: int, kind: str, per_row: bool) -> Graph:
 
 
 def _reference(feeds: dict[str, np.ndarray], kind: str) -> np.ndarray:
-    """Plain float64 NumPy: softmax over the keys each row sees (causal over the cache, the bool mask, an additive mask's
-    -inf), zeros for a row that sees none; the second layer reads the first's output."""
-    out = feeds["q"].astype(np.float64)
-    mask = feeds["m"]
+    """The independent float64 reference, layer by layer: causal over the cache, the bool mask (or an additive mask's
+    -inf as hidden keys, its other entries added), zeros for a row that sees no key."""
+    out, mask = feeds["q"], feeds["m"]
+    keep, bias = (mask, None) if kind == "bool" else (~np.isneginf(mask), np.where(np.isneginf(mask), 0.0, mask))
     for layer, scale in ((1, 0.3), (2, 0.5)):
-        k = np.concatenate([feeds[f"pk{layer}"], feeds[f"k{layer}"]], 2).astype(np.float64)
-        v = np.concatenate([feeds[f"pv{layer}"], feeds[f"v{layer}"]], 2).astype(np.float64)
-        group = out.shape[1] // k.shape[1]
-        k, v = np.repeat(k, group, 1), np.repeat(v, group, 1)
-        s = out @ k.transpose(0, 1, 3, 2) * scale
-        i, j = np.arange(s.shape[2])[:, None], np.arange(s.shape[3])[None]
-        hidden = np.broadcast_to(j > i + (s.shape[3] - s.shape[2]), s.shape)
-        if kind == "bool":
-            hidden = hidden | ~mask
-        else:
-            s, hidden = s + mask, hidden | np.isneginf(mask)
-        s = np.where(hidden, -np.inf, s)
-        top = s.max(-1, keepdims=True)
-        e = np.exp(s - np.where(np.isfinite(top), top, 0.0))
-        total = e.sum(-1, keepdims=True)
-        out = (e / np.where(total == 0, 1.0, total)) @ v
+        k = np.concatenate([feeds[f"pk{layer}"], feeds[f"k{layer}"]], 2)
+        v = np.concatenate([feeds[f"pv{layer}"], feeds[f"v{layer}"]], 2)
+        out = ref_sdpa(out, k, v, causal=True, mask=keep, scale=scale, bias=bias)
     return out
 
 
