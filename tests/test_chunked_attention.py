@@ -101,3 +101,17 @@ def test_chunks_refuse_keys_that_are_not_the_queries_plus_the_offset():
     g.output(g.attention(q, k, v, 0.3, 0, names=["o"]))
     with pytest.raises(ExportError, match="not the queries plus the causal offset"):
         export(g, attention="chunked")
+
+
+def test_auto_chunks_an_additive_key_mask_of_any_rank():
+    """``auto`` chunks a causal prefill under an additive key mask, a 1-D ``[T]`` one included, and the chunks give the
+    reference's numbers."""
+    g = Graph("key_bias")
+    q, k, v = (g.input(n, [1, 4, "s", 8]) for n in "qkv")
+    m = g.input("m", ["s"])
+    g.output(g.attention(q, k, v, 0.3, 0, m, "additive", names=["o"]))
+    model = export(g, attention="auto", sizes={"s": 512})
+    assert [n.op_type for n in model.graph.node].count("Softmax") == 8
+    feeds = random_inputs(g, seed=4, s=70)
+    want = ref_sdpa(feeds["q"], feeds["k"], feeds["v"], causal=True, scale=0.3, bias=feeds["m"].reshape(1, 1, 1, 70))
+    np.testing.assert_allclose(run(g, feeds, "ort-cpu", attention="auto", sizes={"s": 512})["o"], want, rtol=2e-4, atol=2e-5)

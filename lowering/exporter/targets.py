@@ -175,7 +175,8 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             if unsupported(ChunkedCausalAttention, graph, node, ctx, opset) is None:
-                if node.op_as(Attention).mask == "additive" and normalize_dim(graph.types[node.inputs[3]].shape[-2]) != 1:
+                mshape = graph.types[node.inputs[3]].shape if node.op_as(Attention).has_mask else ()
+                if node.op_as(Attention).mask == "additive" and len(mshape) >= 2 and normalize_dim(mshape[-2]) != 1:
                     return "auto: an additive mask per query row costs query chunks passes over it; grouped MatMuls add it once"
                 scores = _score_elements(graph, node, ctx)
                 if scores < AUTO_MIN_CHUNKED_SCORES:
