@@ -24,6 +24,7 @@ from .attention import PRESETS, AttentionConfig, attention_layer_graph, kv_cache
 from .attention.hf import HF_FAMILIES
 from .dims import dim_symbols
 from .errors import GraphcError
+from .folders import write_replacing
 from .graph import Graph
 from .ops import FLOAT_DTYPES
 from .attention_op import Attention
@@ -84,7 +85,7 @@ def _add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
     src.add_argument("--decode", action="store_true", help="one decode step over a KV cache (see --past)")
     src.add_argument("--past", type=int, default=4096, help="KV-cache length for --decode (default 4096)")
     src.add_argument("--no-causal", action="store_true", help="build a non-causal graph")
-    src.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
+    src.add_argument("--seed", type=int, default=None, help="seed for random weights and inputs (default 0)")
     if sizes:
         src.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
         src.add_argument("--seq", type=int, default=None, help="new tokens (default 512; 1 with --decode)")
@@ -161,20 +162,46 @@ def _graph(args: argparse.Namespace) -> tuple[Graph, dict[str, int]]:
     return g, {"batch": batch, "seq": seq}
 
 
+_SECOND_SOURCES = (
+    ("preset", "--preset"),
+    ("graph", "--graph"),
+    ("hf_config", "--hf-config"),
+    ("heads", "--heads"),
+    ("kv_heads", "--kv-heads"),
+    ("head_dim", "--head-dim"),
+    ("d_model", "--d-model"),
+    ("bias", "--bias"),
+    ("dim", "--dim"),
+)
+"""Flags that describe a graph of their own (or size an ONNX model's dims): refused beside a checkpoint folder."""
+
+
 def _open_checkpoint_folder(args: argparse.Namespace) -> None:
-    """A checkpoint folder as the positional argument means ``--hf-config DIR/config.json --weights DIR`` (the weights only
-    when the folder holds safetensors); either flag given as well wins."""
+    """A checkpoint folder as the positional argument means ``--hf-config DIR/config.json --weights DIR``.
+
+    A flag that names a second graph source beside it is refused, and so is a folder whose weights graphc cannot
+    read (``pytorch_model.bin`` only, say) unless ``--seed`` asks for seeded random weights; ``--weights`` given as
+    well wins over the folder's."""
     folder = getattr(args, "model", None)
     if folder is None or not os.path.isdir(folder):
         return
     from .checkpoint import Checkpoint
 
+    given = [flag for attr, flag in _SECOND_SOURCES if getattr(args, attr, None)]
+    if given:
+        raise UsageError(f"{folder} is a checkpoint folder, the graph's source; {', '.join(given)} describe(s) another: drop it")
     ckpt = Checkpoint(folder)
     args.model = None
     args.checkpoint_folder = str(ckpt.folder)
-    args.hf_config = args.hf_config or str(ckpt.config)
-    if hasattr(args, "weights") and not args.weights and any(ckpt.folder.glob("*.safetensors")):
-        args.weights = str(ckpt.folder)
+    args.hf_config = str(ckpt.config)
+    if hasattr(args, "weights") and not args.weights and args.command != "info":  # info reads the config alone
+        if ckpt.has_weights():
+            args.weights = str(ckpt.folder)
+        elif not getattr(args, "seed_given", False):
+            raise UsageError(
+                f"{folder} holds no weights graphc reads (model.safetensors, or model.safetensors.index.json and its files; "
+                f"found {ckpt.weight_files_seen() or 'none'}); pass --seed N for seeded random weights"
+            )
 
 
 def _import_onnx(path: str, strict: bool, semantics: str = "onnx-1.23") -> Graph:
@@ -218,9 +245,10 @@ def _write(path: str | None, data: str | bytes) -> None:
     if path is None or path == "-":
         sys.stdout.write(data if isinstance(data, str) else data.decode())
         return
+    if not path.strip():
+        raise UsageError("-o names the file to write; got an empty name")
     try:
-        with open(path, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        write_replacing(path, data)
     except OSError as e:
         raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
 
@@ -280,9 +308,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _load_inputs(path: str) -> dict[str, np.ndarray]:
     """The arrays of a ``.npz`` file, by name (checked against the graph by ``compare``)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise UsageError(f"--inputs {path!r}: cannot read a .npz of arrays: {e}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise UsageError(f"--inputs {path!r} holds one array (a .npy); give a .npz of arrays keyed by input name (numpy.savez)")
+    try:
+        with data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise UsageError(f"--inputs {path!r}: cannot read a .npz of arrays: {e}") from None
 
 
@@ -291,7 +325,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from lowering.exporter.onnx_export import export
 
     folder = getattr(args, "checkpoint_folder", None)
-    if folder is not None and not args.output.endswith(".onnx"):
+    if not args.output.strip():
+        raise UsageError("-o names the file or folder to write; got an empty name")
+    if folder is not None:
+        if args.output.endswith(".onnx"):
+            raise UsageError(
+                f"{folder} exports as a folder (model.onnx, its weights and the files optimum and onnxruntime-genai load): "
+                f"name a folder, -o OUT/ (for the decoder stack alone as one file: --hf-config {folder}/config.json)"
+            )
         return _export_checkpoint(args, folder)
     g, _ = _graph(args)
     fused = args.attention != "decomposed"
@@ -316,7 +357,14 @@ def _export_checkpoint(args: argparse.Namespace, folder: str) -> int:
             "a checkpoint folder exports the whole model (one decode step with its KV cache): drop --no-optimize, --decode, --core, --graph"
         )
     done = export_checkpoint(
-        folder, args.output, layers=args.layers, attention=args.attention, opset=args.opset, hints=_hints(args.hint), device=args.device
+        folder,
+        args.output,
+        layers=args.layers,
+        attention=args.attention,
+        opset=args.opset,
+        hints=_hints(args.hint),
+        device=args.device,
+        force=args.force,
     )
     print(
         f"wrote {args.output}/: model.onnx ({done.nodes} nodes, opset {done.opset}) and model.onnx.data, genai_config.json, "
@@ -567,6 +615,7 @@ def _add_export_and_show(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim (e.g. seq=1024) for --attention auto")
     e.add_argument("--no-optimize", action="store_true")
+    e.add_argument("--force", action="store_true", help="from a checkpoint folder: export into an OUT that holds another model (its files replaced)")
     e.add_argument(
         "--device",
         default="cpu",
@@ -634,6 +683,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("a command is needed: compare, export, show, optimize, info or generate (see graphc --help)")
         if args.memory_cap is not None:
             memory.set_memory_cap(args.memory_cap, "set by --memory-cap")
+        if hasattr(args, "seed"):  # --seed given asks for seeded random weights where a folder has none
+            args.seed_given, args.seed = args.seed is not None, 0 if args.seed is None else args.seed
         _open_checkpoint_folder(args)
         code = int(args.func(args))
         sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit

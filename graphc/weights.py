@@ -33,6 +33,7 @@ import numpy as np
 
 from .dims import MAX_SIZE
 from .errors import SerializationError, WeightError
+from .folders import confined
 from .mapped import check_mapped_files, register_map
 from .ops import check_dtype
 
@@ -199,32 +200,9 @@ def read_json_object(path: str | Path, what: str) -> dict[str, Any]:
     return doc
 
 
-def _inside(root: Path, path: Path) -> bool:
-    return os.path.commonpath([str(root), str(path)]) == str(root)
-
-
 def _confined(folder: Path, entry: Any, where: str) -> Path:
-    """``folder / entry``, refused unless it stays inside ``folder``.
-
-    ``entry`` must be a relative path that does not climb out of the folder; where it is a symbolic link, its
-    target must lie in the folder too, or in the ``blobs`` folder of a transformers cache repo when ``folder``
-    is one of its ``snapshots`` (that is how the cache lays files out).
-    """
-    if not isinstance(entry, str) or not entry or "\0" in entry:
-        raise SerializationError(f"{where}: file name {entry!r} is not a relative path")
-    if os.path.isabs(entry) or Path(entry).is_absolute():
-        raise SerializationError(f"{where}: file {entry!r} is an absolute path; a checkpoint names files inside its folder {str(folder)!r}")
-    root = folder.resolve()
-    lexical = Path(os.path.normpath(root / entry))
-    if not _inside(root, lexical):
-        raise SerializationError(f"{where}: file {entry!r} leaves the checkpoint folder {str(folder)!r}; refused")
-    real = lexical.resolve()
-    allowed = [root]
-    if root.parent.name == "snapshots":
-        allowed.append(root.parent.parent / "blobs")
-    if not any(_inside(a, real) for a in allowed):
-        raise SerializationError(f"{where}: file {entry!r} is a link to {str(real)!r}, outside the checkpoint folder {str(folder)!r}; refused")
-    return lexical
+    """``folder / entry`` confined to the checkpoint folder (see :func:`graphc.folders.confined`)."""
+    return confined(folder, entry, where, "checkpoint folder")
 
 
 def _read_index(index: Path) -> dict[str, str]:

@@ -132,10 +132,14 @@ def test_a_checkpoint_folder_is_taken_where_a_checkpoint_is_meant(folder, comman
     assert strip(by_folder) == strip(by_flags)
 
 
-def test_export_of_a_checkpoint_folder_runs_its_weights(folder, tmp_path):
+def test_export_of_a_checkpoint_folder_runs_its_weights(folder, tmp_path, capsys):
     import onnx
 
-    assert main(["export", str(folder), "--layers", "1", "-o", str(tmp_path / "stack.onnx")]) == 0
+    # a folder exports the whole LM into a folder: -o X.onnx (where a new user expects the whole model) is refused by name
+    assert main(["export", str(folder), "--layers", "1", "-o", str(tmp_path / "stack.onnx")]) == 2
+    assert "name a folder, -o OUT/" in capsys.readouterr().err and not (tmp_path / "stack.onnx").exists()
+    argv = ["export", "--hf-config", str(folder / "config.json"), "--weights", str(folder), "--layers", "1", "-o", str(tmp_path / "stack.onnx")]
+    assert main(argv) == 0  # the decoder stack alone, asked for by its flags
 
     model = onnx.load(str(tmp_path / "stack.onnx"))
     from safetensors.numpy import load_file

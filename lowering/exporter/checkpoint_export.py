@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping
@@ -28,11 +28,12 @@ from graphc.attention.hf import read_hf_config
 from graphc.attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
 from graphc.checkpoint import Checkpoint
 from graphc.errors import ExportError
-from graphc.weights import load_weights
+from graphc.folders import copy_replacing, write_replacing
+from graphc.weights import load_weights, read_json_object, require_regular_file
 
 from .onnx_export import DEFAULT_OPSET, export
 
-__all__ = ["export_checkpoint", "ExportedCheckpoint", "LOADER_FILES"]
+__all__ = ["export_checkpoint", "ExportedCheckpoint", "LOADER_FILES", "OUTPUT_FILES"]
 
 LOADER_FILES = (
     "config.json",
@@ -56,6 +57,10 @@ class ExportedCheckpoint:
     copied: tuple[str, ...]
 
 
+OUTPUT_FILES = ("model.onnx", "model.onnx.data", "genai_config.json") + LOADER_FILES
+"""Every name an export writes into its folder: what ``force`` replaces or removes in an OUT that held another model."""
+
+
 def export_checkpoint(
     folder: str | Path,
     out: str | Path,
@@ -65,47 +70,80 @@ def export_checkpoint(
     opset: int | None = None,
     hints: dict[str, int] | None = None,
     device: str = "cpu",
+    force: bool = False,
 ) -> ExportedCheckpoint:
     """Export the checkpoint in ``folder`` (``save_pretrained``'s layout) as a whole causal LM into the folder ``out``.
 
     ``layers``: the first N decoder layers only; ``dtype``: convert the weights (default: as stored); ``attention``,
     ``opset``, ``hints`` and ``device`` (``"cuda"``: float16 computed in float16, fused CUDA attention) as :func:`~lowering.export`.
+
+    ``out`` must be a new or empty folder, or one this function wrote before; one that holds a checkpoint or
+    another export is refused unless ``force`` (then the export's names in it are replaced, and the loader files
+    the checkpoint lacks are removed, so no other model's tokenizer stays beside this one).  Every file is written
+    by replacing its name (a link planted in ``out`` is replaced, never written through); every file copied from
+    the checkpoint is read inside it and checked (the tokenizer parses; the ids ``genai_config.json`` names are in
+    the vocabulary).
     """
     ckpt = Checkpoint(Path(folder))
-    target = Path(out)
-    if target.suffix == ".onnx" or (target.exists() and not target.is_dir()):
-        raise ExportError(f"{target}: a whole-model export writes a folder (model.onnx, its weights and the loaders' files); name a folder")
-    if target.resolve() == ckpt.folder.resolve():
-        raise ExportError(f"{target}: export into another folder than the checkpoint's own")
-    target.mkdir(parents=True, exist_ok=True)
+    target = _output_folder(ckpt, out, force)
+    config = read_hf_config(ckpt.config)
+    lm = causal_lm_config_from_hf(ckpt.config, layers)
+    copies = _loader_sources(ckpt)
+    genai = _genai_config(ckpt, lm, config)
     graph = causal_lm_from_hf(ckpt.config, load_weights(ckpt.folder), n_layers=layers, dtype=dtype, logits="all")
     optimized = optimize(graph, hints=hints).graph
+    target.mkdir(parents=True, exist_ok=True)
+    for stale in OUTPUT_FILES:  # only an OUT that force admitted holds any: nothing of another model stays
+        if stale not in copies and os.path.lexists(target / stale):
+            os.unlink(target / stale)
     model = export(
         optimized, target / "model.onnx", opset=opset or DEFAULT_OPSET, attention=attention, hints=hints, external_data=True, device=device
     )
-    copied = tuple(name for name in LOADER_FILES if _copy(ckpt.folder / name, target / name))
-    if layers is not None:
-        _set_layers(target / "config.json", layers)
-    genai = _genai_config(ckpt, causal_lm_config_from_hf(ckpt.config, layers), read_hf_config(ckpt.config))
-    (target / "genai_config.json").write_text(json.dumps(genai, indent=2) + "\n")
+    for name, source in copies.items():
+        if name == "config.json" and layers is not None:
+            write_replacing(target / name, json.dumps(_with_layers(read_json_object(source, "config"), layers), indent=2) + "\n")
+        else:
+            copy_replacing(source, target / name)
+    write_replacing(target / "genai_config.json", json.dumps(genai, indent=2) + "\n")
     version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return ExportedCheckpoint(target / "model.onnx", len(model.graph.node), version, copied)
+    return ExportedCheckpoint(target / "model.onnx", len(model.graph.node), version, tuple(copies))
 
 
-def _copy(source: Path, dest: Path) -> bool:
-    if not source.is_file():
-        return False
-    shutil.copyfile(source, dest)
-    return True
+def _output_folder(ckpt: Checkpoint, out: str | Path, force: bool) -> Path:
+    """The folder ``out`` checked: named, not a file, not the checkpoint, and holding no other model unless ``force``."""
+    if not str(out).strip():
+        raise ExportError("the export folder's name is empty; name a folder to write (OUT/)")
+    target = Path(out)
+    if target.suffix == ".onnx" or (target.exists() and not target.is_dir()):
+        raise ExportError(f"{target}: a whole-model export writes a folder (model.onnx, its weights and the loaders' files); name a folder")
+    if target.exists() and target.resolve() == ckpt.folder.resolve():
+        raise ExportError(f"{target}: export into another folder than the checkpoint's own")
+    if target.is_dir() and not force:
+        held = [name for name in ("config.json", "model.onnx", "genai_config.json") if os.path.lexists(target / name)]
+        weights = sorted(p.name for p in target.glob("*.safetensors"))[:1]
+        if held or weights:
+            raise ExportError(
+                f"{target} already holds a model ({', '.join(held + weights)}); name a new or empty folder, or pass --force "
+                "(force=True) to replace it"
+            )
+    return target
 
 
-def _set_layers(config: Path, layers: int) -> None:
+def _loader_sources(ckpt: Checkpoint) -> dict[str, Path]:
+    """The loader files the checkpoint has, by name, each read inside the checkpoint folder and checked."""
+    found = {name: path for name in LOADER_FILES if (path := ckpt.file(name)) is not None}
+    for name, path in found.items():
+        require_regular_file(path, name)
+        if name.endswith(".json"):
+            read_json_object(path, name)
+    if "tokenizer.json" in found:
+        ckpt.tokenizer()  # parses, or names the file
+    return found
+
+
+def _with_layers(doc: dict[str, Any], layers: int) -> dict[str, Any]:
     """The copied config describes the exported model: its first ``layers`` decoder layers."""
-    doc = json.loads(config.read_text())
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if key in doc:
-            doc[key] = layers
-    config.write_text(json.dumps(doc, indent=2) + "\n")
+    return {k: (layers if k in ("num_hidden_layers", "n_layer", "num_layers") else v) for k, v in doc.items()}
 
 
 def _genai_config(ckpt: Checkpoint, lm: CausalLMConfig, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,13 +152,20 @@ def _genai_config(ckpt: Checkpoint, lm: CausalLMConfig, cfg: Mapping[str, Any]) 
     attention = lm.layers[0].attention
     defaults = ckpt.generation_defaults()
     eos = defaults["eos_token_id"]
+    bos = cfg.get("bos_token_id")
+    for field, ids in (("eos_token_id", eos), ("pad_token_id", [defaults["pad_token_id"]]), ("bos_token_id", [bos] if bos is not None else [])):
+        bad = [i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < lm.vocab_size)]
+        if bad:
+            raise ExportError(f"{ckpt.folder}: {field} {bad[0]!r} is not a token id of the model's vocabulary (0..{lm.vocab_size - 1})")
     inputs = {name: name for name in ("input_ids", "attention_mask", "position_ids")}
     inputs |= {"past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     context = cfg.get("max_position_embeddings", cfg.get("n_positions", 2048))
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise ExportError(f"{ckpt.config}: max_position_embeddings must be a positive int (genai_config's context_length), got {context!r}")
     return {
         "model": {
-            "bos_token_id": cfg["bos_token_id"] if isinstance(cfg.get("bos_token_id"), int) else 0,
-            "context_length": context if isinstance(context, int) else 2048,
+            "bos_token_id": bos if bos is not None else 0,
+            "context_length": context,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": "model.onnx",

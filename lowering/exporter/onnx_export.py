@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graphc.folders import replacing, write_replacing
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_add, dim_prod, normalize_dim
 from graphc.einsum_spec import EinsumSpec, label_sizes, parse_einsum
@@ -492,7 +493,7 @@ def export(
     model.ir_version = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
     if path is not None:
         try:
-            onnx.save(model, str(path))
+            write_replacing(path, model.SerializeToString())  # the name is replaced, never written through
         except OSError as e:
             raise ExportError(f"cannot write {str(path)!r}: {e.strerror}") from None
     return model
@@ -533,7 +534,7 @@ def _write_external(graph: Graph, path: Path) -> list[onnx.TensorProto]:
     tensors: list[onnx.TensorProto] = []
     placed: dict[int, tuple[int, int]] = {}
     try:
-        with open(path.parent / location, "wb") as f:
+        with replacing(path.parent / location) as f:
             for name, arr in graph.initializers.items():
                 if arr.nbytes < _EXTERNAL_MIN_BYTES:
                     tensors.append(numpy_helper.from_array(contiguous(arr), name))
