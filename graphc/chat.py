@@ -49,12 +49,15 @@ def render_chat(
     special_tokens: Mapping[str, str],
     add_generation_prompt: bool = True,
     where: str = "the chat template",
-    seconds: float = RENDER_SECONDS,
-    max_chars: int = MAX_PROMPT_CHARS,
+    seconds: float | None = None,
+    max_chars: int | None = None,
 ) -> str:
     """The text of ``messages`` in ``template``, rendered as transformers' ``apply_chat_template(messages,
     add_generation_prompt=..., tokenize=False)`` renders it (``tools`` and ``documents`` None); ``special_tokens``: the
-    tokenizer's named special tokens as text.  Raises :class:`ChatTemplateError` naming ``where``."""
+    tokenizer's named special tokens as text; ``seconds`` and ``max_chars`` default to :data:`RENDER_SECONDS` and
+    :data:`MAX_PROMPT_CHARS`.  Raises :class:`ChatTemplateError` naming ``where``."""
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    max_chars = MAX_PROMPT_CHARS if max_chars is None else max_chars
     try:
         compiled = _environment().from_string(template)
     except ImportError:
