@@ -66,3 +66,20 @@ def test_a_gathered_axis_that_is_not_a_leading_batch_axis_is_left(spec):
     g.output(g.einsum(spec, g.add_node(Gather(0), [w, ids]), x, name="y"))
     _, report = optimize(g)
     assert "dense_experts" not in [f.rule for f in report.trace.fired]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "ort-cpu", "onnx-reference"])
+def test_an_expert_id_past_the_table_is_refused_as_gather_refuses_it(backend):
+    """A router that names more experts than the table holds: the unoptimized graph and onnxruntime refuse the id, and
+    so must the dense form (it used to read another token's row: ``token * E + id`` lands in the next token)."""
+    g = _experts(4, 3, 2, 0)
+    opt, report = optimize(g)
+    assert "dense_experts" in [f.rule for f in report.trace.fired]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2))
+    for bad in (4, 5, -5):
+        feeds = {"ids": np.array([0, bad, 1], np.int64), "x": x}
+        with pytest.raises(Exception, match="(?i)out of (range|bounds)|indices element|index"):
+            run(g, feeds, "numpy")
+        with pytest.raises(Exception, match="(?i)out of (range|bounds)|indices element|index"):
+            run(opt, feeds, backend)

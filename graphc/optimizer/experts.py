@@ -10,13 +10,15 @@ For a prefill of S pairs that copies S matrices.  With few experts it is cheaper
 expert in one GEMM and keep, per token, its expert's row::
 
     d = einsum("eoi,si->seo", W, x)         # [S, E, O]: one GEMM, no copy
-    y = reshape(d, [S*E, O])[arange(S)*E + ids]
+    y = reshape(d, [S*E, O])[arange(S)*E + take(arange(E), ids)]
 
 :data:`DENSE_EXPERTS_RULE` makes that rewrite for an einsum reading ``Gather(W, ids)`` of a constant ``W`` on axis 0,
 the gathered axis a batch axis of the einsum that leads its output, when ``W`` has at most :data:`DENSE_EXPERTS_MAX`
 experts (each token then costs at most that many times its own product, where the gathered form moves a matrix per
 token through memory).  The result is exact: every kept row is the product the gathered form computes.  Indices
-count from the end when negative, as ``Gather``'s do.
+count from the end when negative, as ``Gather``'s do, and an index outside ``[-E, E)`` is refused as ``Gather``
+refuses it (on every backend): each id is gathered from the constant ``arange(E)`` before it picks a row, so an id
+past a table shorter than the router's expert count never reads another token's row.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from graphc.dims import dim_mul
 from graphc.einsum_spec import fresh_labels
 from graphc.graph import Graph, Node
-from graphc.ops import Binary, Compare, Einsum, Op, Reshape, Where
+from graphc.ops import Binary, Einsum, Op, Reshape
 from graphc.rotary import Positions
 from graphc.tensor_ops import Gather
 
@@ -84,8 +86,8 @@ def _rewrite(graph: Graph, m: tuple[Node, int], ctx: PassContext) -> str:
     shape = graph.types[dense].shape
     rows = add(Reshape((dim_mul(shape[0], experts), *shape[2:])), [dense], "rows")  # [S*E, ...]
     count = graph.shared_initializer(f"experts_{experts}_int64", np.array(experts, np.int64))
-    zero = graph.shared_initializer("experts_zero_int64", np.array(0, np.int64))
-    wrapped = add(Where(), [add(Compare("less"), [ids, zero], "negative"), add(Binary("add"), [ids, count], "from_end"), ids], "expert")
+    numbers = graph.shared_initializer(f"experts_arange_{experts}_int64", np.arange(experts, dtype=np.int64))
+    wrapped = add(Gather(0), [numbers, ids], "expert")  # Gather's range check and its negative ids, kept
     tokens = add(Positions(0), [ids], "token")
     index = add(Binary("add"), [add(Binary("mul"), [tokens, count], "token_rows"), wrapped], "row")
     graph.redefine(node.name, Gather(0), [rows, index])
