@@ -22,7 +22,10 @@ from .dims import Dim, dim_symbols, eval_dim, normalize_shape
 from .errors import OpError
 from .ops import Dims, Op, TensorType, check_dtype, register_op
 
-__all__ = ["Opaque"]
+__all__ = ["Opaque", "MAX_SLOT"]
+
+MAX_SLOT = 1 << 16
+"""One more than the highest ONNX input position an opaque node may name."""
 
 
 @register_op
@@ -53,7 +56,14 @@ class Opaque(Op):
         object.__setattr__(self, "opset", int(self.opset))
         object.__setattr__(self, "output_shapes", tuple(normalize_shape(s) for s in self.output_shapes))
         object.__setattr__(self, "output_dtypes", tuple(check_dtype(d) for d in self.output_dtypes))
+        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in self.slots):
+            raise OpError(f"Opaque {self.qualified_name}: attribute 'slots' holds input positions (ints), got {self.slots!r}")
         object.__setattr__(self, "slots", tuple(int(s) for s in self.slots))
+        bad = next((x for i, x in enumerate(self.slots) if not 0 <= x < MAX_SLOT or (i and x <= self.slots[i - 1])), None)
+        if bad is not None:
+            raise OpError(
+                f"Opaque {self.qualified_name}: input slot {bad} is not an ONNX input position (increasing positions in 0..{MAX_SLOT - 1})"
+            )
         if len(self.output_shapes) != len(self.output_dtypes) or not self.output_dtypes:
             raise OpError(f"Opaque {self.qualified_name}: needs one dtype per output shape and at least one output")
         self._check_proto()
@@ -91,7 +101,41 @@ class Opaque(Op):
         return self.infer_all(ins)[0]
 
     def infer_all(self, ins: Sequence[TensorType]) -> tuple[TensorType, ...]:
+        self._check_operands([t.shape for t in ins])
         return tuple(TensorType(s, d) for s, d in zip(self.output_shapes, self.output_dtypes))
+
+    def _check_operands(self, shapes: Sequence[Sequence[Dim]], arrays: Sequence[np.ndarray] | None = None) -> None:
+        """The shape rules of the scatter ops' schemas (onnxruntime refuses what they forbid; ONNX's reference
+        evaluator does not), on the dims known here; with ``arrays``, the indices' range too."""
+        if self.domain not in ("", "ai.onnx") or self.op_type not in ("ScatterElements", "Scatter", "ScatterND") or len(shapes) != 3:
+            return
+        data, indices, updates = (tuple(s) for s in shapes)
+        where = f"{self.qualified_name}"
+        if self.op_type == "ScatterND":
+            k = indices[-1] if indices else None
+            if not indices or (isinstance(k, int) and k > len(data)):
+                raise OpError(f"{where}: indices {list(indices)} must end in an axis of at most the data's rank {len(data)}")
+            if isinstance(k, int) and not _same_shape(updates, indices[:-1] + data[k:]):
+                raise OpError(f"{where}: updates {list(updates)} must be indices[:-1] + data[{k}:] = {list(indices[:-1] + data[k:])}")
+            return
+        axis = self._int_attribute("axis", 0)
+        if len(indices) != len(data) or not _same_shape(indices, updates):
+            raise OpError(f"{where}: indices {list(indices)} and updates {list(updates)} must have one shape, of the data's rank {len(data)}")
+        if not -len(data) <= axis < len(data):
+            raise OpError(f"{where}: axis {axis} is out of range for data of rank {len(data)}")
+        if arrays is not None and arrays[1].size:
+            n = arrays[0].shape[axis]
+            lo, hi = int(arrays[1].min()), int(arrays[1].max())
+            if lo < -n or hi >= n:
+                raise OpError(f"{where}: indices span {lo}..{hi}, outside [-{n}, {n}) of data axis {axis % len(data)}")
+
+    def _int_attribute(self, name: str, default: int) -> int:
+        import onnx
+
+        node = onnx.NodeProto()
+        node.ParseFromString(base64.b64decode(self.proto))
+        found = next((a for a in node.attribute if a.name == name), None)
+        return int(found.i) if found is not None else default
 
     def node_proto(self, inputs: Sequence[str], outputs: Sequence[str], name: str) -> Any:
         """The ONNX ``NodeProto`` with the given value names (omitted inputs as ``""``)."""
@@ -119,6 +163,7 @@ class Opaque(Op):
         from onnx import helper
         from onnx.reference import ReferenceEvaluator
 
+        self._check_operands([a.shape for a in args], args)
         in_names = [f"in{i}" for i in range(len(args))]
         out_names = [f"out{i}" for i in range(self.num_outputs)]
         node = self.node_proto(in_names, out_names, "opaque")
@@ -152,3 +197,8 @@ class Opaque(Op):
     def __str__(self) -> str:
         outs = ", ".join(str(TensorType(s, d)) for s, d in zip(self.output_shapes, self.output_dtypes))
         return f"Opaque[{self.qualified_name}, opset={self.opset}, outputs=({outs})]"
+
+
+def _same_shape(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
+    """Whether two shapes can be equal: one rank, and no two known dims that differ."""
+    return len(a) == len(b) and all(x == y or not (isinstance(x, int) and isinstance(y, int)) for x, y in zip(a, b))

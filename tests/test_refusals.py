@@ -1,0 +1,73 @@
+"""Inputs onnxruntime refuses are refused by graphc too, by name: the scatter ops' shape rules (ONNX's reference
+evaluator is lenient), opaque nodes' input slots, and the refusals that named the wrong thing."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from graphc.errors import GraphcError, OnnxImportError, OpError
+from graphc.onnx_import import from_onnx
+from graphc.opaque import Opaque
+from lowering import run
+
+
+def _scatter(indices: list, updates: list, axis: int = 0, data: list | None = None, op: str = "ScatterElements") -> onnx.ModelProto:
+    node = helper.make_node(op, ["d", "i", "u"], ["y"], **({"axis": axis} if op != "ScatterND" else {}))
+    g = helper.make_graph(
+        [node],
+        "scatter",
+        [
+            helper.make_tensor_value_info("d", TensorProto.FLOAT, data or ["n", 3]),
+            helper.make_tensor_value_info("i", TensorProto.INT64, indices),
+            helper.make_tensor_value_info("u", TensorProto.FLOAT, updates),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(
+    "indices, updates, axis, words",
+    [
+        ([2, 1], [2, 2], 0, r"indices \[2, 1\] and updates \[2, 2\] must have one shape"),
+        ([2], [2], 0, "of the data's rank 2"),
+        ([2, 1], [2, 1], 5, "axis 5 is out of range for data of rank 2"),
+    ],
+)
+def test_scatter_elements_that_onnxruntime_refuses_is_refused_at_import(indices, updates, axis, words):
+    with pytest.raises(OnnxImportError, match=words):
+        from_onnx(_scatter(indices, updates, axis))
+
+
+def test_scatter_shapes_known_only_at_run_time_are_checked_before_the_reference_evaluator_runs():
+    g = from_onnx(_scatter(["a", 1], ["b", 1]))
+    feeds = {"d": np.zeros((3, 3), np.float32), "i": np.zeros((2, 1), np.int64), "u": np.ones((3, 1), np.float32)}
+    with pytest.raises(Exception):  # what onnxruntime does with the same file
+        ort.InferenceSession(_scatter(["a", 1], ["b", 1]).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    with pytest.raises(GraphcError, match=r"indices \[2, 1\] and updates \[3, 1\] must have one shape"):
+        run(g, feeds, "numpy")
+    feeds["u"] = np.ones((2, 1), np.float32)
+    feeds["i"] = np.array([[0], [7]], np.int64)
+    with pytest.raises(GraphcError, match=r"indices span 0..7, outside \[-3, 3\)"):
+        run(g, feeds, "numpy")
+    feeds["i"] = np.array([[0], [-1]], np.int64)
+    want = ort.InferenceSession(_scatter(["a", 1], ["b", 1]).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_array_equal(run(g, feeds, "numpy")["y"], want)
+
+
+def test_scatter_nd_updates_must_fit_the_indices():
+    with pytest.raises(OnnxImportError, match=r"updates \[2, 5\] must be indices\[:-1\] \+ data\[1:\]"):
+        from_onnx(_scatter([2, 1], [2, 5], data=[4, 3], op="ScatterND"))
+
+
+@pytest.mark.parametrize("slots, words", [((0, 3 * 10**8), "input slot 300000000"), ((-1,), "input slot -1"), ((1, 1), "input slot 1")])
+def test_opaque_input_slots_are_bounded_and_named(slots, words):
+    proto = helper.make_node("TopK", ["x", "k"], ["v", "i"]).SerializeToString()
+    import base64
+
+    with pytest.raises(OpError, match=words):
+        Opaque("TopK", "", 18, base64.b64encode(proto).decode(), (("n",), ("n",)), ("float32", "int64"), slots)
