@@ -159,7 +159,7 @@ class Checkpoint:
             doc = self._json(name)
             fields.update({k: doc[k] for k in ("eos_token_id", "pad_token_id") if doc.get(k) is not None})
         eos = fields.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
             raise SerializationError(f"{self.folder}: eos_token_id must be a token id or a list of them, got {eos!r}")
         pad = fields.get("pad_token_id", eos_ids[0] if eos_ids else 0)

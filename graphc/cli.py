@@ -695,14 +695,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (GraphcError, OSError) as e:
         if debug:
             traceback.print_exc()
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"graphc: error: {msg}", file=sys.stderr)
+        print(f"graphc: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("graphc: interrupted", file=sys.stderr)
         return 130
     finally:
         memory.set_memory_cap(None)
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of an error; an operating system's error as ``PATH: what went wrong`` (no errno, no repr)."""
+    if isinstance(e, OSError) and not isinstance(e, GraphcError) and e.strerror:
+        names = [str(n) for n in (e.filename, e.filename2) if n is not None]
+        return f"{' -> '.join(names)}: {e.strerror}" if names else e.strerror
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _silence_stdout() -> None:

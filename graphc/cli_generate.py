@@ -50,13 +50,17 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
     folder = Checkpoint(args.checkpoint) if args.checkpoint else None
     if folder is None and not args.hf_config:
         raise UsageError("generate needs a checkpoint folder (graphc generate DIR --prompt ...) or --hf-config CONFIG.json")
+    sources = {"pad_token_id": "--pad-token-id", "eos_token_id": "--eos-token-id"}
     if folder is not None:
         args.hf_config = args.hf_config or str(folder.config)
         args.weights = args.weights or str(folder.folder)
         defaults = folder.generation_defaults()
-        args.pad_token_id = defaults["pad_token_id"] if args.pad_token_id is None else args.pad_token_id
-        args.eos_token_id = defaults["eos_token_id"] if args.eos_token_id is None else args.eos_token_id
+        for field, flag in sources.items():
+            if getattr(args, field) is None:
+                setattr(args, field, defaults[field])
+                sources[field] = f"the folder's {field} (generation_config.json or config.json)"
     args.pad_token_id = 0 if args.pad_token_id is None else args.pad_token_id
+    _check_special_ids(args, sources)
     if args.chat and not args.prompt:
         raise UsageError("--chat applies the chat template to --prompt TEXT messages; give --prompt")
     if not args.prompt and not args.prompt_ids:
@@ -74,6 +78,34 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
             raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
         prompts = encoded + prompts
     return prompts, texts, tokenizer
+
+
+def _check_special_ids(args: argparse.Namespace, sources: dict[str, str]) -> None:
+    """The pad and eos ids must be ids of the model's vocabulary; an error names where each came from."""
+    from .attention.hf import read_hf_config
+
+    vocab = read_hf_config(args.hf_config).get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        return  # the model's own config check names it
+    eos = args.eos_token_id
+    for field, ids in (("pad_token_id", [args.pad_token_id]), ("eos_token_id", [eos] if isinstance(eos, int) else list(eos or []))):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise UsageError(f"{sources[field]} {bad[0]} is not a token id of the model's vocabulary (0..{vocab - 1})")
+
+
+def _warn_past_positions(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """A prompt (with the tokens asked for) past the model's positions runs on, as transformers does, with a warning."""
+    from .attention.hf import read_hf_config
+
+    limit = read_hf_config(args.hf_config).get("max_position_embeddings")
+    longest = max(map(len, prompts))
+    if isinstance(limit, int) and longest + args.max_new_tokens > limit:
+        print(
+            f"graphc: warning: the longest prompt ({longest} tokens) and --max-new-tokens {args.max_new_tokens} run past the model's "
+            f"{limit} positions (max_position_embeddings); tokens past them are unreliable",
+            file=sys.stderr,
+        )
 
 
 def _model(args: argparse.Namespace) -> Graph:
@@ -231,6 +263,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.cuda_graph and args.shards is not None:
         raise UsageError("--cuda-graph and --shards do not go together: CUDA graphs replay one process's ort-cuda step")
     prompts, texts, tokenizer = _resolve(args)
+    _warn_past_positions(args, prompts)
     progress = Progress(sys.stderr, enabled=not args.quiet)
     progress("building the model")
     graph = _model(args)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from graphc.errors import BackendUnavailableError, GraphcError
+from graphc.errors import BackendError, BackendUnavailableError, GraphcError
 from graphc.dims import check_sizes
 from graphc.graph import Graph
 from graphc.memory import check_allocation, graph_run_bytes
@@ -213,6 +213,7 @@ def compare(
     if shards is not None:
         get_backend(shard_backend)
         plan = shard(graph, shards)  # a shard count that does not divide the heads fails before anything runs
+    inputs_given = inputs is not None
     inputs, bindings = _inputs(graph, inputs, sizes, seed)
     say = progress or (lambda _: None)
     run_graph = graph
@@ -224,7 +225,15 @@ def compare(
     reference, run_reference = _reference(graph, reference_model, bindings)
     say(f"reference: {reference.split(' (')[0]}")
     t0 = time.perf_counter()
-    want = run_reference(inputs)
+    try:
+        want = run_reference(inputs)
+    except GraphcError as e:
+        if inputs_given or not bindings:
+            raise
+        raise BackendError(
+            f"{e} (the inputs were random, their symbolic dims sized {format_sizes(bindings)}: give each dim its size, "
+            "sizes={...} or graphc compare --dim NAME=INT)"
+        ) from None
     say(f"reference done in {time.perf_counter() - t0:.1f}s")
     report = ComparisonReport(
         graph=graph.name,
@@ -397,6 +406,8 @@ def _run_backend(
     try:
         got = runner.run(inputs)  # warm-up, and the numbers compared
         times = _timed(lambda: runner.run(inputs), repeats)
+    except BackendUnavailableError as e:  # it cannot run this graph (an op it has no kernel for): no disagreement
+        return BackendResult(name, "skipped", provider=runner.provider, reason=e.reason)
     except GraphcError as e:
         return BackendResult(name, "error", provider=runner.provider, reason=f"{type(e).__name__}: {e}")
     peak = None

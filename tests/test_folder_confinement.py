@@ -243,3 +243,25 @@ def test_checkpoint_reads_special_tokens_from_the_map_as_transformers_does(tmp_p
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "added_tokens_decoder": {}}))
     assert Checkpoint(folder).special_tokens() == {"eos_token": "</s>"}  # transformers reads no map then
     assert os.path.exists(folder / "special_tokens_map.json")
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("pad_token_id", 10**30, "the folder's pad_token_id .generation_config.json or config.json. 1000000000000000000000000000000 is not a token id"),
+        ("eos_token_id", 2.0, "eos_token_id must be a token id or a list of them, got 2.0"),
+        ("eos_token_id", 500, "the folder's eos_token_id .* 500 is not a token id of the model's vocabulary"),
+    ],
+)
+def test_generate_names_a_special_id_outside_the_vocabulary(ckpt, tmp_path, field, value, words, capsys):
+    folder = _copy_of(ckpt, tmp_path / "ckpt")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "pad_token_id": 0, field: value}))
+    assert main(["generate", str(folder), "--prompt", "the cat", "--max-new-tokens", "1", "--backends", "numpy", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and __import__("re").search(words, err), err
+
+
+def test_a_prompt_past_the_models_positions_runs_with_a_warning(ckpt, capsys):
+    prompt = " ".join(["the cat sat on a mat"] * 10)  # 61 tokens, with 8 new past the 64 positions
+    assert main(["generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", "8", "--backends", "numpy", "--quiet"]) == 0
+    assert "run past the model's 64 positions (max_position_embeddings)" in capsys.readouterr().err

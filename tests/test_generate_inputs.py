@@ -85,8 +85,11 @@ def test_several_eos_ids_stop_each_sequence(lm):
 
 def test_a_runner_of_another_model_is_refused(lm):
     other = graphc.causal_lm_graph(causal_lm_config_from_hf({**CONFIG, "num_hidden_layers": 1}), seed=0)
-    with pytest.raises(InputError, match="the runner was prepared for graph .* not for graph"):
+    with pytest.raises(InputError, match=r"prepared for graph 'causal_lm_llama_1', not for this graph 'causal_lm_llama_2' \(its inputs differ"):
         generate(lm, PROMPTS, 2, runner=prepare(other, "numpy"))
+    wider = graphc.causal_lm_graph(causal_lm_config_from_hf({**CONFIG, "num_key_value_heads": 4}), seed=0)  # the same name
+    with pytest.raises(InputError, match=r"prepared for another graph named 'causal_lm_llama_2', not for this graph .*\(input 'past_key_values"):
+        generate(lm, PROMPTS, 2, runner=prepare(wider, "numpy"))
     same_structure = graphc.causal_lm_graph(causal_lm_config_from_hf(CONFIG), seed=0)
     assert generate(lm, PROMPTS, 2, runner=prepare(same_structure, "numpy")).new_tokens.shape == (2, 2)
 

@@ -71,3 +71,49 @@ def test_opaque_input_slots_are_bounded_and_named(slots, words):
 
     with pytest.raises(OpError, match=words):
         Opaque("TopK", "", 18, base64.b64encode(proto).decode(), (("n",), ("n",)), ("float32", "int64"), slots)
+
+
+def test_a_backend_that_cannot_run_a_contrib_op_is_skipped_not_a_disagreement(tmp_path):
+    """An imported file with an onnxruntime contrib op: ONNX's reference evaluator has no kernel for it, which is no
+    disagreement (the row is skipped with the reason); onnxruntime runs it and agrees with the original file."""
+    from lowering import compare
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("FastGelu", ["h"], ["y"], domain="com.microsoft")]
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.linspace(-1, 1, 16, dtype=np.float32))
+    g = helper.make_graph(nodes, "bert_like", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])], [w])  # fmt: skip
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    report = compare(from_onnx(tmp_path / "m.onnx"), backends=["ort-cpu", "onnx-reference"], repeats=1, sizes={"b": 3},
+                     reference_model=tmp_path / "m.onnx")  # fmt: skip
+    rows = {r.backend: r for r in report.results}
+    assert rows["ort-cpu"].status == "ok" and rows["onnx-reference"].status == "skipped", report
+    assert "FastGelu" in rows["onnx-reference"].reason and report.ok
+
+
+def test_a_reference_that_fails_on_defaulted_sizes_says_how_the_inputs_were_sized(tmp_path):
+    """Random inputs sized by defaults the original file does not take: the error says which sizes were used and how to
+    give others, instead of only what failed inside the reference."""
+    from graphc.errors import BackendError
+    from lowering import compare
+
+    def model(width):
+        g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", width])])  # fmt: skip
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+    onnx.save(model(8), str(tmp_path / "fixed.onnx"))  # the file the reference runs takes 8 columns only
+    graph = from_onnx(model("total_seq"))
+    with pytest.raises(BackendError, match=r"sized b=1, total_seq=512: give each dim its size.*--dim NAME=INT"):
+        compare(graph, backends=["numpy"], repeats=1, sizes={"b": 1, "total_seq": 512}, reference_model=tmp_path / "fixed.onnx")
+    report = compare(graph, backends=["numpy"], repeats=1, sizes={"b": 1, "total_seq": 8}, reference_model=tmp_path / "fixed.onnx")
+    assert report.ok
+
+
+def test_an_operating_system_error_reaches_the_user_as_path_and_reason(tmp_path, capsys):
+    from graphc.cli import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["show", "--preset", "mistral-7b", "-o", str(tmp_path / "file" / "g.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graphc: error: ") and "Errno" not in err and "PosixPath" not in err and "Not a directory" in err

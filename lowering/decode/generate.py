@@ -210,10 +210,23 @@ def _check_runner(graph: Graph, runner: Any) -> None:
     if not all(callable(getattr(runner, m, None)) for m in ("new_cache", "step", "prepared_for")):
         raise InputError(f"runner must be a lowering Runner or ShardedRunner (new_cache, step, prepared_for), got {type(runner).__name__}")
     if not runner.prepared_for(graph):
-        made_for = getattr(getattr(runner, "graph", None), "name", None) or getattr(getattr(runner, "plan", None), "name", "?")
-        raise InputError(
-            f"the runner was prepared for graph {made_for!r}, not for graph {graph.name!r} (a different structure); prepare it for this graph"
-        )
+        made = getattr(runner, "graph", None)
+        made_for = getattr(made, "name", None) or getattr(getattr(runner, "plan", None), "name", "?")
+        which = f"graph {made_for!r}" if made_for != graph.name else f"another graph named {made_for!r}"
+        differs = f" ({_difference(made, graph)})" if isinstance(made, Graph) else " (a different structure)"
+        raise InputError(f"the runner was prepared for {which}, not for this graph {graph.name!r}{differs}; prepare it for this graph")
+
+
+def _difference(made: Graph, graph: Graph) -> str:
+    """The first structural difference between the runner's graph and ``graph``, in words."""
+    for kind, a, b in (("inputs", made.inputs, graph.inputs), ("outputs", made.outputs, graph.outputs)):
+        if list(a) != list(b):
+            extra = sorted(set(b) - set(a)) or sorted(set(a) - set(b))
+            return f"its {kind} differ: {len(a)} against {len(b)}" + (f", e.g. {extra[0]!r}" if extra else "")
+        for name in a:
+            if made.types[name] != graph.types[name]:
+                return f"{kind[:-1]} {name!r} is {made.types[name]} there, {graph.types[name]} here"
+    return f"{len(made.nodes)} nodes there, {len(graph.nodes)} here" if len(made.nodes) != len(graph.nodes) else "their nodes differ"
 
 
 class _StepInputs:
