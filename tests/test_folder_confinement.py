@@ -248,7 +248,7 @@ def test_checkpoint_reads_special_tokens_from_the_map_as_transformers_does(tmp_p
 @pytest.mark.parametrize(
     "field, value, words",
     [
-        ("pad_token_id", 10**30, "the folder's pad_token_id .generation_config.json or config.json. 1000000000000000000000000000000 is not a token id"),
+        ("pad_token_id", 10**30, "the folder's pad_token_id .generation_config.json or config.json. 10{30} is not a token id"),
         ("eos_token_id", 2.0, "eos_token_id must be a token id or a list of them, got 2.0"),
         ("eos_token_id", 500, "the folder's eos_token_id .* 500 is not a token id of the model's vocabulary"),
     ],

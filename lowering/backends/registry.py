@@ -90,16 +90,19 @@ def _reference(graph: Graph, opset: int | None = None, attention: str = "decompo
             "onnx-reference", "ONNX's reference evaluator cannot run onnxruntime's contrib op com.microsoft.GroupQueryAttention (attention=ort-gqa)"
         )
     model = _export(graph, opset, attention, sizes)
+    def cannot(e: NotImplementedError) -> BackendUnavailableError:  # an op it has no kernel for (a contrib op carried through)
+        return BackendUnavailableError("onnx-reference", f"ONNX's reference evaluator cannot run this model: {str(e).split(', known')[0]}")
+
     try:
         evaluator = ReferenceEvaluator(model)
-    except NotImplementedError as e:  # an op it has no kernel for (a contrib op carried through): it cannot run this model
-        raise BackendUnavailableError("onnx-reference", f"ONNX's reference evaluator cannot run this model: {str(e).split(', known')[0]}") from None
+    except NotImplementedError as e:
+        raise cannot(e) from None
 
     def fn(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             outs = evaluator.run(None, dict(inputs))
         except NotImplementedError as e:
-            raise BackendUnavailableError("onnx-reference", f"ONNX's reference evaluator cannot run this model: {str(e).split(', known')[0]}") from None
+            raise cannot(e) from None
         return dict(zip(graph.outputs, (np.asarray(o) for o in outs)))
 
     import onnx
