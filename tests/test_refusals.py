@@ -117,3 +117,38 @@ def test_an_operating_system_error_reaches_the_user_as_path_and_reason(tmp_path,
     assert main(["show", "--preset", "mistral-7b", "-o", str(tmp_path / "file" / "g.txt")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("graphc: error: ") and "Errno" not in err and "PosixPath" not in err and "Not a directory" in err
+
+
+def _one_node(node, inputs, outputs, initializers=()):
+    g = helper.make_graph([node], "g", inputs, outputs, list(initializers))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        (
+            _one_node(
+                helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1),
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                [helper.make_tensor_value_info("v", TensorProto.FLOAT, None), helper.make_tensor_value_info("i", TensorProto.INT64, None)],
+                [onnx.numpy_helper.from_array(np.array([5], np.int64), "k")],
+            ),
+            "TopK does not fit its inputs, as ONNX's schema says: Axis has less than the requested k elements",
+        ),
+        (
+            _one_node(
+                helper.make_node("GatherND", ["x", "i"], ["y"], batch_dims=3),
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]), helper.make_tensor_value_info("i", TensorProto.INT64, [2, 1])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            ),
+            "GatherND does not fit its inputs, as ONNX's schema says",
+        ),
+    ],
+    ids=["topk-k-past-axis", "gathernd-batch-dims"],
+)
+def test_an_opaque_node_its_schema_refuses_is_named_with_the_schemas_reason(model, words):
+    with pytest.raises(OnnxImportError, match=words):
+        from_onnx(model)
+    with pytest.raises(Exception):  # onnxruntime refuses the same file
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -198,6 +198,9 @@ def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int])
         t = ctx.onnx_types.get(out)
         tt = t.tensor_type if t is not None and t.HasField("tensor_type") else None
         if tt is None or tt.elem_type not in ONNX_TO_DTYPE or not tt.HasField("shape"):
+            reason = _schema_refusal(ctx, node, opsets)
+            if reason is not None:
+                raise ctx.error(f"{where} does not fit its inputs, as ONNX's schema says: {reason}")
             raise ctx.error(
                 f"{where} is not modelled by graphc and ONNX shape inference gives no type for its output {out!r}; declare it in value_info"
             )
@@ -219,6 +222,31 @@ def _opaque(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int])
     names = [ctx.graph.fresh_name(_clean_name(o)) for o in node.output]
     ctx.notes.append(f"{node.name or node.output[0]}: {where} kept as an opaque node")
     return [v.name for v in ctx.graph.add_multi_node(op, inputs, names)]
+
+
+def _schema_refusal(ctx: ImportContext, node: onnx.NodeProto, opsets: Mapping[str, int]) -> str | None:
+    """Why ONNX's own shape inference refuses ``node`` on the inputs it gets here (TopK's k past its axis, GatherND's
+    batch_dims past a rank ...), or None when it does not (then the output's type is merely unknown)."""
+    inputs, initializers = [], []
+    for name in (i for i in node.input if i):
+        value = ctx.env.get(name)
+        if isinstance(value, np.ndarray):
+            initializers.append(numpy_helper.from_array(np.asarray(value), name))
+        elif isinstance(value, str) and value in ctx.graph.types:
+            t = ctx.graph.types[value]
+            dims = [d if isinstance(d, int) else str(d) for d in t.shape]
+            inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), dims))
+        else:
+            return None
+    g = helper.make_graph([node], "one_node", inputs, [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o], initializers)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid(d if d != "ai.onnx" else "", v) for d, v in opsets.items()])
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except Exception as e:  # noqa: BLE001 - the inference error's text is the reason
+        lines = str(e).strip().splitlines()
+        text = lines[0].rsplit("] ", 1)[-1].strip() if lines else ""
+        return text or None
+    return None
 
 
 ATTENTION_SEMANTICS = ("onnx-1.23", "legacy")
