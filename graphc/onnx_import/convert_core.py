@@ -352,15 +352,41 @@ def _einsum(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if not arrow:
         counts = {ch: "".join(terms).count(ch) for ch in "".join(terms)}
         rhs += "".join(sorted(ch for ch, n in counts.items() if n == 1 and ch not in rhs))
+    for k, term in enumerate(terms):
+        values[k], terms[k] = _diagonals(ctx, values[k], term)
     return [ctx.add(Einsum(",".join(terms) + "->" + rhs), values, "einsum")]
+
+
+def _diagonals(ctx: ImportContext, x: str, term: str) -> tuple[str, str]:
+    """An operand whose einsum term repeats a label (``ii``: a diagonal) as that diagonal, gathered exactly: the two
+    axes moved last, merged, and every ``n + 1``-th element kept; the term then names the label once, last."""
+    while any(term.count(ch) > 1 for ch in term):
+        label = next(ch for ch in term if term.count(ch) > 1)
+        p, q = term.index(label), term.index(label, term.index(label) + 1)
+        shape = ctx.graph.types[x].shape
+        n = shape[p]
+        if not isinstance(n, int) or shape[q] != n:
+            raise ctx.error(f"Einsum label {label!r} repeats in {term!r} over axes of sizes {shape[p]} and {shape[q]}; a diagonal needs one static size")
+        rest = [a for a in range(len(term)) if a not in (p, q)]
+        if rest + [p, q] != list(range(len(term))):
+            x = ctx.add(Transpose(tuple(rest + [p, q])), [x], "einsum_diagonal_axes")
+        x = ctx.add(Reshape(tuple(shape[a] for a in rest) + (n * n,)), [x], "einsum_diagonal_merge")
+        x = ctx.add(Gather(len(rest)), [x, ctx.constant(np.arange(n, dtype=np.int64) * (n + 1), "diagonal")], "einsum_diagonal")
+        term = "".join(term[a] for a in rest) + label
+    return x, term
 
 
 def _softmax(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     rank = ctx.graph.types[x].rank
     axis = ctx.axis(attrs.get("axis", -1 if ctx.opset >= 13 else 1), rank, "Softmax axis")
-    if ctx.opset < 13 and axis != rank - 1:
-        raise ctx.error(f"Softmax before opset 13 flattens from axis {axis}; only the last axis is supported (rank {rank})")
+    if ctx.opset < 13 and axis != rank - 1:  # softmax over the axes from `axis` on, flattened into one
+        shape = ctx.graph.types[x].shape
+        width: Dim = 1
+        for d in shape[axis:]:
+            width = dim_mul(width, d)
+        flat = ctx.add(Reshape(tuple(shape[:axis]) + (width,)), [x], "softmax_flatten")
+        return [ctx.add(Reshape(tuple(shape)), [ctx.add(Softmax(-1), [flat], "softmax")], "softmax_unflatten")]
     return [ctx.add(Softmax(axis), [x], "softmax")]
 
 
@@ -477,15 +503,31 @@ def _slice(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0])
     shape = ctx.graph.types[x].shape
     for start, stop, axis, step in zip(starts, ends, axes, steps):
-        if not isinstance(axis, int) or not isinstance(step, int) or step < 1:
-            raise ctx.error(f"Slice axis/step must be constants with step >= 1, got axis {axis!r} step {step!r}")
+        if not isinstance(axis, int) or not isinstance(step, int) or step == 0:
+            raise ctx.error(f"Slice axis/step must be constants, the step not 0, got axis {axis!r} step {step!r}")
         a = ctx.axis(axis, len(shape), "Slice axis")
+        if step < 0:  # backwards: the rows it keeps, gathered
+            x = _slice_backwards(ctx, x, a, start, stop, step)
+            shape = ctx.graph.types[x].shape
+            continue
         lo, hi = (ctx.resolve(d) for d in _slice_bounds(shape[a], start, stop))
         if normalize_dim(lo) == 0 and normalize_dim(hi) == normalize_dim(shape[a]) and step == 1:
             continue
         x = ctx.add(Slice(a, lo, hi, step), [x], "slice")
         shape = ctx.graph.types[x].shape
     return [x]
+
+
+def _slice_backwards(ctx: ImportContext, x: str, axis: int, start: Dim, stop: Dim, step: int) -> str:
+    """``x[start:stop:step]`` along ``axis`` with ``step < 0`` (ONNX's clamping), as a ``Gather`` of the indices it keeps;
+    the axis must have a static size."""
+    size = ctx.graph.types[x].shape[axis]
+    if not isinstance(size, int) or not isinstance(start, int) or not isinstance(stop, int):
+        raise ctx.error(f"Slice with step {step} needs a static axis size and static bounds, got axis {axis} of size {size}, [{start}:{stop}]")
+    first = min(max(start + size if start < 0 else start, 0), size - 1)  # ONNX: start in [0, size - 1], end in [-1, size - 1]
+    last = min(max(stop + size if stop < 0 else stop, -1), size - 1)
+    kept = np.arange(first, last, step, dtype=np.int64)
+    return ctx.add(Gather(axis), [x, ctx.constant(kept, "slice_rows")], "slice")
 
 
 def _split(ctx: ImportContext, ins: list, attrs: dict, n_out: int) -> list:
@@ -659,14 +701,20 @@ def _identity(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _dropout(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    """Inference-mode dropout is the identity; training mode (random) is refused unless its ratio is 0."""
+    """Dropout is the identity when its ratio is 0 (whatever its training mode, a run-time input included) or its
+    training mode is off; training mode with a ratio above 0 (random) is refused."""
+    ratio = simplify(ins[1]) if len(ins) > 1 and ins[1] is not None else np.array(0.5)
+    if isinstance(ratio, np.ndarray) and ratio.size == 1 and float(ratio.reshape(-1)[0]) == 0.0:
+        return [ins[0]]
     training = ins[2] if len(ins) > 2 else None
     if training is not None:
         mode = simplify(training)
         if not isinstance(mode, np.ndarray):
-            raise ctx.error("Dropout's training_mode is a run-time input; graphc imports inference graphs (export the model in eval mode)")
-        ratio = simplify(ins[1]) if len(ins) > 1 and ins[1] is not None else np.array(0.5)
-        if bool(mode.reshape(-1)[0]) and not (isinstance(ratio, np.ndarray) and float(ratio.reshape(-1)[0]) == 0.0):
+            raise ctx.error(
+                "Dropout's training_mode is a run-time input and its ratio is not a constant 0; graphc imports inference graphs "
+                "(export the model in eval mode)"
+            )
+        if bool(mode.reshape(-1)[0]):
             raise ctx.error("Dropout in training mode is random; graphc imports inference graphs (export the model in eval mode)")
     return [ins[0]]
 

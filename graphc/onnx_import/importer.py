@@ -23,6 +23,7 @@ from onnx import helper, numpy_helper
 
 from ..dims import Dim, is_symbol, normalize_dim
 from ..errors import GraphcError, OnnxImportError, UnknownNameError
+from ..memory import check_allocation
 from ..graph import Graph
 from ..opaque import Opaque
 from ..ops import UNARY_FUNCTIONS, Reshape
@@ -296,6 +297,31 @@ def from_onnx(
     return g
 
 
+def _dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
+    """A ``sparse_initializer`` as the dense array it stands for (ONNX: indices as linear positions ``[NNZ]`` or as
+    coordinates ``[NNZ, rank]``; every other element 0)."""
+    name = sparse.values.name
+    try:
+        values = numpy_helper.to_array(sparse.values)
+        indices = numpy_helper.to_array(sparse.indices).astype(np.int64) if sparse.HasField("indices") else np.zeros((0,), np.int64)
+        shape = tuple(int(d) for d in sparse.dims)
+        size = int(np.prod(shape, dtype=np.int64))
+        if indices.ndim == 2:
+            if indices.shape[1] != len(shape):
+                raise ValueError(f"coordinates of rank {indices.shape[1]} for a tensor of rank {len(shape)}")
+            indices = np.ravel_multi_index(tuple(indices.T), shape) if indices.size else indices.reshape(0)
+        if values.shape != (indices.size,) or (indices.size and (indices.min() < 0 or indices.max() >= size)):
+            raise ValueError(f"{values.size} values at {indices.size} positions in {size} elements")
+        check_allocation(size * values.dtype.itemsize, f"sparse initializer {name!r} made dense")
+        dense = np.zeros(size, values.dtype)
+        dense[indices] = values
+    except (ValueError, TypeError) as e:
+        raise OnnxImportError(f"sparse initializer {name!r} cannot be read: {e}") from None
+    dense = dense.reshape(shape)
+    dense.setflags(write=False)
+    return dense
+
+
 def _import_graph(
     ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int], schemas: SchemaChecker, mapped: Mapping[str, np.ndarray]
 ) -> None:
@@ -310,6 +336,11 @@ def _import_graph(
         except Exception as e:  # noqa: BLE001 - a malformed tensor
             raise OnnxImportError(f"initializer {t.name!r} cannot be read: {e}") from None
         init_names.add(t.name)
+    for sparse in model.graph.sparse_initializer:
+        arr = _dense(sparse)
+        ctx.env[arr_name := sparse.values.name] = arr
+        ctx.array_names[id(arr)] = arr_name
+        init_names.add(arr_name)
     for vi in model.graph.input:
         if vi.name in init_names:
             continue

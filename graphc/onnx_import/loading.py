@@ -10,6 +10,7 @@ dim exceeds :data:`MAX_DIM`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,7 @@ def _read(source: onnx.ModelProto | str | os.PathLike[str]) -> tuple[onnx.ModelP
         raise OnnxImportError(f"from_onnx takes an onnx.ModelProto or a path, got {type(source).__name__}")
     _check_opsets(model)
     _check_dims(model)
+    _inline_nested_external(model, folder)
     if folder is None and any(t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data for t in model.graph.initializer):
         missing = next(t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data)
         raise OnnxImportError(
@@ -138,43 +140,78 @@ def _nbytes(t: onnx.TensorProto) -> int | None:
 
 
 def _external_refs(model: onnx.ModelProto, folder: Path) -> list[tuple[onnx.TensorProto, Path, int, int]]:
-    """Every external-data reference as ``(tensor, file, offset, length)``, checked: inside ``folder``, present, long enough."""
+    """Every external-data reference of the main graph's initializers as ``(tensor, file, offset, length)``, checked:
+    inside ``folder``, present, long enough."""
+    return [_external_ref(t, folder) for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _external_ref(t: onnx.TensorProto, folder: Path, where: str = "initializer") -> tuple[onnx.TensorProto, Path, int, int]:
+    """One tensor's external data as ``(tensor, file, offset, length)``, checked (the file named by its entry must lie in
+    ``folder``, a link included; an absent length means the tensor's own size)."""
     from onnx.external_data_helper import ExternalDataInfo
 
-    refs = []
-    for t in model.graph.initializer:
+    from ..errors import SerializationError
+    from ..folders import confined
+
+    try:
+        info = ExternalDataInfo(t)
+        location = info.location
+        offset = int(info.offset or 0)
+        length = int(info.length) if info.length else None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise OnnxImportError(f"{where} {t.name!r}: malformed external data entry ({e})") from None
+    if not location:
+        raise OnnxImportError(f"{where} {t.name!r} is marked external but names no file")
+    try:
+        target = confined(folder, location, f"{where} {t.name!r}: external data", "model's folder").resolve()
+    except SerializationError as e:
+        raise OnnxImportError(str(e)) from None
+    if not target.is_file():
+        raise OnnxImportError(f"{where} {t.name!r}: external data file {location!r} is missing (looked in {str(folder)!r})")
+    size = target.stat().st_size
+    need = _nbytes(t)
+    if need is None:
+        raise OnnxImportError(f"{where} {t.name!r}: external data of element type {t.data_type} is not supported")
+    if length is None:
+        length = need
+    if offset < 0 or length < 0:
+        raise OnnxImportError(f"{where} {t.name!r}: external data offset {offset} and length {length} must be >= 0")
+    if length != need:
+        raise OnnxImportError(f"{where} {t.name!r}: external data length {length} bytes, but its shape {list(t.dims)} needs {need}")
+    if offset + length > size:
+        raise OnnxImportError(f"{where} {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}")
+    return t, target, offset, length
+
+
+def _nested_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Tensors held by the nodes of ``graph``: attribute tensors, and every tensor of a subgraph (an ``If`` branch, a
+    ``Loop`` body), its initializers included."""
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield a.t
+            elif a.type == onnx.AttributeProto.TENSORS:
+                yield from a.tensors
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []:
+                yield from sub.initializer
+                yield from _nested_tensors(sub)
+
+
+def _inline_nested_external(model: onnx.ModelProto, folder: Path | None) -> None:
+    """Nested tensors (subgraph initializers, attribute tensors) that keep their data in a file: checked as the main
+    graph's are and read into the model (they travel inside the node graphc carries; a re-export elsewhere would
+    point them at another folder)."""
+    for t in _nested_tensors(model.graph):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        try:
-            info = ExternalDataInfo(t)
-            location = info.location
-            offset = int(info.offset or 0)
-            length = int(info.length) if info.length else None
-        except (ValueError, TypeError, AttributeError) as e:
-            raise OnnxImportError(f"initializer {t.name!r}: malformed external data entry ({e})") from None
-        if not location:
-            raise OnnxImportError(f"initializer {t.name!r} is marked external but names no file")
-        target = (folder / location).resolve()
-        if os.path.isabs(location) or os.path.commonpath([str(target), str(folder)]) != str(folder):
-            raise OnnxImportError(f"initializer {t.name!r}: external data path {location!r} leaves the model's folder {str(folder)!r}; refused")
-        if not target.is_file():
-            raise OnnxImportError(f"initializer {t.name!r}: external data file {location!r} is missing (looked in {str(folder)!r})")
-        size = target.stat().st_size
-        need = _nbytes(t)
-        if need is None:
-            raise OnnxImportError(f"initializer {t.name!r}: external data of element type {t.data_type} is not supported")
-        if length is None:
-            length = need
-        if offset < 0 or length < 0:
-            raise OnnxImportError(f"initializer {t.name!r}: external data offset {offset} and length {length} must be >= 0")
-        if length != need:
-            raise OnnxImportError(f"initializer {t.name!r}: external data length {length} bytes, but its shape {list(t.dims)} needs {need}")
-        if offset + length > size:
-            raise OnnxImportError(
-                f"initializer {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}"
-            )
-        refs.append((t, target, offset, length))
-    return refs
+        if folder is None:
+            raise OnnxImportError(f"tensor {t.name!r} inside a node keeps its data in an external file; pass the model's path, not a ModelProto")
+        _, target, offset, length = _external_ref(t, folder, "tensor inside a node")
+        with open(target, "rb") as f:
+            f.seek(offset)
+            t.raw_data = f.read(length)
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
 
 
 def _map_tensor(t: onnx.TensorProto, path: Path, offset: int, length: int) -> np.ndarray:
