@@ -57,7 +57,8 @@ def write_checkpoint(folder: Path, config: dict, prompts: list[list[int]], new: 
     model.save_pretrained(folder)
     ids, mask = left_pad(prompts)
     with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+        out = model.generate(input_ids=ids_t, attention_mask=mask_t, max_new_tokens=new, do_sample=False, pad_token_id=0)
     want = out[:, ids.shape[1] :].numpy()
     del model, out
     gc.collect()
@@ -105,7 +106,8 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         want = write_checkpoint(folder, TINYLLAMA, PROMPTS, NEW)
-        print(f"checkpoint written by transformers in {time.perf_counter() - t0:.1f} s ({sum(p.stat().st_size for p in folder.glob('*.safetensors')) / 2**30:.2f} GiB)")
+        size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**30
+        print(f"checkpoint written by transformers in {time.perf_counter() - t0:.1f} s ({size:.2f} GiB)")
         from lowering.backends.registry import unavailable_reason
 
         results = check(folder, want, PROMPTS, NEW, [b for b in ("numpy", "ort-cpu") if unavailable_reason(b) is None])

@@ -81,17 +81,18 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
 
 
 def _check_special_ids(args: argparse.Namespace, sources: dict[str, str]) -> None:
-    """The pad and eos ids must be ids of the model's vocabulary; an error names where each came from."""
+    """The pad id must be an id of the model's vocabulary, an eos id an int64; an error names where each came from."""
     from .attention.hf import read_hf_config
 
     vocab = read_hf_config(args.hf_config).get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool):
         return  # the model's own config check names it
+    if not 0 <= args.pad_token_id < vocab:  # fed to the model: it must be a row of the embedding table
+        raise UsageError(f"{sources['pad_token_id']} {args.pad_token_id} is not a token id of the model's vocabulary (0..{vocab - 1})")
     eos = args.eos_token_id
-    for field, ids in (("pad_token_id", [args.pad_token_id]), ("eos_token_id", [eos] if isinstance(eos, int) else list(eos or []))):
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise UsageError(f"{sources[field]} {bad[0]} is not a token id of the model's vocabulary (0..{vocab - 1})")
+    bad = [i for i in ([eos] if isinstance(eos, int) else list(eos or [])) if not 0 <= i < 2**63]
+    if bad:  # an eos past the vocabulary never comes (generation runs to --max-new-tokens), but it must be an int64
+        raise UsageError(f"{sources['eos_token_id']} {bad[0]} is not a token id (ids are 0 .. 2**63 - 1)")
 
 
 def _warn_past_positions(args: argparse.Namespace, prompts: list[list[int]]) -> None:

@@ -213,8 +213,7 @@ def compare(
     if shards is not None:
         get_backend(shard_backend)
         plan = shard(graph, shards)  # a shard count that does not divide the heads fails before anything runs
-    inputs_given = inputs is not None
-    inputs, bindings = _inputs(graph, inputs, sizes, seed)
+    defaulted, (inputs, bindings) = inputs is None, _inputs(graph, inputs, sizes, seed)
     say = progress or (lambda _: None)
     run_graph = graph
     if optimize:
@@ -225,15 +224,7 @@ def compare(
     reference, run_reference = _reference(graph, reference_model, bindings)
     say(f"reference: {reference.split(' (')[0]}")
     t0 = time.perf_counter()
-    try:
-        want = run_reference(inputs)
-    except GraphcError as e:
-        if inputs_given or not bindings:
-            raise
-        raise BackendError(
-            f"{e} (the inputs were random, their symbolic dims sized {format_sizes(bindings)}: give each dim its size, "
-            "sizes={...} or graphc compare --dim NAME=INT)"
-        ) from None
+    want = _run_reference(run_reference, inputs, bindings if defaulted else None)
     say(f"reference done in {time.perf_counter() - t0:.1f}s")
     report = ComparisonReport(
         graph=graph.name,
@@ -260,6 +251,21 @@ def compare(
         report.results.append(_run_sharded(plan, shard_backend, opts, inputs, want, repeats, atol, rtol))
         say(f"sharded x{plan.n}: {report.results[-1].status} in {time.perf_counter() - t0:.1f}s")
     return report
+
+
+def _run_reference(
+    run_reference: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]], inputs: Mapping[str, np.ndarray], defaulted: Mapping[str, int] | None
+) -> dict[str, np.ndarray]:
+    """The reference's outputs; where it fails on random inputs sized by ``defaulted``, the error says so."""
+    try:
+        return run_reference(inputs)
+    except GraphcError as e:
+        if not defaulted:
+            raise
+        raise BackendError(
+            f"{e} (the inputs were random, their symbolic dims sized {format_sizes(defaulted)}: give each dim its size, "
+            "sizes={...} or graphc compare --dim NAME=INT)"
+        ) from None
 
 
 def _inputs(

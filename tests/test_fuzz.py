@@ -1,7 +1,8 @@
 """Differential fuzzing: random graphs on the float64 oracle vs numpy (before and after optimize), onnx-reference, ort-cpu.
 
 ``GRAPHC_FUZZ=ci`` (the default) runs 530 examples in all, seconds on 2 cores; ``GRAPHC_FUZZ=long`` runs
-2,000 and ``GRAPHC_FUZZ=nightly`` 10,000 (``GRAPHC_FUZZ=long python -m pytest tests/test_fuzz.py``).  onnxruntime runs in a worker process, so a crash in it fails one
+2,000 and ``GRAPHC_FUZZ=nightly`` 10,000
+(``GRAPHC_FUZZ=long python -m pytest tests/test_fuzz.py``).  onnxruntime runs in a worker process, so a crash in it fails one
 example with the signal's name instead of killing the run.  A failure is shrunk
 by hypothesis; shrunk failures found so far are pinned below as explicit
 examples (and as named tests in ``test_regressions.py``).

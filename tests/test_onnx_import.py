@@ -376,7 +376,7 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path: Path) -> No
     sub.mkdir()
     with pytest.raises(OnnxImportError, match=r"external data: file '\.\./secret\.bin' leaves the model's folder.*refused"):
         from_onnx(_external(sub, "../secret.bin"))
-    with pytest.raises(OnnxImportError, match="leaves the model's folder"):
+    with pytest.raises(OnnxImportError, match="is an absolute path; a model's folder names files inside itself"):
         from_onnx(_external(sub, str(tmp_path / "secret.bin")))
 
 

@@ -152,3 +152,17 @@ def test_an_opaque_node_its_schema_refuses_is_named_with_the_schemas_reason(mode
         from_onnx(model)
     with pytest.raises(Exception):  # onnxruntime refuses the same file
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_a_scale_past_the_float_range_is_inf_without_a_warning():
+    import warnings
+
+    from graphc import Graph
+    from graphc.ops import Scale
+
+    g = Graph("scale")
+    g.output(g.add_node(Scale(4.0), [g.input("x", [2])], "y"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(g, {"x": np.array([-3e38, 1.0], np.float32)}, "numpy")["y"]
+    assert got.tolist() == [-np.inf, 4.0]

@@ -366,7 +366,9 @@ def _diagonals(ctx: ImportContext, x: str, term: str) -> tuple[str, str]:
         shape = ctx.graph.types[x].shape
         n = shape[p]
         if not isinstance(n, int) or shape[q] != n:
-            raise ctx.error(f"Einsum label {label!r} repeats in {term!r} over axes of sizes {shape[p]} and {shape[q]}; a diagonal needs one static size")
+            raise ctx.error(
+                f"Einsum label {label!r} repeats in {term!r} over axes of sizes {shape[p]} and {shape[q]}; a diagonal needs one static size"
+            )
         rest = [a for a in range(len(term)) if a not in (p, q)]
         if rest + [p, q] != list(range(len(term))):
             x = ctx.add(Transpose(tuple(rest + [p, q])), [x], "einsum_diagonal_axes")

@@ -179,7 +179,9 @@ def _external_ref(t: onnx.TensorProto, folder: Path, where: str = "initializer")
     if length != need:
         raise OnnxImportError(f"{where} {t.name!r}: external data length {length} bytes, but its shape {list(t.dims)} needs {need}")
     if offset + length > size:
-        raise OnnxImportError(f"{where} {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}")
+        raise OnnxImportError(
+            f"{where} {t.name!r}: external data {location!r} holds {size} bytes, but the tensor needs bytes {offset}..{offset + length}"
+        )
     return t, target, offset, length
 
 

@@ -41,6 +41,10 @@ def _distributed() -> Any:
     return distributed
 
 
+WORKER_WAIT_SECONDS = 30
+"""How long a runner waits for a Dask client with no worker yet to get one."""
+
+
 def local_cluster(n_workers: int, threads_per_worker: int = 1, processes: bool = True) -> Any:
     """A ``distributed.Client`` on a new ``LocalCluster`` of ``n_workers`` worker processes."""
     distributed = _distributed()
@@ -100,8 +104,12 @@ class DaskExecutor:
         self.client, self.n = client, n
         self.owns_client = False  # True when sharded_runner made the cluster: close() then shuts it down
         workers = sorted(client.scheduler_info()["workers"])
-        if not workers:
-            raise BackendUnavailableError("dask", "the Dask client has no workers")
+        if not workers:  # a cluster still starting, or a worker its nanny is restarting: give it a moment
+            try:
+                client.wait_for_workers(1, timeout=WORKER_WAIT_SECONDS)
+            except Exception:  # noqa: BLE001 - distributed's TimeoutError, or a client already closing
+                raise BackendUnavailableError("dask", f"the Dask client has no workers (waited {WORKER_WAIT_SECONDS} s)") from None
+            workers = sorted(client.scheduler_info()["workers"])
         self.workers = [workers[i % len(workers)] for i in range(n)]
         self._runners: dict[tuple[int, int], Any] = {}
         self._graphs: list[Any] = []  # the scattered graphs: held, or Dask may drop them before the prepare tasks read them
