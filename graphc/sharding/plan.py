@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import Dim, dim_symbols, format_shape, normalize_dim
-from graphc.errors import OpError, ShapeMismatchError, ShardingError
+from graphc.dims import Dim, bind_shapes, dim_symbols, eval_dim, format_shape, normalize_dim
+from graphc.errors import DimError, OpError, ShapeMismatchError, ShardingError
 from graphc.graph import Graph, Node, op_dims
 from graphc.ops import Einsum, Op, Repeat, Reshape, TensorType
 from graphc.rotary import Positions
@@ -315,6 +315,31 @@ def _stage_graph(
     return sg
 
 
+def _size_carriers(g: Graph, nodes: list[Node], ins: list[str]) -> list[str]:
+    """Inputs of ``g`` to hand a stage as well, so that every size it uses can be read off its inputs' shapes.
+
+    A stage may see a size only inside an expression it cannot solve (``batch*total_seq`` of a flattened mask, with
+    no input carrying ``total_seq``); then the graph input that carries the symbol as a dim of its own goes in too
+    (a mask or ids: small, and never split).  Solvability is tested with the run's own solver on made-up sizes."""
+    symbols = sorted({s for n in g.inputs for d in g.types[n].shape for s in dim_symbols(d)})
+    made_up = {s: 1009 + 37 * k for k, s in enumerate(symbols)}  # distinct, large: no expression of them is negative
+    used = {s for v in ins for d in g.types[v].shape for s in dim_symbols(d)}
+    used |= {s for node in nodes for o in node.outputs for d in g.types[o].shape for s in dim_symbols(d)}
+    used |= {s for node in nodes for d in op_dims(node.op) for s in dim_symbols(d)}
+    env: dict[str, int] = {}
+    try:
+        items = [(g.types[v].shape, [eval_dim(d, made_up) for d in g.types[v].shape], v) for v in ins]
+        bind_shapes(items, env)
+    except (DimError, KeyError):  # a size the graph's inputs do not define: _check_bound names it
+        return []
+    carriers = []
+    for sym in sorted((used & made_up.keys()) - env.keys()):
+        carrier = next((n for n in g.inputs if sym in {str(d) for d in g.types[n].shape} and n not in ins), None)
+        if carrier is not None and carrier not in carriers:
+            carriers.append(carrier)
+    return carriers
+
+
 def _check_bound(sg: Graph, stage: int) -> None:
     """Every symbolic size a stage uses must be bound by its inputs' shapes, or the stage cannot run alone."""
     bound = {sym for v in sg.inputs for d in sg.types[v].shape for sym in dim_symbols(d)}
@@ -368,6 +393,7 @@ def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -
             continue
         inside = {o for node in nodes for o in node.outputs}
         ins = list(dict.fromkeys(v for node in nodes for v in node.inputs if v not in inside and v not in g.initializers))
+        ins += _size_carriers(g, nodes, ins)
         later = {v for node in order if stage_of[node.name] > s for v in node.inputs} | set(g.outputs)
         outs = [o for node in nodes for o in node.outputs if o in later]
         sharded = s % 2 == 0
