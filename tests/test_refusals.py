@@ -166,3 +166,19 @@ def test_a_scale_past_the_float_range_is_inf_without_a_warning():
         warnings.simplefilter("error")
         got = run(g, {"x": np.array([-3e38, 1.0], np.float32)}, "numpy")["y"]
     assert got.tolist() == [-np.inf, 4.0]
+
+
+def test_an_ortvalue_of_another_dtype_fed_to_a_cache_names_the_input():
+    import graphc
+    from graphc.attention.hf_lm import causal_lm_config_from_hf
+    from graphc.errors import InputError
+    from lowering import prepare
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 97}  # fmt: skip
+    lm = graphc.causal_lm_graph(causal_lm_config_from_hf(config), seed=0, dtype="bfloat16")
+    runner = prepare(lm, "ort-cpu")
+    feeds = {"input_ids": np.array([[1, 2]]), "attention_mask": np.ones((1, 2), np.int64), "position_ids": np.array([[0, 1]])}
+    feeds |= {n: ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 2, 0, 16), np.float32)) for n in lm.inputs if n.startswith("past")}
+    with pytest.raises(InputError, match=r"input 'past_key_values.0.key': an OrtValue of tensor\(float\) where the model takes tensor\(bfloat16\)"):
+        runner.step(feeds)

@@ -27,7 +27,7 @@ import numpy as np
 from onnx import TensorProto
 
 from graphc.dims import Shape, dim_symbols, eval_shape, is_static
-from graphc.errors import BackendError
+from graphc.errors import BackendError, InputError
 from graphc.graph import Graph
 from graphc.ops import Einsum
 from graphc.optimizer.precision import widen_interface
@@ -363,6 +363,7 @@ def _ort_step(session: Any, names: list[str], device: str = "cpu", graphs: bool 
     import onnxruntime as ort
 
     graphs_seen: dict[int, tuple[Any, dict[str, Any]]] = {}  # the first present's buffer address -> (run options, buffers)
+    declared = {i.name: i.type for i in session.get_inputs()}
     uncaptured = ort.RunOptions()
     uncaptured.add_run_config_entry("gpu_graph_id", "-1")
 
@@ -391,6 +392,8 @@ def _ort_step(session: Any, names: list[str], device: str = "cpu", graphs: bool 
         options, fixed = graph_of(targets) if replay else (uncaptured if graphs else None, {})
         for k, v in inputs.items():
             if isinstance(v, ort.OrtValue):
+                if k in declared and v.data_type() != declared[k]:  # onnxruntime's own error names neither input nor types
+                    raise InputError(f"input {k!r}: an OrtValue of {v.data_type()} where the model takes {declared[k]} (a cache of another dtype?)")
                 io.bind_ortvalue_input(k, v)
             elif replay:
                 io.bind_ortvalue_input(k, device_value(fixed, k, v))
