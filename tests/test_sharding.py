@@ -494,3 +494,27 @@ def test_a_fused_qkv_slice_is_refused_by_name():
     g.output(out)
     with pytest.raises(ShardingError, match="slices along the head axis"):
         shard(g, 2)
+
+
+@pytest.mark.parametrize("replicated", ["workers", "driver"])
+def test_an_opaque_node_on_a_head_split_value_runs_whole_between_the_shards(replicated):
+    """An op graphc carries unmodelled (here ONNX ``Round``) has no sharding rule: it runs whole in a replicated stage, on
+    its input gathered from the shards, and the attention after it takes its result split again (it used to be refused)."""
+    import base64
+
+    from onnx import helper
+
+    from graphc.opaque import Opaque
+
+    g = graphc.Graph("opaque_on_heads")
+    q, k, v = g.input("q", [1, 8, 3, 8]), g.input("k", [1, 4, 5, 8]), g.input("v", [1, 4, 5, 8])
+    scaled = g.add_node(graphc.ops.Scale(3.0), [q], "q_scaled").name  # on the shards: the opaque node reads a split value
+    proto = base64.b64encode(helper.make_node("Round", ["x"], ["y"]).SerializeToString()).decode()
+    rounded = g.add_node(Opaque("Round", "", 18, proto, ((1, 8, 3, 8),), ("float32",)), [scaled], "q_round").name
+    g.output(g.attention(rounded, k, v, scale=0.25, names=["attn"]))
+    plan = shard(g, 2, replicated=replicated)
+    assert [st.sharded for st in plan.stages] == [True, False, True]
+    feeds = random_inputs(g, seed=5)
+    want = run(g, feeds, "numpy")["attn"]
+    np.testing.assert_allclose(want, ref_sdpa(np.round(3 * feeds["q"]), feeds["k"], feeds["v"], scale=0.25), **TOL)
+    np.testing.assert_allclose(ShardedRunner(plan, LocalExecutor(2)).run(feeds)["attn"], want, **TOL)

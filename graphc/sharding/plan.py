@@ -18,6 +18,10 @@ reads them; a replicated stage gets split values concatenated along their head
 axis and partial values summed; a sharded stage gets whole values sent to
 every shard.
 
+A node without a sharding rule (an ONNX op graphc carries unmodelled) that touches a split value runs whole, in a
+replicated stage of its own: its inputs are gathered from the shards, and a later sharded stage takes its result split
+again.
+
 Multi-query attention (one KV head) cannot be split by KV head; there the plan
 splits the query heads and replicates K/V (each shard computes and keeps the
 whole cache), and says so in :attr:`ShardPlan.fallback`.
@@ -189,11 +193,9 @@ def _partials(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[s
     partial: set[str] = set()
     for node in g.topological_order():
         reads_split = [v for v in node.inputs if v in split]
+        if node.name in classes.opaque and (reads_split or any(o in split for o in node.outputs)) and not _reads_another_axis_length(g, node, split):
+            continue  # no sharding rule: run whole, in a replicated stage (_gathered)
         if not reads_split or any(o in split for o in node.outputs):
-            if node.name in classes.opaque and (reads_split or any(o in split for o in node.outputs)):
-                raise ShardingError(
-                    f"node {node.name!r} ({classes.opaque[node.name]}) touches a head-split value; graphc has no sharding rule for it"
-                )
             continue
         if isinstance(node.op, Einsum):
             partial.add(node.outputs[0])  # the split axis is contracted away: one addend per shard
@@ -206,6 +208,16 @@ def _partials(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[s
     return partial
 
 
+def _gathered(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[str]:
+    """Opaque nodes (no sharding rule: graphc does not know what they compute) that touch a head-split value: each runs
+    whole in a replicated stage, on its inputs gathered from the shards; a later stage takes its result split again."""
+    return {
+        n.name
+        for n in g.topological_order()
+        if n.name in classes.opaque and any(v in split for v in (*n.inputs, *n.outputs)) and not _reads_another_axis_length(g, n, split)
+    }
+
+
 def _reads_another_axis_length(g: Graph, node: Node, split: Mapping[str, int]) -> bool:
     """``Positions`` reads only the length of one axis: of a head-split value, any axis but the head axis is whole on every shard."""
     if not isinstance(node.op, Positions):
@@ -214,12 +226,16 @@ def _reads_another_axis_length(g: Graph, node: Node, split: Mapping[str, int]) -
     return split.get(node.inputs[0], -1) != node.op.axis % rank
 
 
-def _stages(g: Graph, split: Mapping[str, int], partial: set[str], on_workers: bool) -> dict[str, int]:
-    """Stage of every node: even stages are sharded, odd ones replicated (none with ``on_workers``: every node runs on the shards)."""
+def _stages(
+    g: Graph, split: Mapping[str, int], partial: set[str], on_workers: bool, gathered: frozenset[str] | set[str] = frozenset()
+) -> dict[str, int]:
+    """Stage of every node: even stages are sharded, odd ones replicated (with ``on_workers`` only the ``gathered`` nodes
+    are: every other node runs on the shards)."""
     produced: dict[str, int] = {v: 0 for v in g.inputs} | {v: 0 for v in g.initializers}
     stage_of: dict[str, int] = {}
     for node in g.topological_order():
-        sharded = on_workers or any(v in split for v in (*node.inputs, *node.outputs)) or any(o in partial for o in node.outputs)
+        whole = node.name in gathered
+        sharded = not whole and (on_workers or any(v in split for v in (*node.inputs, *node.outputs)) or any(o in partial for o in node.outputs))
         need = 0
         for v in node.inputs:
             s = produced[v]
@@ -227,7 +243,7 @@ def _stages(g: Graph, split: Mapping[str, int], partial: set[str], on_workers: b
                 continue
             whole_needed = v in partial or (v in split and not sharded)
             need = max(need, s + 1 if whole_needed and s % 2 == 0 else s)
-        stage = need + (need % 2) if sharded else need
+        stage = need + (need % 2) if sharded else need + 1 - (need % 2) if whole else need
         stage_of[node.name] = stage
         for o in node.outputs:
             produced[o] = stage
@@ -383,7 +399,7 @@ def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -
     classes = link_axes(g)
     split = _split_axes(g, classes, seeds, n) if n > 1 else {}
     partial = _partials(g, split, classes) if n > 1 else set()
-    stage_of = _stages(g, split, partial, replicated == "workers")
+    stage_of = _stages(g, split, partial, replicated == "workers", _gathered(g, split, classes))
     last = max(stage_of.values(), default=0)
     order = g.topological_order()
     stages = []
