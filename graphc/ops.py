@@ -27,6 +27,7 @@ __all__ = [
     "DTYPES",
     "FLOAT_DTYPES",
     "LOW_PRECISION_DTYPES",
+    "QUANTIZED_DTYPES",
     "dim_attr",
     "TensorType",
     "Op",
@@ -58,8 +59,11 @@ __all__ = [
     "integer_divide",
 ]
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+QUANTIZED_DTYPES = ("int8", "uint8")
+"""Integer storage of quantized weights (8-bit values, or 4-bit values packed two per byte in ``uint8``: see
+:mod:`graphc.quantized`)."""
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 """Storage dtypes whose values every backend computes with in float32 (see :mod:`graphc.optimizer.precision`)."""
 UNARY_FUNCTIONS: dict[str, "UnaryFunction"] = {}

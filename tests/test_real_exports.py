@@ -308,3 +308,28 @@ def test_compare_on_an_export_the_reference_evaluator_cannot_run_is_not_a_disagr
     rows = {r.backend: r for r in report.results}
     assert rows["onnx-reference"].status == "skipped" and "cannot run the original model either" in rows["onnx-reference"].reason
     assert rows["numpy"].status == rows["ort-cpu"].status == "ok" and report.ok, report
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_int4_export_from_onnxruntimes_quantizer_is_understood_and_equal_to_onnxruntime(family, tmp_path):
+    """torch.onnx's cache export quantized to int4 by onnxruntime's matmul_nbits_quantizer (every projection and the LM
+    head a MatMulNBits, block 32): one causal attention with its cache per layer, every product kept packed, the numbers
+    onnxruntime gives on the file; the re-export's MatMulNBits hold the file's bytes."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    path = export_model(family, "dynamo", "sdpa", True, tmp_path / "model.onnx")
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(path)), bits=4, block_size=32, accuracy_level=0)
+    quantizer.process()
+    model = quantizer.model.model
+    onnx.save(model, str(tmp_path / "int4.onnx"))
+    graph = from_onnx(tmp_path / "int4.onnx")
+    optimized = optimize(graph).graph
+    products = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert optimized.op_counts().get("QuantizedMatMul") == len(products) >= 15 and "DequantizeBlocks" not in optimized.op_counts()
+    attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
+    assert len(attention) == 2 and all(op.kv_cache and op.causal_offset is not None for op in attention)
+    _equals_onnxruntime(tmp_path / "int4.onnx", model, graph, optimized, SIZES[True][:2], ("numpy", "ort-cpu"))
+    packed = {t.name: t.raw_data for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8}
+    out = export(optimized)
+    kept = {t.raw_data for t in out.graph.initializer if t.data_type == onnx.TensorProto.UINT8}
+    assert set(packed.values()) <= kept

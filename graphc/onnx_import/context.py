@@ -42,6 +42,8 @@ ONNX_TO_DTYPE: dict[int, str] = {
     onnx.TensorProto.FLOAT16: "float16",
     onnx.TensorProto.BFLOAT16: "bfloat16",
     onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT8: "uint8",
     onnx.TensorProto.INT32: "int32",
     onnx.TensorProto.INT64: "int64",
     onnx.TensorProto.BOOL: "bool",
@@ -248,9 +250,13 @@ class ImportContext:
         out = self.add(Where(), [keep, self.constant(value, "tri_value"), self.constant(np.zeros((), value.dtype), "tri_zero")], "triangle")
         return out if len(t.shape) == 2 else self.add(BroadcastTo(t.shape), [out], "triangle")
 
-    def constant(self, arr: np.ndarray, base: str = "const") -> str:
-        """A new initializer holding ``arr`` (converted to a graphc dtype)."""
+    def constant(self, arr: np.ndarray, base: str = "const", quantized: bool = False) -> str:
+        """A new initializer holding ``arr`` (converted to a graphc dtype; ``quantized``: int8/uint8 data kept as it is,
+        the bytes of quantized weights)."""
         arr = np.asarray(arr)
+        if quantized and arr.dtype in (np.int8, np.uint8):
+            name = self.array_names.get(id(arr), base)
+            return self.graph.add_initializer(self.graph.fresh_name(_clean(name)), arr, copy=arr.flags.writeable).name
         if arr.dtype == np.uint8 or arr.dtype.kind == "U":
             raise self.error(f"{base}: dtype {arr.dtype} has no graphc equivalent")
         if arr.dtype.kind in "iu" and arr.dtype != np.int32:

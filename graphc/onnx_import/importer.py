@@ -31,6 +31,7 @@ from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
 from .convert_contrib import CONTRIB_CONVERTERS
 from .convert_core import CORE_CONVERTERS, SPLIT, unary_converter
 from .convert_fused import FUSED_CONVERTERS
+from .convert_quantized import QUANTIZED_CONVERTERS
 from .loading import read_model
 from .schema import SchemaChecker
 from .unify import DimConflict, substitute
@@ -46,7 +47,8 @@ def supported_ops() -> dict[str, list[str]]:
     """The op types graphc converts, by domain (anything else imports as an opaque node)."""
     unary = (f.onnx for f in UNARY_FUNCTIONS.values() if f.onnx)
     std = sorted({*CORE_CONVERTERS, *unary, "Split", "Constant", *(k for (d, k) in FUSED_CONVERTERS if d == "")})
-    return {"ai.onnx": std, "com.microsoft": sorted(k for (d, k) in {**FUSED_CONVERTERS, **CONTRIB_CONVERTERS} if d == "com.microsoft")}
+    contrib = {**FUSED_CONVERTERS, **CONTRIB_CONVERTERS, **QUANTIZED_CONVERTERS}
+    return {"ai.onnx": std, "com.microsoft": sorted(k for (d, k) in contrib if d == "com.microsoft")}
 
 
 def _clean_name(name: str) -> str:
@@ -432,6 +434,7 @@ def _convert(ctx: ImportContext, node: onnx.NodeProto, domain: str, ins: list, a
     conv = (CORE_CONVERTERS.get(node.op_type) or unary_converter(node.op_type)) if domain == "" else None
     if conv is None:
         conv = FUSED_CONVERTERS.get((domain, node.op_type)) or CONTRIB_CONVERTERS.get((domain, node.op_type))
+        conv = conv or QUANTIZED_CONVERTERS.get((domain, node.op_type))
     if conv is None:
         return _opaque(ctx, node, opsets)
     return conv(ctx, ins, attrs)

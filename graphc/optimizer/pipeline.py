@@ -16,6 +16,7 @@ from .cost import GraphCost, format_comparison, graph_cost
 from .grouping import ABOVE_REPEAT_RULE, EXPAND_REPEAT_RULE, FOLD_RULE, FUSE_REPEAT_RULE, HOIST_RULE
 from .infra import Pass, PassContext, PassManager, RewritePass, Rule, Trace
 from .experts import DENSE_EXPERTS_RULE
+from .quantized import QUANTIZED_MATMUL_RULE
 from .latent import ABSORB_LATENT_RULE
 from .legalize import LOWERING_STAGES, Target
 from .planning import check_optimizer, plan_contractions
@@ -31,8 +32,9 @@ STAGES: dict[str, Pass] = {
     for p in (
         RewritePass(
             "group_kv",
-            "turn Repeat of K/V + einsum into a grouped einsum (no K/V copy) and fold the group into the GEMM rows",
-            [EXPAND_REPEAT_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE, *LAYOUT_RULES],
+            "products with a dequantized weight kept packed; turn Repeat of K/V + einsum into a grouped einsum (no K/V copy) and fold the "
+            "group into the GEMM rows",
+            [QUANTIZED_MATMUL_RULE, EXPAND_REPEAT_RULE, ABOVE_REPEAT_RULE, FUSE_REPEAT_RULE, FOLD_RULE, *LAYOUT_RULES],
         ),
         RewritePass(
             "simplify",

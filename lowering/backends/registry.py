@@ -76,10 +76,13 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
     return Runner("numpy", provider, graph, interp.run, caches=numpy_cache)
 
 
-def _export(graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None, device: str = "cpu") -> Any:
+def _export(
+    graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None, device: str = "cpu", quantized: str = "matmulnbits"
+) -> Any:
     from ..exporter.onnx_export import DEFAULT_OPSET, export
 
-    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), place_weights=place_weights, device=device)
+    opts = {"place_weights": place_weights, "device": device, "quantized": quantized}
+    return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), **opts)
 
 
 def _reference(graph: Graph, opset: int | None = None, attention: str = "decomposed", sizes: Sizes = None) -> Runner:
@@ -89,7 +92,8 @@ def _reference(graph: Graph, opset: int | None = None, attention: str = "decompo
         raise BackendUnavailableError(
             "onnx-reference", "ONNX's reference evaluator cannot run onnxruntime's contrib op com.microsoft.GroupQueryAttention (attention=ort-gqa)"
         )
-    model = _export(graph, opset, attention, sizes)
+    model = _export(graph, opset, attention, sizes, quantized="qdq")  # ONNX's evaluator has no contrib ops
+
     def cannot(e: NotImplementedError) -> BackendUnavailableError:  # an op it has no kernel for (a contrib op carried through)
         return BackendUnavailableError("onnx-reference", f"ONNX's reference evaluator cannot run this model: {str(e).split(', known')[0]}")
 

@@ -44,6 +44,8 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
         "bfloat16": torch.bfloat16,
         "float32": torch.float32,
         "float64": torch.float64,
+        "int8": torch.int8,
+        "uint8": torch.uint8,
         "int32": torch.int32,
         "int64": torch.int64,
         "bool": torch.bool,

@@ -20,7 +20,7 @@ from graphc.graph import Graph
 from graphc.mapped import all_finite
 from graphc.ops import FLOAT_DTYPES, Binary
 
-__all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES"]
+__all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES", "QUANTIZED_FORMS"]
 
 _T = TypeVar("_T")
 
@@ -29,16 +29,24 @@ ONNX_DTYPES = {
     "bfloat16": TensorProto.BFLOAT16,
     "float32": TensorProto.FLOAT,
     "float64": TensorProto.DOUBLE,
+    "int8": TensorProto.INT8,
+    "uint8": TensorProto.UINT8,
     "int32": TensorProto.INT32,
     "int64": TensorProto.INT64,
     "bool": TensorProto.BOOL,
 }
 
 
+QUANTIZED_FORMS = ("matmulnbits", "qdq")
+"""How an export writes a quantized product (:mod:`lowering.exporter.quantized_export`)."""
+
+
 class OnnxBuilder:
     """Collects ONNX nodes and initializers; computes shape tensors for symbolic dims."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, quantized: str = "matmulnbits") -> None:
+        if quantized not in QUANTIZED_FORMS:
+            raise ExportError(f"quantized must be one of {QUANTIZED_FORMS}, got {quantized!r}")
         self.graph = graph
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
@@ -46,6 +54,7 @@ class OnnxBuilder:
         self._dim_cache: dict[Dim, str] = {}
         self.known_shapes: dict[str, tuple[Dim, ...]] = {}
         self.may_carry_neg_inf = may_carry_neg_inf(graph)
+        self.quantized = quantized  # how a quantized product is written (lowering.exporter.quantized_export)
         self.symbol_source: dict[str, tuple[str, int]] = {}
         self._shaped: list[str] = list(graph.inputs)  # values whose shapes a Shape node may read (inputs, then computed ones)
         self._once: dict[Hashable, Any] = {}

@@ -37,6 +37,7 @@ from graphc.numerics import contiguous, hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, op_registrar
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
+from graphc.quantized import DequantizeBlocks, QuantizedMatMul
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, ShapeValues, Slice
 
@@ -45,6 +46,7 @@ from .onnx_builder import ONNX_DTYPES, OnnxBuilder, may_carry_neg_inf
 from .forms import ChunkedCausalAttention, OnnxAttention, OrtGroupQueryAttention
 from .onnx_chunked import emit_chunked_attention
 from .norm_form import OnnxLayerNorm, OrtRMSNorm
+from .quantized_export import emit_dequantize_blocks, emit_quantized_matmul
 from .targets import ATTENTION_MODES, onnx_target
 
 __all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES", "ONNX_EMITTERS", "onnx_emitter"]
@@ -243,6 +245,8 @@ def _simple(onnx_op: str, kind: type[OpT], **attrs: Callable[[OpT], Any]) -> Emi
 
 ONNX_EMITTERS.update(
     {
+        QuantizedMatMul: emit_quantized_matmul,
+        DequantizeBlocks: emit_dequantize_blocks,
         Einsum: lambda b, node, mode: _lower_einsum(b, node),
         Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op_as(Reshape).shape, node.name),
         Concat: _simple("Concat", Concat, axis=lambda op: op.axis),
@@ -429,10 +433,14 @@ def export(
     ctx: PassContext | None = None,
     place_weights: Callable[[str, np.ndarray], onnx.TensorProto] | None = None,
     device: str = "cpu",
+    quantized: str = "matmulnbits",
 ) -> onnx.ModelProto:
     """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
 
     ``device``: ``"cpu"`` or ``"cuda"``, the onnxruntime provider the model is for (:func:`~lowering.exporter.targets.onnx_target`).
+    ``quantized``: how a quantized product is written, ``"matmulnbits"`` (onnxruntime's ``MatMulNBits``, the weight
+    packed as held) or ``"qdq"`` (a standard block-wise ``DequantizeLinear`` of the same bytes and a ``MatMul``), see
+    :mod:`lowering.exporter.quantized_export`.
 
     ``ctx``: a :class:`~graphc.optimizer.PassContext` whose trace records the export's lowering (each attention
     recognised and the form chosen for it, what ``graphc optimize --explain -o X.onnx`` prints).
@@ -474,16 +482,23 @@ def export(
     lowered = lower(graph, onnx_target(attention, opset, device), {**(hints or {}), **(sizes or {})}, ctx)
     if attention in ("onnx-attention", "ort-gqa", "chunked"):
         _require_attention(lowered, attention, ctx)
-    b = OnnxBuilder(lowered)
+    b = OnnxBuilder(lowered, quantized)
     for node in lowered.topological_order():
         _lower_node(b, node, attention)
     b.initializers.extend(_initializers(lowered, path, external_data, place_weights))
+    model = _model_proto(b, lowered, graph.name, opset)
+    if path is not None:
+        try:
+            write_replacing(path, model.SerializeToString())  # the name is replaced, never written through
+        except OSError as e:
+            raise ExportError(f"cannot write {str(path)!r}: {e.strerror}") from None
+    return model
+
+
+def _model_proto(b: OnnxBuilder, lowered: Graph, name: str, opset: int) -> onnx.ModelProto:
+    """The model of what ``b`` collected: the lowered graph's interface, every domain its nodes use imported."""
     onnx_graph = helper.make_graph(
-        b.nodes,
-        graph.name,
-        [_value_info(lowered, n) for n in lowered.inputs],
-        [_value_info(lowered, n) for n in lowered.outputs],
-        b.initializers,
+        b.nodes, name, [_value_info(lowered, n) for n in lowered.inputs], [_value_info(lowered, n) for n in lowered.outputs], b.initializers
     )
     imports = [helper.make_opsetid("", opset)]
     domains = {n.domain for n in b.nodes} - {"", "ai.onnx"}
@@ -491,11 +506,6 @@ def export(
     imports += [helper.make_opsetid(d, opaque_opsets.get(d, 1)) for d in sorted(domains)]
     model = helper.make_model(onnx_graph, opset_imports=imports, producer_name="graphc")
     model.ir_version = helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
-    if path is not None:
-        try:
-            write_replacing(path, model.SerializeToString())  # the name is replaced, never written through
-        except OSError as e:
-            raise ExportError(f"cannot write {str(path)!r}: {e.strerror}") from None
     return model
 
 

@@ -1,0 +1,86 @@
+"""ONNX for graphc's quantized ops, the packed bytes written as they are held.
+
+- ``QuantizedMatMul`` -> ``com.microsoft.MatMulNBits`` (``quantized="matmulnbits"``, the default: onnxruntime's packed
+  kernel on CPU and CUDA, ``accuracy_level`` kept), or -> a standard block-wise ``DequantizeLinear`` of the same bytes
+  seen as ``UINT4``/``UINT8 [N, K]`` and a ``MatMul`` (``quantized="qdq"``: runtimes without onnxruntime's contrib ops,
+  ONNX's reference evaluator among them);
+- ``DequantizeBlocks`` (a dequantized weight some other op reads) -> that ``DequantizeLinear`` alone.
+
+Zero points given as floats have no standard ``DequantizeLinear`` form (its zero point has the data's type): their
+``qdq`` export is refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from graphc.dims import normalize_dim
+from graphc.errors import ExportError
+from graphc.graph import Node
+from graphc.quantized import DequantizeBlocks, QuantizedMatMul, pack_bits, unpack_bits
+
+from .onnx_builder import QUANTIZED_FORMS, OnnxBuilder
+
+__all__ = ["emit_quantized_matmul", "emit_dequantize_blocks", "QUANTIZED_FORMS"]
+
+
+
+def emit_quantized_matmul(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``QuantizedMatMul`` as ``MatMulNBits``, or as ``DequantizeLinear`` + ``MatMul`` (``b.quantized == "qdq"``)."""
+    op = node.op_as(QuantizedMatMul)
+    n = normalize_dim(b.graph.types[node.inputs[1]].shape[0])
+    if not isinstance(n, int):
+        raise ExportError(f"node {node.name!r}: a quantized weight needs a static row count, got {n!r}")
+    if b.quantized == "matmulnbits":
+        b.op("MatMulNBits", list(node.inputs), node.name, domain="com.microsoft",
+             K=op.k, N=n, bits=op.bits, block_size=op.block_size, accuracy_level=op.accuracy_level)  # fmt: skip
+        return
+    w = _dequantize_linear(b, node, node.inputs[1:], op.bits, op.block_size, op.k, n)
+    b.op("MatMul", [node.inputs[0], b.op("Transpose", [w], base=f"{node.name}_wT", perm=[1, 0])], node.name)
+
+
+def emit_dequantize_blocks(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``DequantizeBlocks`` as a standard block-wise ``DequantizeLinear`` (and a ``Slice`` where ``K`` was padded)."""
+    op = node.op_as(DequantizeBlocks)
+    n = normalize_dim(b.graph.types[node.inputs[0]].shape[0])
+    if not isinstance(n, int):
+        raise ExportError(f"node {node.name!r}: a quantized weight needs a static row count, got {n!r}")
+    w = _dequantize_linear(b, node, node.inputs, op.bits, op.block_size, op.k, n)
+    b.op("Identity", [w], node.name)
+
+
+def _dequantize_linear(b: OnnxBuilder, node: Node, operands: tuple[str, ...] | list[str], bits: int, block_size: int, k: int, n: int) -> str:
+    """``W [N, K]`` from the packed operands, written as ``DequantizeLinear(axis=1, block_size)`` over the same bytes."""
+    graph = b.graph
+    packed_name, scales_name = operands[0], operands[1]
+    packed = graph.initializers.get(packed_name)
+    if packed is None:
+        raise ExportError(f"node {node.name!r}: the packed weight {packed_name!r} must be a constant to be written as DequantizeLinear")
+    blocks = packed.shape[1]
+    kind = onnx.TensorProto.UINT4 if bits == 4 else onnx.TensorProto.UINT8
+    data = b.fresh(f"{packed_name}_{'uint4' if bits == 4 else 'uint8'}")
+    b.initializers.append(_raw(data, kind, [n, blocks * block_size], np.ascontiguousarray(packed).tobytes()))
+    zero = b.fresh(f"{packed_name}_zero_points")
+    if len(operands) == 3:
+        z = graph.initializers.get(operands[2])
+        if z is None or z.dtype != np.uint8:
+            raise ExportError(
+                f"node {node.name!r}: zero points {operands[2]!r} are not packed uint8 constants; standard DequantizeLinear takes zero points "
+                "of the data's type (export with quantized='matmulnbits')"
+            )
+        values = unpack_bits(np.asarray(z).reshape(n, -1), bits)[:, :blocks]
+    else:
+        values = np.full((n, blocks), 1 << (bits - 1), np.uint8)
+    b.initializers.append(_raw(zero, kind, [n, blocks], pack_bits(values.reshape(-1), bits).tobytes()))
+    scales = b.op("Reshape", [scales_name, b.const(np.array([n, blocks], np.int64), f"{node.name}_scale_shape")], base=f"{node.name}_scales")
+    w = b.op("DequantizeLinear", [data, scales, zero], base=f"{node.name}_w", axis=1, block_size=block_size)
+    if blocks * block_size != k:
+        bounds = [b.const(np.array([v], np.int64)) for v in (0, k, 1)]
+        w = b.op("Slice", [w, *bounds], base=f"{node.name}_wk")
+    return w
+
+
+def _raw(name: str, data_type: int, dims: list[int], raw: bytes) -> onnx.TensorProto:
+    """A tensor of ``data_type`` whose bytes are ``raw`` (4-bit types: two values a byte, the low nibble first)."""
+    return onnx.TensorProto(name=name, data_type=data_type, dims=dims, raw_data=raw)

@@ -1,0 +1,180 @@
+"""Quantized weights: ``MatMulNBits`` files (4 and 8 bits, every zero-point form, padded K, bias) imported as graph
+math, fused into one packed product, equal to onnxruntime on the original file on every backend, and re-exported
+with the original's packed bytes (nothing widened); the block layout checked against a NumPy reference written here."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+from graphc import optimize
+from graphc.errors import OnnxImportError, OpError
+from graphc.onnx_import import from_onnx
+from graphc.quantized import DequantizeBlocks, QuantizedMatMul, dequantize_blocks, pack_bits, quantize_blocks, unpack_bits
+from lowering import export, run
+
+from conftest import installed
+
+
+def _reference_weight(packed, scales, zero_points, bits, block_size, k):
+    """W[n, j] = (q[n, j] - zero[n, j // block]) * scale[n, j // block], element by element from the bytes."""
+    n, blocks, _ = packed.shape
+    flat = packed.reshape(n, -1)
+    zeros = np.full((n, blocks), 2.0 ** (bits - 1))
+    if zero_points is not None and zero_points.dtype == np.uint8:
+        rows = zero_points.reshape(n, -1)
+        zeros = np.array([[(rows[r, b * bits // 8] >> (b * bits % 8)) & ((1 << bits) - 1) for b in range(blocks)] for r in range(n)], float)
+    elif zero_points is not None:
+        zeros = zero_points.reshape(n, blocks).astype(float)
+    scale = scales.reshape(n, blocks).astype(float)
+    w = np.zeros((n, k))
+    for r in range(n):
+        for j in range(k):
+            q = (flat[r, j * bits // 8] >> (j * bits % 8)) & ((1 << bits) - 1)
+            w[r, j] = (q - zeros[r, j // block_size]) * scale[r, j // block_size]
+    return w
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 4), count=st.integers(1, 9), seed=st.integers(0, 99))
+def test_packing_round_trips_low_bits_first(bits, rows, count, seed):
+    values = np.random.default_rng(seed).integers(0, 1 << bits, (rows, count)).astype(np.uint8)
+    packed = pack_bits(values, bits)
+    assert packed.shape == (rows, -(-count * bits // 8))
+    if bits == 4:
+        assert np.array_equal(packed[:, 0] & 15, values[:, 0])  # the low nibble holds the first value
+    np.testing.assert_array_equal(unpack_bits(packed, bits)[:, :count], values)
+
+
+@pytest.mark.parametrize("bits, symmetric, k", [(4, True, 64), (4, False, 80), (8, True, 40), (8, False, 64)])
+def test_dequantize_blocks_is_the_block_formula(bits, symmetric, k):
+    w = np.random.default_rng(bits + k).standard_normal((5, k)).astype(np.float32)
+    packed, scales, zeros = quantize_blocks(w, bits, 16, symmetric)
+    got = dequantize_blocks(packed, scales, zeros, bits, 16, k)
+    np.testing.assert_allclose(got, _reference_weight(packed, scales, zeros, bits, 16, k), rtol=1e-6, atol=1e-6)
+    assert np.abs(got - w).max() <= scales.max() * (1.0 if symmetric else 0.5) + 1e-6  # round-to-nearest: within a step
+
+
+def _matmul_nbits(bits, block_size, k, n, zero="none", bias=False, rank=3, level=0, seed=0):
+    """A one-node ``MatMulNBits`` model of a random weight quantized here, and the weight's parts."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    packed, scales, zeros = quantize_blocks(w, bits, block_size, symmetric=zero == "none")
+    if zero == "float":
+        zeros = rng.uniform(0, (1 << bits) - 1, scales.size).astype(np.float32)
+    names = ["A", "B", "scales", "zero_points" if zero != "none" else "", "", "bias" if bias else ""]
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "scales")]
+    inits += [numpy_helper.from_array(zeros, "zero_points")] if zero != "none" else []
+    inits += [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias")] if bias else []
+    while names[-1] == "":
+        names.pop()
+    node = helper.make_node("MatMulNBits", names, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block_size, accuracy_level=level)
+    batch = ["b", "s"][: rank - 1]
+    g = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [*batch, k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [*batch, n])], inits)  # fmt: skip
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model, packed, scales, zeros
+
+
+CASES = [
+    (4, 32, 64, 24, "none", False, 3),
+    (4, 32, 80, 16, "packed", True, 3),  # K padded to 96
+    (4, 16, 48, 8, "float", False, 2),
+    (8, 32, 64, 24, "packed", False, 3),
+    (8, 64, 96, 8, "none", True, 2),
+]
+
+
+@pytest.mark.parametrize("bits, block_size, k, n, zero, bias, rank", CASES)
+def test_matmul_nbits_imports_equal_to_onnxruntime_on_every_backend(bits, block_size, k, n, zero, bias, rank):
+    model, packed, scales, zeros = _matmul_nbits(bits, block_size, k, n, zero, bias, rank)
+    a = np.random.default_rng(1).standard_normal((2, 3, k)[3 - rank :]).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+    reference = a @ _reference_weight(packed, scales, zeros, bits, block_size, k).T
+    if bias:
+        reference = reference + numpy_helper.to_array(model.graph.initializer[-1])
+    np.testing.assert_allclose(want, reference, rtol=1e-4, atol=1e-4)  # onnxruntime itself is the block formula
+    graph = from_onnx(model)
+    assert graph.op_counts().get("DequantizeBlocks") == 1
+    opt = optimize(graph).graph
+    assert opt.op_counts().get("QuantizedMatMul") == 1 and "DequantizeBlocks" not in opt.op_counts()
+    assert sum(a.nbytes for a in opt.initializers.values() if a.dtype == np.uint8) == packed.nbytes + (zeros.nbytes if zero == "packed" else 0)
+    for backend in installed("numpy", "ort-cpu", "torch", "onnx-reference"):
+        if backend == "onnx-reference" and zero == "float":
+            continue  # float zero points have no standard DequantizeLinear form (tested below)
+        np.testing.assert_allclose(run(opt, {"A": a}, backend)["Y"], want, rtol=1e-5, atol=1e-5, err_msg=backend)
+    np.testing.assert_allclose(run(graph, {"A": a}, "numpy")["Y"], want, rtol=1e-5, atol=1e-5)  # unfused: the same numbers
+
+
+def test_a_reexport_keeps_the_packed_bytes_and_the_accuracy_level(tmp_path):
+    model, packed, scales, zeros = _matmul_nbits(4, 32, 80, 16, "packed", level=4)
+    opt = optimize(from_onnx(model)).graph
+    out = export(opt, tmp_path / "re.onnx")
+    (node,) = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert (attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (80, 16, 4, 32, 4)
+    tensors = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert np.array_equal(tensors[node.input[1]].reshape(-1), packed.reshape(-1))  # the original's bytes
+    assert not [t for t in tensors.values() if t.dtype != np.uint8 and t.size >= 80 * 16]  # nothing widened to float
+    a = np.random.default_rng(2).standard_normal((1, 2, 80)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+    got = ort.InferenceSession(str(tmp_path / "re.onnx"), providers=["CPUExecutionProvider"]).run(None, {"A": a})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_standard_export_is_a_blockwise_dequantize_linear_of_the_same_bytes():
+    model, packed, _, _ = _matmul_nbits(4, 32, 64, 8, "packed")
+    out = export(optimize(from_onnx(model)).graph, quantized="qdq")
+    (dq,) = [n for n in out.graph.node if n.op_type == "DequantizeLinear"]
+    data = next(t for t in out.graph.initializer if t.name == dq.input[0])
+    assert data.data_type == TensorProto.UINT4 and list(data.dims) == [8, 64] and data.raw_data == packed.tobytes()
+    assert not any(n.domain == "com.microsoft" for n in out.graph.node)
+    float_zero, *_ = _matmul_nbits(4, 16, 48, 8, "float")
+    with pytest.raises(Exception, match="zero points .* are not packed uint8 constants"):
+        export(optimize(from_onnx(float_zero)).graph, quantized="qdq")
+
+
+@pytest.mark.parametrize("level", [0, 4])
+def test_onnxruntimes_own_quantizer_output_imports_equal_to_onnxruntime(level):
+    """A float MatMul quantized by onnxruntime's matmul_nbits_quantizer (asymmetric, block 32): the file users get.  At
+    accuracy_level 4 onnxruntime also quantizes the activations to int8 (blocks of 32 along K): graphc computes the
+    exact product of the dequantized weight, so the two differ by at most that rounding, |W| times half an int8 step
+    of each activation block (the error budget computed here)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((64, 48)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 48])], [w])  # fmt: skip
+    quantizer = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), bits=4, block_size=32, accuracy_level=level)
+    quantizer.process()
+    model = quantizer.model.model
+    assert [n.op_type for n in model.graph.node] == ["MatMulNBits"]
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    opt = optimize(from_onnx(model)).graph
+    (node,) = [n for n in opt.nodes.values() if isinstance(n.op, QuantizedMatMul)]
+    zero = opt.initializers.get(node.inputs[3]) if len(node.inputs) > 3 else None
+    weight = dequantize_blocks(opt.initializers[node.inputs[1]], opt.initializers[node.inputs[2]], zero, 4, 32, 64)
+    step = np.repeat(np.abs(x).reshape(5, 2, 32).max(axis=-1) / 127 / 2, 32, axis=1)  # half an int8 step per activation block
+    budget = step @ np.abs(weight).T + 1e-4 if level == 4 else 1e-4
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        got = run(opt, {"x": x}, backend)["y"]
+        assert np.all(np.abs(got - want) <= budget + 1e-4 * np.abs(want)), (backend, np.abs(got - want).max())
+
+
+def test_act_order_and_bad_layouts_are_refused_by_name():
+    model, *_ = _matmul_nbits(4, 32, 64, 8)
+    node = model.graph.node[0]
+    node.input.extend(["", "g_idx"])
+    model.graph.initializer.append(numpy_helper.from_array(np.random.default_rng(0).permutation(64).astype(np.int32) // 32, "g_idx"))
+    with pytest.raises(OnnxImportError, match="g_idx reorders the blocks"):
+        from_onnx(model)
+    with pytest.raises(OpError, match="block_size must be a power of two >= 16"):
+        DequantizeBlocks(4, 24, 64)
+    with pytest.raises(OpError, match="bits must be 4 or 8"):
+        QuantizedMatMul(3, 32, 64)
