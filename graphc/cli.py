@@ -28,7 +28,7 @@ from .folders import write_replacing
 from .graph import Graph
 from .ops import FLOAT_DTYPES
 from .attention_op import Attention
-from .cli_common import Parser, Progress, UsageError, at_least
+from .cli_common import Parser, Progress, UsageError, add_quantize_args, at_least, quantize_options
 from .cli_generate import add_generate
 from .optimizer import OPTIMIZERS, PIPELINES, PassContext, Target, lower, optimize
 from .serialize import load_graph, save_graph
@@ -334,6 +334,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                 f"name a folder, -o OUT/ (for the decoder stack alone as one file: --hf-config {folder}/config.json)"
             )
         return _export_checkpoint(args, folder)
+    if quantize_options(args) is not None:
+        raise UsageError("--quantize quantizes a checkpoint folder's model: graphc export DIR -o OUT/ --quantize int4")
     g, _ = _graph(args)
     fused = args.attention != "decomposed"
     hints = _hints(args.hint)
@@ -365,6 +367,7 @@ def _export_checkpoint(args: argparse.Namespace, folder: str) -> int:
         hints=_hints(args.hint),
         device=args.device,
         force=args.force,
+        quantize=quantize_options(args),
     )
     print(
         f"wrote {args.output}/: model.onnx ({done.nodes} nodes, opset {done.opset}) and model.onnx.data, genai_config.json, "
@@ -616,6 +619,7 @@ def _add_export_and_show(sub: Any, common: argparse.ArgumentParser) -> None:
     e.add_argument("--hint", action="append", default=[], metavar="NAME=INT", help="size of a symbolic dim (e.g. seq=1024) for --attention auto")
     e.add_argument("--no-optimize", action="store_true")
     e.add_argument("--force", action="store_true", help="from a checkpoint folder: export into an OUT that holds another model (its files replaced)")
+    add_quantize_args(e)
     e.add_argument(
         "--device",
         default="cpu",

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .cli_common import Progress, UsageError, at_least
+from .cli_common import Progress, UsageError, add_quantize_args, at_least, quantize_options
 from .graph import Graph
 from .mapped import distinct_nbytes, release_mapped_pages
 from .memory import format_bytes, reset_resident_peak, resident_peak_bytes
@@ -112,13 +112,17 @@ def _warn_past_positions(args: argparse.Namespace, prompts: list[list[int]]) -> 
 def _model(args: argparse.Namespace) -> Graph:
     from .attention.causal_lm import causal_lm_graph
     from .attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
+    from .quantize import quantize_weights
     from .weights import load_weights
 
     cache = "static" if args.cuda_graph else args.cache
     if args.weights:
-        return causal_lm_from_hf(args.hf_config, load_weights(args.weights), n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
-    cfg = causal_lm_config_from_hf(args.hf_config, args.layers)
-    return causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last", cache=cache)
+        lm = causal_lm_from_hf(args.hf_config, load_weights(args.weights), n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
+    else:
+        cfg = causal_lm_config_from_hf(args.hf_config, args.layers)
+        lm = causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last", cache=cache)
+    options = quantize_options(args)
+    return lm if options is None else quantize_weights(lm, options)[0]
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,7 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--eos-token-id", type=int, action="append", default=None,
                    help="a sequence that emits it stops; repeat for several (default: DIR's generation config, else none)")  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights without --weights")
+    add_quantize_args(g)
     g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
     g.add_argument("--tf32", action="store_true", help="let ort-cuda run float32 MatMul in TF32 (default off)")

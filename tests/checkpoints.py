@@ -29,10 +29,16 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def weights(config: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
-    """Seeded weights of the model ``config`` describes, by their transformers names."""
+def weights(config: dict[str, Any] | None = None, varied: bool = False) -> dict[str, np.ndarray]:
+    """Seeded weights of the model ``config`` describes, by their transformers names; ``varied``: unit-scale ones
+    (norms near 1, matrices of 0.3 standard deviation), so greedy tokens vary from step to step."""
     lm = graphc.causal_lm_graph(causal_lm_config_from_hf(config or CONFIG), seed=0)
-    return {k: np.ascontiguousarray(v) for k, v in lm.initializers.items() if k.endswith(".weight")}
+    out = {k: np.ascontiguousarray(v) for k, v in lm.initializers.items() if k.endswith(".weight")}
+    if varied:
+        rng = np.random.default_rng(0)
+        varied_weight = lambda v: 1.0 + 0.1 * rng.standard_normal(v.shape) if v.ndim == 1 else 0.3 * rng.standard_normal(v.shape)  # noqa: E731
+        out = {k: varied_weight(v).astype(v.dtype) for k, v in out.items()}
+    return out
 
 
 def write_tokenizer(path: Path) -> None:
@@ -46,8 +52,9 @@ def write_tokenizer(path: Path) -> None:
     tok.save(str(path))
 
 
-def write_checkpoint(folder: Path, config: dict[str, Any] | None = None, safetensors: bool = True) -> Path:
-    """``folder`` as ``save_pretrained`` lays a model and its tokenizer out (``safetensors=False``: no weights file)."""
+def write_checkpoint(folder: Path, config: dict[str, Any] | None = None, safetensors: bool = True, varied: bool = False) -> Path:
+    """``folder`` as ``save_pretrained`` lays a model and its tokenizer out (``safetensors=False``: no weights file;
+    ``varied``: see :func:`weights`)."""
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -57,5 +64,5 @@ def write_checkpoint(folder: Path, config: dict[str, Any] | None = None, safeten
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
     write_tokenizer(folder / "tokenizer.json")
     if safetensors:
-        save_file(weights(config), str(folder / "model.safetensors"))
+        save_file(weights(config, varied), str(folder / "model.safetensors"))
     return folder

@@ -178,3 +178,66 @@ def test_act_order_and_bad_layouts_are_refused_by_name():
         DequantizeBlocks(4, 24, 64)
     with pytest.raises(OpError, match="bits must be 4 or 8"):
         QuantizedMatMul(3, 32, 64)
+
+
+# ------------------------------------------------------------------ --quantize from a checkpoint folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from checkpoints import write_checkpoint
+
+    config = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "tie_word_embeddings": False}
+    return write_checkpoint(tmp_path_factory.mktemp("quantize") / "ckpt", config, varied=True)
+
+
+@pytest.mark.parametrize("bits, asymmetric", [(4, False), (8, True)])
+def test_quantize_weights_reads_every_matrix_quantized_and_the_twin_gives_its_numbers(folder, bits, asymmetric):
+    """Every projection, MLP matrix and the LM head read quantized (packed: 1/8 or 1/4 of their float bytes); the
+    result equals the float model whose matrices are the dequantized ones (its exact twin) on every backend."""
+    import graphc
+    from graphc.quantize import QuantizeOptions, quantize_weights
+    from graphc.weights import load_weights
+
+    lm = graphc.causal_lm_from_hf(folder / "config.json", load_weights(folder), logits="all")
+    quantized, count = quantize_weights(lm, QuantizeOptions(bits, 32, symmetric=not asymmetric))
+    assert count == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer and the LM head
+    twin = lm.copy()
+    for node in quantized.nodes.values():
+        if isinstance(node.op, DequantizeBlocks):
+            weight = node.name.removesuffix(".dequantized")
+            twin.initializers[weight] = node.op.evaluate([quantized.initializers[i] for i in node.inputs], {}).astype(np.float32)
+    opt = optimize(quantized).graph
+    assert opt.op_counts()["QuantizedMatMul"] == count
+    feeds = {"input_ids": np.array([[1, 5, 9, 13]]), "attention_mask": np.ones((1, 4), np.int64), "position_ids": np.arange(4)[None]}
+    feeds = {k: v for k, v in feeds.items() if k in opt.inputs}
+    feeds |= {n: np.zeros((1, 2, 0, 16), np.float32) for n in opt.inputs if n.startswith("past")}
+    want = run(twin, feeds, "numpy")["logits"]
+    for backend in installed("numpy", "ort-cpu", "torch"):
+        np.testing.assert_allclose(run(opt, feeds, backend)["logits"], want, rtol=1e-4, atol=1e-4, err_msg=backend)
+
+
+def test_export_quantize_int4_writes_matmulnbits_that_onnxruntime_runs_as_graphc_does(folder, tmp_path, capsys):
+    from graphc.cli import main
+
+    out = tmp_path / "int4"
+    assert main(["export", str(folder), "-o", str(out), "--quantize", "int4", "--quiet"]) == 0
+    model = onnx_load(out / "model.onnx")
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 15 and {helper.get_attribute_value(a) for n in nbits for a in n.attribute if a.name == "bits"} == {4}
+    floats = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and "rotary" not in t.name]
+    assert floats == ["model.embed_tokens.weight"]  # the lookup table alone stays float (untied)
+    assert main(["generate", str(folder), "--prompt-ids", "1,5,9,13", "--max-new-tokens", "6", "--backends", "numpy,ort-cpu",
+                 "--quantize", "int4", "--quiet"]) == 0  # fmt: skip: exit 0 = both backends give the same tokens
+    assert main(["generate", str(folder), "--prompt-ids", "1,5", "--quantize-block-size", "24", "--quantize", "int4", "--quiet"]) == 2
+    assert "block_size must be a power of two >= 16" in capsys.readouterr().err
+    assert main(["generate", str(folder), "--prompt-ids", "1,5", "--accuracy-level", "4", "--quiet"]) == 2
+    assert "go with --quantize" in capsys.readouterr().err
+    assert main(["export", "--preset", "mistral-7b", "-o", str(tmp_path / "a.onnx"), "--quantize", "int8"]) == 2
+
+
+def onnx_load(path):
+    import onnx
+
+    return onnx.load(str(path))

@@ -29,6 +29,7 @@ from graphc.attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
 from graphc.checkpoint import Checkpoint
 from graphc.errors import ExportError
 from graphc.folders import copy_replacing, write_replacing
+from graphc.quantize import QuantizeOptions, quantize_weights
 from graphc.weights import load_weights, read_json_object, require_regular_file
 
 from .onnx_export import DEFAULT_OPSET, export
@@ -71,10 +72,13 @@ def export_checkpoint(
     hints: dict[str, int] | None = None,
     device: str = "cpu",
     force: bool = False,
+    quantize: QuantizeOptions | None = None,
 ) -> ExportedCheckpoint:
     """Export the checkpoint in ``folder`` (``save_pretrained``'s layout) as a whole causal LM into the folder ``out``.
 
-    ``layers``: the first N decoder layers only; ``dtype``: convert the weights (default: as stored); ``attention``,
+    ``layers``: the first N decoder layers only; ``dtype``: convert the weights (default: as stored); ``quantize``: the
+    weight matrices (projections, MLP, LM head) quantized in blocks and written as ``MatMulNBits``
+    (:func:`graphc.quantize.quantize_weights`); ``attention``,
     ``opset``, ``hints`` and ``device`` (``"cuda"``: float16 computed in float16, fused CUDA attention) as :func:`~lowering.export`.
 
     ``out`` must be a new or empty folder, or one this function wrote before; one that holds a checkpoint or
@@ -91,6 +95,8 @@ def export_checkpoint(
     copies = _loader_sources(ckpt)
     genai = _genai_config(ckpt, lm, config)
     graph = causal_lm_from_hf(ckpt.config, load_weights(ckpt.folder), n_layers=layers, dtype=dtype, logits="all")
+    if quantize is not None:
+        graph = quantize_weights(graph, quantize)[0]
     optimized = optimize(graph, hints=hints).graph
     target.mkdir(parents=True, exist_ok=True)
     for stale in OUTPUT_FILES:  # only an OUT that force admitted holds any: nothing of another model stays
