@@ -5,7 +5,7 @@ nodes, optimize them (above all: GQA's KV-head repeat becomes a grouped einsum),
 and run them on NumPy, the ONNX reference evaluator or onnxruntime.
 """
 
-from . import errors, memory, quantized, weights  # noqa: F401 - quantized registers its ops
+from . import errors, memory, quantized, quantized_int8, weights  # noqa: F401 - the quantized modules register their ops
 from .attention_op import Attention
 from .attention import (
     PRESETS,

@@ -241,3 +241,72 @@ def onnx_load(path):
     import onnx
 
     return onnx.load(str(path))
+
+
+# ------------------------------------------------------------------ 8-bit: quantize_dynamic's and optimum's ops
+
+
+def _one_node(node, inputs, outputs, initializers=(), opset=21):
+    g = helper.make_graph([node], "one", inputs, outputs, list(initializers))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _ort(model, feeds):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("values", [[-1.5, 0.25, 3.0, 7.1], [0.5, 1.0, 2.5, 4.0], [0.0, 0.0, 0.0, 0.0], [-3.0, -1.0, -0.5, -2.0]])
+def test_dynamic_quantize_is_onnxs_formula_and_onnxruntimes_numbers(values):
+    from graphc.quantized_int8 import dynamic_quantize
+
+    x = np.array(values, np.float32)
+    lo, hi = min(x.min(), 0), max(x.max(), 0)  # the formula of ONNX's DynamicQuantizeLinear, written out
+    scale = np.float32((hi - lo) / 255)
+    zero = np.clip(np.rint(-lo / scale), 0, 255) if scale else 0
+    want_q = np.clip(np.rint(x / scale) + zero, 0, 255).astype(np.uint8) if scale else np.zeros(4, np.uint8)
+    q, s, z = dynamic_quantize(x)
+    assert np.array_equal(q, want_q) and s == (scale or 1.0) and z == zero  # an all-zero x: scale 1, as onnxruntime gives it
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"])
+    outs = (("q", TensorProto.UINT8), ("s", TensorProto.FLOAT), ("z", TensorProto.UINT8))
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in outs]
+    model = _one_node(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])], outputs)
+    for got, want in zip((q, s, z), _ort(model, {"x": x})):
+        np.testing.assert_array_equal(got, want)
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        got = run(from_onnx(model), {"x": x}, backend)
+        for name, want in zip(("q", "s", "z"), _ort(model, {"x": x})):
+            if not (backend == "onnx-reference" and name == "s" and not x.any()):  # ONNX's evaluator: 1/255 for an all-zero x
+                np.testing.assert_array_equal(got[name], want, err_msg=backend)
+
+
+@pytest.mark.parametrize("b_dtype, per_column", [(np.int8, False), (np.uint8, True)])
+def test_matmul_integer_and_dequantize_linear_equal_onnxruntime(b_dtype, per_column):
+    rng = np.random.default_rng(0)
+    info = np.iinfo(b_dtype)
+    w = rng.integers(info.min, info.max + 1, (16, 6)).astype(b_dtype)
+    zero = rng.integers(info.min, info.max + 1, 6 if per_column else ()).astype(b_dtype)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(zero, "wz")]
+    node = helper.make_node("MatMulInteger", ["a", "w", "az", "wz"], ["y"])
+    ins = [helper.make_tensor_value_info("a", TensorProto.UINT8, ["m", 16]), helper.make_tensor_value_info("az", TensorProto.UINT8, [])]
+    model = _one_node(node, ins, [helper.make_tensor_value_info("y", TensorProto.INT32, None)], inits)
+    feeds = {"a": rng.integers(0, 256, (3, 16)).astype(np.uint8), "az": np.array(7, np.uint8)}
+    want = (feeds["a"].astype(np.int64) - 7) @ (w.astype(np.int64) - zero.astype(np.int64))
+    np.testing.assert_array_equal(_ort(model, feeds)[0], want)
+    opt = optimize(from_onnx(model)).graph
+    assert {a.dtype for a in opt.initializers.values()} == {np.dtype(b_dtype)}  # the weight kept 8-bit
+    for backend in installed("numpy", "ort-cpu", "onnx-reference", "torch"):
+        np.testing.assert_array_equal(run(opt, feeds, backend)["y"], want, err_msg=backend)
+
+
+@pytest.mark.parametrize("axis, block_size, scale_shape", [(1, 0, []), (0, 0, [4]), (1, 0, [6]), (1, 2, [4, 3])])
+def test_dequantize_linear_of_8_bit_data_equals_onnxruntime(axis, block_size, scale_shape):
+    rng = np.random.default_rng(1)
+    x = rng.integers(-128, 128, (4, 6)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.1, scale_shape).astype(np.float32)
+    zero = rng.integers(-5, 5, scale_shape).astype(np.int8)
+    node = helper.make_node("DequantizeLinear", ["x", "s", "z"], ["y"], axis=axis, **({"block_size": block_size} if block_size else {}))
+    ins, outs = [helper.make_tensor_value_info("x", TensorProto.INT8, [4, 6])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    model = _one_node(node, ins, outs, [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
+    want = _ort(model, {"x": x})[0]
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        np.testing.assert_allclose(run(from_onnx(model), {"x": x}, backend)["y"], want, rtol=1e-6, atol=1e-7, err_msg=backend)

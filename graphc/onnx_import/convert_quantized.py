@@ -6,6 +6,9 @@
   :class:`~graphc.quantized.QuantizedMatMul`, so attention is recognised through the projections and the export
   writes ``MatMulNBits`` again.  4 and 8 bits, any block size, with or without zero points (packed uint8 or float);
   ``accuracy_level`` is kept.  A ``g_idx`` that is not the blocks in order (act-order GPTQ) is refused by name.
+- ``DynamicQuantizeLinear`` and ``MatMulInteger`` (onnxruntime's ``quantize_dynamic``, optimum's int8 export) as
+  :class:`~graphc.quantized_int8.DynamicQuantize` and :class:`~graphc.quantized_int8.IntegerMatMul`, the 8-bit weight
+  and its zero point kept as the file holds them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import numpy as np
 
 from ..ops import Binary, Einsum
 from ..quantized import DequantizeBlocks
-from .context import ImportContext, simplify
+from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul
+from .context import Imported, ImportContext, simplify
 from .convert_core import Converter
 
 __all__ = ["QUANTIZED_CONVERTERS"]
@@ -54,5 +58,40 @@ def _matmul_nbits(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [y]
 
 
-QUANTIZED_CONVERTERS: dict[tuple[str, str], Converter] = {("com.microsoft", "MatMulNBits"): _matmul_nbits}
+def _dynamic_quantize(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = ctx.tensor(ins[0], "DynamicQuantizeLinear input")
+    names = [ctx.graph.fresh_name(f"{x}_{part}") for part in ("quantized", "scale", "zero_point")]
+    return [v.name for v in ctx.graph.add_multi_node(DynamicQuantize(), [x], names)]
+
+
+def _eight_bit(ctx: ImportContext, v: Imported, what: str) -> str:
+    """An 8-bit operand: a graph value, or a constant kept int8/uint8."""
+    v = simplify(v)
+    if isinstance(v, np.ndarray) and v.dtype in (np.int8, np.uint8):
+        return ctx.constant(v, what, quantized=True)
+    return ctx.tensor(v, what)
+
+
+def _matmul_integer(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    operands = [_eight_bit(ctx, v, what) for v, what in zip(ins, ("A", "B", "a_zero_point", "b_zero_point")) if v is not None]
+    if len(ins) > 3 and ins[2] is None and ins[3] is not None:
+        zero = np.zeros((), ctx.graph.types[operands[0]].dtype)
+        operands.insert(2, ctx.constant(zero, "a_zero_point", quantized=True))
+    return [ctx.add(IntegerMatMul(), operands, "matmul_integer")]
+
+
+def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = _eight_bit(ctx, ins[0], "DequantizeLinear input")
+    if ctx.graph.types[x].dtype not in ("int8", "uint8"):
+        raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) and MatMulNBits' packed 4-bit weights")
+    operands = [x, ctx.tensor(ins[1], "x_scale")] + ([_eight_bit(ctx, ins[2], "x_zero_point")] if len(ins) > 2 and ins[2] is not None else [])
+    return [ctx.add(Dequantize(int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "dequantized")]
+
+
+QUANTIZED_CONVERTERS: dict[tuple[str, str], Converter] = {
+    ("", "DequantizeLinear"): _dequantize_linear,
+    ("com.microsoft", "MatMulNBits"): _matmul_nbits,
+    ("", "DynamicQuantizeLinear"): _dynamic_quantize,
+    ("", "MatMulInteger"): _matmul_integer,
+}
 """Quantized-op converters by (domain, op type)."""

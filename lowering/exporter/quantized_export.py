@@ -19,10 +19,11 @@ from graphc.dims import normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Node
 from graphc.quantized import DequantizeBlocks, QuantizedMatMul, pack_bits, unpack_bits
+from graphc.quantized_int8 import Dequantize
 
 from .onnx_builder import QUANTIZED_FORMS, OnnxBuilder
 
-__all__ = ["emit_quantized_matmul", "emit_dequantize_blocks", "QUANTIZED_FORMS"]
+__all__ = ["emit_quantized_matmul", "emit_dequantize_blocks", "emit_dynamic_quantize", "emit_integer_matmul", "emit_dequantize", "QUANTIZED_FORMS"]
 
 
 
@@ -48,6 +49,25 @@ def emit_dequantize_blocks(b: OnnxBuilder, node: Node, mode: str) -> None:
         raise ExportError(f"node {node.name!r}: a quantized weight needs a static row count, got {n!r}")
     w = _dequantize_linear(b, node, node.inputs, op.bits, op.block_size, op.k, n)
     b.op("Identity", [w], node.name)
+
+
+def emit_dynamic_quantize(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``DynamicQuantize`` as ONNX ``DynamicQuantizeLinear`` (three outputs)."""
+    b.nodes.append(onnx.helper.make_node("DynamicQuantizeLinear", list(node.inputs), list(node.outputs), name=b.fresh(f"n_{node.outputs[0]}")))
+
+
+def emit_dequantize(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``Dequantize`` as ONNX ``DequantizeLinear`` (``block_size`` where it has one: opset 21)."""
+    op = node.op_as(Dequantize)
+    proto = onnx.helper.make_node("DequantizeLinear", list(node.inputs), [node.name], name=b.fresh(f"n_{node.name}"), axis=op.axis)
+    if op.block_size:
+        proto.attribute.append(onnx.helper.make_attribute("block_size", op.block_size))
+    b.nodes.append(proto)
+
+
+def emit_integer_matmul(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``IntegerMatMul`` as ONNX ``MatMulInteger``."""
+    b.op("MatMulInteger", list(node.inputs), node.name)
 
 
 def _dequantize_linear(b: OnnxBuilder, node: Node, operands: tuple[str, ...] | list[str], bits: int, block_size: int, k: int, n: int) -> str:

@@ -1,0 +1,154 @@
+"""8-bit activations and weights as ONNX's integer ops define them: what ``quantize_dynamic`` and optimum write.
+
+onnxruntime's ``quantize_dynamic`` (and ``optimum-cli onnxruntime quantize``) turn ``y = x @ W`` into::
+
+    x_q, x_scale, x_zero = DynamicQuantizeLinear(x)                # uint8, per tensor, from x's range
+    y = Cast(MatMulInteger(x_q, W_q, x_zero, W_zero), float) * (x_scale * W_scale)
+
+:class:`DynamicQuantize` and :class:`IntegerMatMul` are those two ops with ONNX's semantics (and :class:`Dequantize`
+is ``DequantizeLinear`` of 8-bit data: the quantized embedding table ``quantize_dynamic`` writes for a ``Gather``) (``round`` half to even,
+saturating), so the NumPy interpreter gives the reference numbers and the export writes the same standard ops back:
+``W_q`` stays ``int8``/``uint8`` as the file holds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .dims import format_shape, normalize_dim
+from .errors import DTypeMismatchError, ShapeMismatchError
+from .errors import OpError
+from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
+
+__all__ = ["DynamicQuantize", "IntegerMatMul", "Dequantize", "dynamic_quantize"]
+
+
+def dynamic_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ONNX ``DynamicQuantizeLinear``: ``(uint8 values, float32 scale, uint8 zero point)`` of ``x``'s range with 0 in
+    it, computed in float32 as onnxruntime computes it; an all-zero ``x`` gets scale 1 as onnxruntime gives it (ONNX's
+    reference evaluator gives 1/255: the values and zero point, 0, are the same either way)."""
+    x = np.asarray(x, np.float32)
+    lo = np.minimum(x.min(), np.float32(0)) if x.size else np.float32(0)
+    hi = np.maximum(x.max(), np.float32(0)) if x.size else np.float32(0)
+    scale = np.float32((hi - lo) / np.float32(255))
+    if scale == 0:
+        return np.zeros(x.shape, np.uint8), np.array(1.0, np.float32), np.array(0, np.uint8)
+    zero = np.clip(np.rint(-lo / scale), 0, 255)
+    q = np.clip(np.rint(x / scale) + zero, 0, 255)
+    return q.astype(np.uint8), np.array(scale, np.float32), np.array(zero, np.uint8)
+
+
+@register_op
+@dataclass(frozen=True)
+class DynamicQuantize(Op):
+    """``DynamicQuantizeLinear(x) -> (y uint8, y_scale float32 [], y_zero_point uint8 [])``."""
+
+    arity: ClassVar[int | None] = 1
+    num_outputs: ClassVar[int] = 3
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        return self.infer_all(ins)[0]
+
+    def infer_all(self, ins: Sequence[TensorType]) -> tuple[TensorType, ...]:
+        (x,) = ins
+        if x.dtype != "float32":
+            raise DTypeMismatchError(f"DynamicQuantize: x must be float32 (ONNX DynamicQuantizeLinear), got {x.dtype}")
+        return TensorType(x.shape, "uint8"), TensorType((), "float32"), TensorType((), "uint8")
+
+    def evaluate_all(self, args: Sequence[np.ndarray], dims: Dims) -> tuple[np.ndarray, ...]:
+        return dynamic_quantize(args[0])
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """A min, a max and a divide-round per element."""
+        return 3 * math.prod(in_shapes[0])
+
+
+@register_op
+@dataclass(frozen=True)
+class IntegerMatMul(Op):
+    """ONNX ``MatMulInteger``: ``(a - a_zero) @ (b - b_zero)`` in int32, for 8-bit ``a [..., M, K]`` and ``b [K, N]``;
+    zero points per tensor (``[]`` or ``[1]``), ``b``'s also per column (``[N]``); without them 0."""
+
+    arity: ClassVar[int | None] = None
+
+    def check_arity(self, n: int) -> None:
+        if n not in (2, 3, 4):
+            raise OpError(f"IntegerMatMul: takes a, b and up to two zero points, got {n} operand(s)")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        a, b = ins[0], ins[1]
+        for name, t in (("a", a), ("b", b), *((f"zero point {i}", z) for i, z in enumerate(ins[2:]))):
+            if t.dtype not in ("int8", "uint8"):
+                raise DTypeMismatchError(f"IntegerMatMul: {name} must be int8 or uint8, got {t.dtype}")
+        if b.rank != 2 or a.rank < 1 or normalize_dim(a.shape[-1]) != normalize_dim(b.shape[0]):
+            raise ShapeMismatchError(f"IntegerMatMul: a {format_shape(a.shape)} and b {format_shape(b.shape)} must be [..., K] and [K, N]")
+        for i, z in enumerate(ins[2:]):
+            n = b.shape[1] if i == 1 else None
+            if z.rank > 1 or (z.rank == 1 and normalize_dim(z.shape[0]) not in (1, normalize_dim(n) if n is not None else 1)):
+                per = " or one a column" if i else ""
+                raise ShapeMismatchError(f"IntegerMatMul: zero point {i} {format_shape(z.shape)} must be one value{per}")
+        return TensorType((*a.shape[:-1], b.shape[1]), "int32")
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        a = args[0].astype(np.int32) - (args[2].astype(np.int32) if len(args) > 2 else 0)
+        b = args[1].astype(np.int32) - (args[3].astype(np.int32).reshape(1, -1) if len(args) > 3 else 0)
+        return np.matmul(a, b).astype(np.int32)
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """A multiply-add per weight per row."""
+        return 2 * math.prod(out_shapes[0]) * in_shapes[1][0]
+
+
+@register_op
+@dataclass(frozen=True)
+class Dequantize(Op):
+    """ONNX ``DequantizeLinear`` of 8-bit ``x``: ``(x - zero_point) * scale`` in the scale's dtype; the scale (and zero
+    point) one value (``[]``/``[1]``), one a slice along ``axis`` (``[x.shape[axis]]``), or, with ``block_size``, of
+    ``x``'s rank with ``axis`` in blocks of ``block_size`` (opset 21)."""
+
+    axis: int = 1
+    block_size: int = 0
+    arity: ClassVar[int | None] = None
+
+    def check_arity(self, n: int) -> None:
+        if n not in (2, 3):
+            raise OpError(f"Dequantize: takes x, its scale and an optional zero point, got {n} operand(s)")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        x, scale = ins[0], ins[1]
+        if x.dtype not in ("int8", "uint8"):
+            raise DTypeMismatchError(f"Dequantize: x must be int8 or uint8, got {x.dtype}")
+        if scale.dtype not in FLOAT_DTYPES:
+            raise DTypeMismatchError(f"Dequantize: the scale must be float, got {scale.dtype}")
+        if len(ins) == 3 and (ins[2].dtype != x.dtype or ins[2].shape != scale.shape):
+            raise ShapeMismatchError(f"Dequantize: the zero point must be {x.dtype}{format_shape(scale.shape)} like x and the scale")
+        if not -max(x.rank, 1) <= self.axis < max(x.rank, 1):
+            raise OpError(f"Dequantize: axis {self.axis} is out of range for rank {x.rank}")
+        if self.block_size and scale.rank != x.rank:
+            raise ShapeMismatchError(f"Dequantize: block-wise scales have x's rank {x.rank}, got {format_shape(scale.shape)}")
+        if not self.block_size and scale.rank > 1:
+            raise ShapeMismatchError(f"Dequantize: scales are one value or one a slice along axis {self.axis}, got {format_shape(scale.shape)}")
+        return TensorType(x.shape, scale.dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        x, scale = args[0], np.asarray(args[1])
+        zero = np.asarray(args[2]).astype(np.float32) if len(args) == 3 else np.zeros(scale.shape, np.float32)
+        scale32 = scale.astype(np.float32)
+        if self.block_size:
+            axis = self.axis % x.ndim
+            scale32 = np.repeat(scale32, self.block_size, axis=axis).take(np.arange(x.shape[axis]), axis=axis)
+            zero = np.repeat(zero, self.block_size, axis=axis).take(np.arange(x.shape[axis]), axis=axis)
+        elif scale.ndim == 1 and scale.size > 1:
+            shape = [1] * x.ndim
+            shape[self.axis % x.ndim] = scale.size
+            scale32, zero = scale32.reshape(shape), zero.reshape(shape)
+        return ((x.astype(np.float32) - zero) * scale32).astype(scale.dtype)
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """Two per element."""
+        return 2 * math.prod(out_shapes[0])
