@@ -310,3 +310,22 @@ def test_dequantize_linear_of_8_bit_data_equals_onnxruntime(axis, block_size, sc
     want = _ort(model, {"x": x})[0]
     for backend in installed("numpy", "ort-cpu", "onnx-reference"):
         np.testing.assert_allclose(run(from_onnx(model), {"x": x}, backend)["y"], want, rtol=1e-6, atol=1e-7, err_msg=backend)
+
+
+@settings(max_examples=20, deadline=None)
+@given(bits=st.sampled_from([4, 8]), zero=st.sampled_from(["none", "packed", "float"]), rows=st.sampled_from([1, 3, 16, 17, 40]),
+       n=st.integers(1, 37), blocks=st.integers(1, 3), pad=st.integers(0, 15), seed=st.integers(0, 99))  # fmt: skip
+def test_the_numpy_kernels_read_the_packed_weight_as_the_reference_does(bits, zero, rows, n, blocks, pad, seed):
+    """Decode rows through the compiled kernel (numba), prefill rows through blocks dequantized on graphc's threads:
+    both the reference semantics (dequantize, then multiply), K padded or not, every zero-point form."""
+    from lowering.kernels.quantized import quantized_matmul
+
+    rng = np.random.default_rng(seed)
+    k = blocks * 16 - pad
+    packed, scales, zeros = quantize_blocks(rng.standard_normal((n, k)).astype(np.float32), bits, 16, symmetric=zero == "none")
+    if zero == "float":
+        zeros = rng.uniform(0, (1 << bits) - 1, scales.size).astype(np.float32)
+    op = QuantizedMatMul(bits, 16, k)
+    args = [rng.standard_normal((rows, k)).astype(np.float32), packed, scales] + ([zeros] if zeros is not None else [])
+    want = op.evaluate(args, {})
+    np.testing.assert_allclose(quantized_matmul(op, args, {}, 2)[0], want, rtol=1e-4, atol=1e-4)

@@ -31,12 +31,14 @@ from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 from graphc.mapped import release_pages
 from graphc.ops import FLOAT_DTYPES, Cast, Einsum, Op, Softmax
+from graphc.quantized import QuantizedMatMul
 from graphc.tensor_ops import Gather
 
 from ..kernels.attention_kernel import attention_kernel
 from ..kernels.contraction import contract
 from .inputs import InputChecker
 from ..kernels.softmax import masked_softmax
+from ..kernels.quantized import quantized_matmul
 from ..kernels.low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
 
 __all__ = ["NumpyInterpreter", "FAST_KERNELS", "REFERENCE_KERNELS", "run_numpy", "Kernel"]
@@ -67,7 +69,13 @@ def _softmax(op: Softmax, a: Sequence[np.ndarray], dims: Mapping[str, int], thre
 REFERENCE_KERNELS: dict[type[Op], Kernel] = {Einsum: _einsum}
 """Reference mode: contractions as GEMMs, everything else the ops' own semantics."""
 
-FAST_KERNELS: dict[type[Op], Kernel] = {**REFERENCE_KERNELS, Softmax: _softmax, Attention: attention_kernel, Gather: _gather}
+FAST_KERNELS: dict[type[Op], Kernel] = {
+    **REFERENCE_KERNELS,
+    Softmax: _softmax,
+    Attention: attention_kernel,
+    Gather: _gather,
+    QuantizedMatMul: quantized_matmul,
+}
 """The fast kernels; an op without one runs its reference semantics."""
 
 

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["bf16_rows"]
+__all__ = ["bf16_rows", "nbits_rows", "bytes_rows"]
 
 FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 """Fast-math less ``nnan``/``ninf``, as in :mod:`lowering.kernels._numba_attention`: sums may be reordered, inf/NaN keep their meaning."""
@@ -68,3 +68,46 @@ def bf16_rows(x, w, n0, n1, out):
                 a0 += x[m, k] * bf16_bits(w[n, k])
             out[m, n] = a0
         n += 1
+
+
+@njit(fastmath=FAST, nogil=True, cache=True)
+def nbits_rows(x_lo, x_hi, xsum, packed, scales, zeros, n0, n1, out):
+    """``out[:, n0:n1] = x @ W[n0:n1].T`` for a 4-bit ``W`` in ``MatMulNBits``' layout, read packed.
+
+    ``packed [N, blocks * blob]`` uint8, ``scales [N, blocks]`` and ``zeros`` (each block's scale times its zero point)
+    float32; ``xsum [M, blocks]`` the sums
+    of ``x`` per block; ``x_lo``/``x_hi [M, blocks * blob]`` the values of ``x`` that meet each byte's low and high
+    nibble (``x``'s even and odd columns, ``K`` padded with zeros), so both stream contiguously beside the bytes.
+    Each block contributes ``scale * sum_j x_j q_j - scale * zero * sum_j x_j``, the values unpacked in registers."""
+    m_rows = x_lo.shape[0]
+    blocks = scales.shape[1]
+    blob = packed.shape[1] // blocks
+    for n in range(n0, n1):
+        for m in range(m_rows):
+            total = np.float32(0)
+            for b in range(blocks):
+                base = b * blob
+                acc = np.float32(0)
+                for j in range(blob):
+                    byte = np.int32(packed[n, base + j])
+                    acc += x_lo[m, base + j] * np.float32(byte & 15) + x_hi[m, base + j] * np.float32(byte >> 4)
+                total += scales[n, b] * acc - zeros[n, b] * xsum[m, b]
+            out[m, n] = total
+
+
+@njit(fastmath=FAST, nogil=True, cache=True)
+def bytes_rows(x, xsum, packed, scales, zeros, n0, n1, out):
+    """:func:`nbits_rows` for an 8-bit ``W`` (``x [M, blocks * blob]`` padded, a byte a value)."""
+    m_rows = x.shape[0]
+    blocks = scales.shape[1]
+    blob = packed.shape[1] // blocks
+    for n in range(n0, n1):
+        for m in range(m_rows):
+            total = np.float32(0)
+            for b in range(blocks):
+                base = b * blob
+                acc = np.float32(0)
+                for j in range(blob):
+                    acc += x[m, base + j] * np.float32(np.int32(packed[n, base + j]))
+                total += scales[n, b] * acc - zeros[n, b] * xsum[m, b]
+            out[m, n] = total

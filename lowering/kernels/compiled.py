@@ -140,6 +140,10 @@ def warm_up() -> float:
     decode_attention(q, np.zeros((1, 5, 16), np.float32), np.zeros((1, 5, 8), np.float32), 1, 0, None, 1)
     exp_rows_compiled(np.zeros((2, 3), np.float32))
     bf16_matmul(np.zeros((1, 4), np.float32), np.zeros((5, 4), np.uint16), 1)
+    kern = _loaded_kernels()
+    x, one, zero, out = np.zeros((1, 16), np.float32), np.ones((4, 1), np.float32), np.zeros((4, 1), np.float32), np.empty((1, 4), np.float32)
+    kern.nbits_rows(x[:, :8], x[:, :8], np.zeros((1, 1), np.float32), np.zeros((4, 8), np.uint8), one, zero, 0, 4, out)
+    kern.bytes_rows(x, np.zeros((1, 1), np.float32), np.zeros((4, 16), np.uint8), one, zero, 0, 4, out)
     return time.perf_counter() - t0
 
 
