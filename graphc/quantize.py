@@ -5,8 +5,10 @@ LM head of a causal LM) gets ``W`` quantized by round-to-nearest in ``MatMulNBit
 (:func:`graphc.quantized.quantize_blocks`: ``bits`` 4 or 8, ``block_size`` values along ``K`` a block, symmetric by
 default) and reads ``DequantizeBlocks(packed, scales[, zero_points])`` instead; :func:`graphc.optimize` then fuses
 each into a :class:`~graphc.quantized.QuantizedMatMul`, and the ONNX export writes ``MatMulNBits`` (onnxruntime's CPU
-and CUDA kernels).  One weight is quantized at a time and its float array dropped from the graph where nothing else
-reads it (a tied embedding table stays for the lookup), so a memory-mapped checkpoint is never copied whole.
+and CUDA kernels).  A table tied to such a matrix (the embedding of a model whose LM head shares it) is looked up
+with :class:`~graphc.quantized.QuantizedGather` from the same bytes (``GatherBlockQuantized``, as onnxruntime-genai's
+builder writes a tied table); an untied embedding table stays float.  One weight is quantized at a time and its float
+array dropped from the graph once nothing reads it, so a memory-mapped checkpoint is never copied whole.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 from .errors import OptimizerError
 from .graph import Graph, Node
 from .ops import Einsum
-from .quantized import DequantizeBlocks, quantize_blocks
+from .quantized import DequantizeBlocks, QuantizedGather, quantize_blocks
+from .tensor_ops import Gather
 
 __all__ = ["QuantizeOptions", "quantize_weights", "QUANTIZE_CHOICES"]
 
@@ -52,6 +55,14 @@ def quantize_weights(graph: Graph, options: QuantizeOptions | None = None) -> tu
         if weight not in done:
             done[weight] = _dequantized(g, weight, node.name, options)
         g.redefine(node.name, node.op, [node.inputs[0], done[weight]])
+    for node in list(g.topological_order()):  # a table tied to a quantized matrix is looked up quantized too
+        if isinstance(node.op, Gather) and node.op.axis == 0 and node.inputs[0] in done:
+            dequantized = g.producer(done[node.inputs[0]])
+            assert dequantized is not None
+            packed, scales, *zeros = dequantized.inputs
+            lookup = QuantizedGather(options.bits, options.block_size, int(g.types[node.inputs[0]].shape[1]))
+            g.redefine(node.name, lookup, [packed, node.inputs[1], scales, *zeros])
+    for weight in done:
         if not g.consumers(weight):
             g.remove_initializer(weight)
     g.verify()

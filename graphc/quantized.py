@@ -10,6 +10,7 @@ float ``[N * blocks]``; without them the zero point is ``2 ** (bits - 1)`` (8 fo
     W[n, k] = (q[n, k] - zero_point[n, k // block_size]) * scale[n, k // block_size]
 
 - :class:`DequantizeBlocks` computes ``W`` (the reference semantics: NumPy, and any backend without a kernel);
+- :class:`QuantizedGather` is ``W[ids]`` reading only the gathered rows (a quantized embedding table);
 - :class:`QuantizedMatMul` is ``x @ W.T`` with ``W`` left packed: the optimizer's ``quantized_matmul`` rule makes
   one from ``einsum(x, DequantizeBlocks(...))``, the ONNX export writes it back as ``com.microsoft.MatMulNBits``
   (its ``accuracy_level`` kept) or, for runtimes without onnxruntime's contrib ops, as a standard
@@ -31,7 +32,7 @@ from .dims import Dim, format_shape, normalize_dim
 from .errors import DTypeMismatchError, OpError, ShapeMismatchError
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
 
-__all__ = ["DequantizeBlocks", "QuantizedMatMul", "unpack_bits", "pack_bits", "dequantize_blocks", "quantize_blocks"]
+__all__ = ["DequantizeBlocks", "QuantizedMatMul", "QuantizedGather", "unpack_bits", "pack_bits", "dequantize_blocks", "quantize_blocks"]
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -221,3 +222,48 @@ class QuantizedMatMul(Op):
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """A multiply-add per weight per row of ``x``."""
         return 2 * math.prod(out_shapes[0]) * self.k
+
+
+@register_op
+@dataclass(frozen=True)
+class QuantizedGather(Op):
+    """Rows of a packed table, dequantized: ``table[ids]`` for ``table [V, K]`` in ``MatMulNBits``' layout (operands
+    ``packed [V, blocks, blob], ids, scales[, zero_points]``) -> ``[*ids.shape, K]``; only the gathered rows are read
+    (onnxruntime's ``GatherBlockQuantized``: a quantized embedding table, tied to the LM head or not).  Ids count from
+    the end when negative and must lie in ``[-V, V)``, as ``Gather``'s."""
+
+    bits: int
+    block_size: int
+    k: int
+    arity: ClassVar[int | None] = None
+
+    def __post_init__(self) -> None:
+        _check_layout("QuantizedGather", self.bits, self.block_size, self.k)
+
+    def check_arity(self, n: int) -> None:
+        if n not in (3, 4):
+            raise OpError(f"QuantizedGather: takes 3 or 4 operands (packed, ids, scales[, zero_points]), got {n}")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        ids = ins[1]
+        if ids.dtype not in ("int32", "int64"):
+            raise DTypeMismatchError(f"QuantizedGather: ids must be int32 or int64, got {ids.dtype}")
+        _, dtype = _infer_weight("QuantizedGather", [ins[0], *ins[2:]], self.bits, self.block_size, self.k)
+        return TensorType((*ids.shape, self.k), dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        packed, ids, scales = args[0], np.asarray(args[1]), np.asarray(args[2])
+        rows, blocks = packed.shape[0], packed.shape[1]
+        if ids.size and (ids.min() < -rows or ids.max() >= rows):
+            raise OpError(f"QuantizedGather: ids span {int(ids.min())}..{int(ids.max())}, outside [-{rows}, {rows}) of the table's rows")
+        flat = np.where(ids < 0, ids + rows, ids).reshape(-1)
+        zero = None
+        if len(args) == 4:
+            z = np.asarray(args[3])
+            zero = z.reshape(rows, -1)[flat] if z.dtype == np.uint8 else z.reshape(rows, blocks)[flat]
+        w = dequantize_blocks(packed[flat], scales.reshape(rows, blocks)[flat], zero, self.bits, self.block_size, self.k)
+        return w.reshape(*ids.shape, self.k)
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """Two per value read."""
+        return 2 * math.prod(out_shapes[0])

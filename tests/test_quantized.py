@@ -329,3 +329,55 @@ def test_the_numpy_kernels_read_the_packed_weight_as_the_reference_does(bits, ze
     args = [rng.standard_normal((rows, k)).astype(np.float32), packed, scales] + ([zeros] if zeros is not None else [])
     want = op.evaluate(args, {})
     np.testing.assert_allclose(quantized_matmul(op, args, {}, 2)[0], want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ quantized tables (GatherBlockQuantized)
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, True), (4, False), (8, True)])
+def test_gather_block_quantized_imports_equal_to_onnxruntime_and_reexports(bits, symmetric):
+    from graphc.quantized import QuantizedGather
+
+    rng = np.random.default_rng(bits)
+    table = rng.standard_normal((10, 64)).astype(np.float32)
+    packed, scales, zeros = quantize_blocks(table, bits, 32, symmetric)
+    inits = [numpy_helper.from_array(packed.reshape(10, -1), "table"), numpy_helper.from_array(scales.reshape(10, -1), "scales")]
+    inits += [numpy_helper.from_array(zeros.reshape(10, -1), "zeros")] if zeros is not None else []
+    node = helper.make_node("GatherBlockQuantized", ["table", "ids", "scales", *(["zeros"] if zeros is not None else [])], ["y"],
+                            domain="com.microsoft", bits=bits, block_size=32, gather_axis=0, quantize_axis=1)  # fmt: skip
+    g = helper.make_graph([node], "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)  # fmt: skip
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    ids = np.array([[1, 3, 9], [0, 9, 2]])
+    want = _ort(model, {"ids": ids})[0]
+    np.testing.assert_allclose(want, _reference_weight(packed, scales, zeros, bits, 32, 64)[ids], rtol=1e-6, atol=1e-6)
+    opt = optimize(from_onnx(model)).graph
+    assert opt.op_counts() == {"QuantizedGather": 1}
+    for backend in installed("numpy", "ort-cpu", "onnx-reference", "torch"):
+        np.testing.assert_array_equal(run(opt, {"ids": ids}, backend)["y"], want, err_msg=backend)
+    assert [n.op_type for n in export(opt).graph.node if n.domain] == ["GatherBlockQuantized"]
+    with pytest.raises(Exception, match="outside|out of"):
+        run(opt, {"ids": np.array([[10]])}, "numpy")
+    assert QuantizedGather(bits, 32, 64).infer  # the op is public
+
+
+def test_a_tied_table_is_looked_up_from_the_lm_heads_bytes(tmp_path):
+    """--quantize on a tied model: the embedding reads the LM head's packed table (GatherBlockQuantized beside
+    MatMulNBits, as onnxruntime-genai's builder writes a tied table): the float table is gone."""
+    import graphc
+    from graphc.attention.hf_lm import causal_lm_config_from_hf
+    from graphc.quantize import quantize_weights
+    from lowering import generate
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 97, "tie_word_embeddings": True}  # fmt: skip
+    lm = graphc.causal_lm_graph(causal_lm_config_from_hf(config), seed=0)
+    quantized, _ = quantize_weights(lm)
+    assert "model.embed_tokens.weight" not in quantized.initializers and quantized.op_counts()["QuantizedGather"] == 1
+    opt = optimize(quantized).graph
+    out = export(opt)
+    (lookup,) = [n for n in out.graph.node if n.op_type == "GatherBlockQuantized"]
+    table = next(n.input[0] for n in out.graph.node if n.output[0] == lookup.input[0])  # the Reshape of the packed table
+    assert table in {n.input[1] for n in out.graph.node if n.op_type == "MatMulNBits"}  # the LM head's bytes, written once
+    prompts = [[1, 5, 9], [7, 3]]
+    np.testing.assert_array_equal(generate(opt, prompts, 5, backend="ort-cpu").new_tokens, generate(opt, prompts, 5).new_tokens)

@@ -6,6 +6,8 @@
   :class:`~graphc.quantized.QuantizedMatMul`, so attention is recognised through the projections and the export
   writes ``MatMulNBits`` again.  4 and 8 bits, any block size, with or without zero points (packed uint8 or float);
   ``accuracy_level`` is kept.  A ``g_idx`` that is not the blocks in order (act-order GPTQ) is refused by name.
+- ``com.microsoft.GatherBlockQuantized`` (onnxruntime-genai's quantized embedding table, tied to the LM head or not):
+  :class:`~graphc.quantized.QuantizedGather`, the table in the same block layout, only the gathered rows read.
 - ``DynamicQuantizeLinear`` and ``MatMulInteger`` (onnxruntime's ``quantize_dynamic``, optimum's int8 export) as
   :class:`~graphc.quantized_int8.DynamicQuantize` and :class:`~graphc.quantized_int8.IntegerMatMul`, the 8-bit weight
   and its zero point kept as the file holds them.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import Binary, Einsum
-from ..quantized import DequantizeBlocks
+from ..quantized import DequantizeBlocks, QuantizedGather
 from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul
 from .context import Imported, ImportContext, simplify
 from .convert_core import Converter
@@ -58,6 +60,25 @@ def _matmul_nbits(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [y]
 
 
+def _gather_block_quantized(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    bits, block_size = int(attrs.get("bits", 4)), int(attrs.get("block_size", 128))
+    data = ctx.known(ins[0], "GatherBlockQuantized data")
+    if data.dtype != np.uint8 or data.ndim != 2:
+        raise ctx.error(f"GatherBlockQuantized data must be a uint8 table [rows, packed columns], got {data.dtype}{list(data.shape)}")
+    if int(attrs.get("gather_axis", 0)) != 0 or int(attrs.get("quantize_axis", 1)) not in (1, -1):
+        raise ctx.error("GatherBlockQuantized: graphc reads a table gathered on axis 0 and quantized along its last axis (an embedding table)")
+    rows, k = data.shape[0], data.shape[1] * 8 // bits
+    if k % block_size:
+        raise ctx.error(f"GatherBlockQuantized: {k} columns are not whole blocks of {block_size}")
+    blocks = k // block_size
+    operands = [ctx.constant(data.reshape(rows, blocks, block_size * bits // 8), "data", quantized=True), ctx.tensor(ins[1], "indices")]
+    operands.append(ctx.tensor(ctx.known(ins[2], "GatherBlockQuantized scales"), "scales"))
+    zero = simplify(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+    if zero is not None:
+        operands.append(ctx.constant(ctx.known(zero, "GatherBlockQuantized zero_points"), "zero_points", quantized=True))
+    return [ctx.add(QuantizedGather(bits, block_size, k), operands, "gathered")]
+
+
 def _dynamic_quantize(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0], "DynamicQuantizeLinear input")
     names = [ctx.graph.fresh_name(f"{x}_{part}") for part in ("quantized", "scale", "zero_point")]
@@ -89,6 +110,7 @@ def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 QUANTIZED_CONVERTERS: dict[tuple[str, str], Converter] = {
+    ("com.microsoft", "GatherBlockQuantized"): _gather_block_quantized,
     ("", "DequantizeLinear"): _dequantize_linear,
     ("com.microsoft", "MatMulNBits"): _matmul_nbits,
     ("", "DynamicQuantizeLinear"): _dynamic_quantize,

@@ -37,7 +37,7 @@ from graphc.numerics import contiguous, hidden_keys
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, op_registrar
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
-from graphc.quantized import DequantizeBlocks, QuantizedMatMul
+from graphc.quantized import DequantizeBlocks, QuantizedGather, QuantizedMatMul
 from graphc.quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, ShapeValues, Slice
@@ -47,7 +47,14 @@ from .onnx_builder import ONNX_DTYPES, OnnxBuilder, may_carry_neg_inf
 from .forms import ChunkedCausalAttention, OnnxAttention, OrtGroupQueryAttention
 from .onnx_chunked import emit_chunked_attention
 from .norm_form import OnnxLayerNorm, OrtRMSNorm
-from .quantized_export import emit_dequantize, emit_dequantize_blocks, emit_dynamic_quantize, emit_integer_matmul, emit_quantized_matmul
+from .quantized_export import (
+    emit_dequantize,
+    emit_dequantize_blocks,
+    emit_dynamic_quantize,
+    emit_integer_matmul,
+    emit_quantized_gather,
+    emit_quantized_matmul,
+)
 from .targets import ATTENTION_MODES, onnx_target
 
 __all__ = ["export", "may_carry_neg_inf", "DEFAULT_OPSET", "MIN_OPSET", "ONNX_DTYPES", "ONNX_EMITTERS", "onnx_emitter"]
@@ -247,6 +254,7 @@ def _simple(onnx_op: str, kind: type[OpT], **attrs: Callable[[OpT], Any]) -> Emi
 ONNX_EMITTERS.update(
     {
         QuantizedMatMul: emit_quantized_matmul,
+        QuantizedGather: emit_quantized_gather,
         DequantizeBlocks: emit_dequantize_blocks,
         DynamicQuantize: emit_dynamic_quantize,
         IntegerMatMul: emit_integer_matmul,

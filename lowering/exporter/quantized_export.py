@@ -4,7 +4,10 @@
   kernel on CPU and CUDA, ``accuracy_level`` kept), or -> a standard block-wise ``DequantizeLinear`` of the same bytes
   seen as ``UINT4``/``UINT8 [N, K]`` and a ``MatMul`` (``quantized="qdq"``: runtimes without onnxruntime's contrib ops,
   ONNX's reference evaluator among them);
-- ``DequantizeBlocks`` (a dequantized weight some other op reads) -> that ``DequantizeLinear`` alone.
+- ``QuantizedGather`` -> ``com.microsoft.GatherBlockQuantized`` (``qdq``: the table's ``DequantizeLinear`` and a ``Gather``);
+- ``DequantizeBlocks`` (a dequantized weight some other op reads) -> that ``DequantizeLinear`` alone;
+- ``DynamicQuantize``, ``IntegerMatMul`` and ``Dequantize`` -> ONNX's ``DynamicQuantizeLinear``, ``MatMulInteger`` and
+  ``DequantizeLinear``.
 
 Zero points given as floats have no standard ``DequantizeLinear`` form (its zero point has the data's type): their
 ``qdq`` export is refused by name.
@@ -18,12 +21,20 @@ import onnx
 from graphc.dims import normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Node
-from graphc.quantized import DequantizeBlocks, QuantizedMatMul, pack_bits, unpack_bits
+from graphc.quantized import DequantizeBlocks, QuantizedGather, QuantizedMatMul, pack_bits, unpack_bits
 from graphc.quantized_int8 import Dequantize
 
 from .onnx_builder import QUANTIZED_FORMS, OnnxBuilder
 
-__all__ = ["emit_quantized_matmul", "emit_dequantize_blocks", "emit_dynamic_quantize", "emit_integer_matmul", "emit_dequantize", "QUANTIZED_FORMS"]
+__all__ = [
+    "emit_quantized_matmul",
+    "emit_quantized_gather",
+    "emit_dequantize_blocks",
+    "emit_dynamic_quantize",
+    "emit_integer_matmul",
+    "emit_dequantize",
+    "QUANTIZED_FORMS",
+]
 
 
 
@@ -39,6 +50,26 @@ def emit_quantized_matmul(b: OnnxBuilder, node: Node, mode: str) -> None:
         return
     w = _dequantize_linear(b, node, node.inputs[1:], op.bits, op.block_size, op.k, n)
     b.op("MatMul", [node.inputs[0], b.op("Transpose", [w], base=f"{node.name}_wT", perm=[1, 0])], node.name)
+
+
+def emit_quantized_gather(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``QuantizedGather`` as ``com.microsoft.GatherBlockQuantized`` over the table's bytes seen as ``[rows, packed
+    columns]``, or (``quantized="qdq"``) as the table's ``DequantizeLinear`` and a ``Gather``."""
+    op = node.op_as(QuantizedGather)
+    packed, ids, scales = node.inputs[0], node.inputs[1], node.inputs[2]
+    table = b.graph.initializers.get(packed)
+    if table is None:
+        raise ExportError(f"node {node.name!r}: the packed table {packed!r} must be a constant")
+    rows, blocks, blob = table.shape
+    if b.quantized == "qdq":
+        w = _dequantize_linear(b, node, [packed, scales, *node.inputs[3:]], op.bits, op.block_size, op.k, rows)
+        b.op("Gather", [w, ids], node.name, axis=0)
+        return
+    data = b.op("Reshape", [packed, b.const(np.array([rows, blocks * blob], np.int64))], base=f"{node.name}_data")
+    scales2 = b.op("Reshape", [scales, b.const(np.array([rows, blocks], np.int64))], base=f"{node.name}_scales")
+    zero = [b.op("Reshape", [node.inputs[3], b.const(np.array([rows, -1], np.int64))], base=f"{node.name}_zero")] if len(node.inputs) > 3 else []
+    b.op("GatherBlockQuantized", [data, ids, scales2, *zero], node.name, domain="com.microsoft",
+         bits=op.bits, block_size=op.block_size, gather_axis=0, quantize_axis=1)  # fmt: skip
 
 
 def emit_dequantize_blocks(b: OnnxBuilder, node: Node, mode: str) -> None:
