@@ -103,6 +103,7 @@ def checkpoint(work: Path, shape: str) -> Path:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 1.0 if "embed" in name else (0.3 if "o_proj" in name or "down_proj" in name else 1.0) * p.shape[-1] ** -0.5)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)  # tied: to_empty gave the head a table of its own
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out)

@@ -317,3 +317,29 @@ def test_bfloat16_logits_are_no_farther_from_float32_than_transformers_bfloat16(
     feeds |= {n: np.zeros((1, 2, 0, 16), "bfloat16") for n in g.inputs if n.startswith("past_key_values.")}
     ours = prepare(g, backend).run(feeds)["logits"].astype(np.float32)
     assert np.abs(ours - want32).max() <= np.abs(theirs - want32).max(), (np.abs(ours - want32).max(), np.abs(theirs - want32).max())
+
+
+def test_a_tied_config_with_a_different_lm_head_is_untied_as_transformers_does(tmp_path):
+    """config.json says tie_word_embeddings but the checkpoint holds an lm_head.weight of other values: transformers
+    warns and uses lm_head.weight; graphc must give its logits, not the embedding's (it silently tied them)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import save_file
+
+    from checkpoints import CONFIG, weights
+    from graphc.weights import load_weights
+    from lowering import run
+
+    config = {**CONFIG, "tie_word_embeddings": True, "architectures": ["LlamaForCausalLM"]}
+    state = weights({**config, "tie_word_embeddings": False}, varied=True)
+    assert not np.array_equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ids = np.array([[1, 5, 9, 13]])
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(torch.from_numpy(ids)).logits.numpy()
+    with pytest.warns(UserWarning, match="they are not tied"):
+        lm = graphc.causal_lm_from_hf(tmp_path / "config.json", load_weights(tmp_path), logits="all")
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
+    feeds = {k: v for k, v in feeds.items() if k in lm.inputs} | {n: np.zeros((1, 2, 0, 8), np.float32) for n in lm.inputs if n.startswith("past")}
+    np.testing.assert_allclose(run(lm, feeds, "numpy")["logits"], want, rtol=1e-4, atol=1e-4)

@@ -5,12 +5,15 @@ tied LM head, Gemma's embedding scale and final logit softcap);
 ``causal_lm_weights_from_hf`` gives the tensors graphc's names (Falcon's, Phi-3's,
 GPT-NeoX's and GPT-2's are mapped by their family's module, :mod:`graphc.attention.families`; a tied
 checkpoint's ``lm_head.weight`` is dropped, as transformers ties it to the
-embedding on load); ``causal_lm_from_hf``
+embedding on load, unless its values differ from the embedding's: transformers then unties them, and so does graphc);
+``causal_lm_from_hf``
 builds the graph from both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,9 +52,18 @@ def causal_lm_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, A
     cfg = read_hf_config(config)
     out = decoder_weights_from_hf(weights, cfg)  # the embeddings and head renamed with the layers
     lm = causal_lm_config_from_hf(cfg)
-    if lm.tie_word_embeddings:
+    if lm.tie_word_embeddings and not unties(out):
         out.pop("lm_head.weight", None)
     return out
+
+
+def unties(weights: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint whose config ties the LM head to the embedding holds an ``lm_head.weight`` of other values:
+    transformers then does not tie them (it warns) and computes the logits with ``lm_head.weight``, and so does graphc."""
+    head, table = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if head is None or table is None or head is table:
+        return False
+    return bool(np.shape(head) != np.shape(table) or not np.array_equal(np.asarray(head), np.asarray(table)))
 
 
 def _checkpoint_dtype(weights: Mapping[str, Any]) -> str:
@@ -92,6 +104,13 @@ def causal_lm_from_hf(
     cfg = read_hf_config(config)
     lm = causal_lm_config_from_hf(cfg, n_layers)
     named = causal_lm_weights_from_hf(weights, cfg)
+    if lm.tie_word_embeddings and "lm_head.weight" in named:  # both tables present, with other values: not tied (transformers' rule)
+        warnings.warn(
+            "config.json ties lm_head.weight to model.embed_tokens.weight but the checkpoint holds both with different values; "
+            "as transformers does, they are not tied (the logits use lm_head.weight)",
+            stacklevel=2,
+        )
+        lm = dataclasses.replace(lm, tie_word_embeddings=False)
     stored = _checkpoint_dtype(named)
     if dtype is not None and dtype != stored:
         named = load_weights(named, dtype=dtype)  # every floating tensor converted (a copy)
