@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -223,8 +224,10 @@ def main() -> None:
         }
         workers[name].close()
     base = rows["graphc ort-cpu f32"]["ms_per_token"]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     lines = [
-        f"{args.shape}, {args.prompt}-token prompt, {args.new} new tokens, {args.blocks} rounds alternating; {platform.machine()}, "
+        f"{args.shape} ({os.cpu_count()}-core {cpu.removesuffix(' Processor')}, {memory:.0f} GiB), {args.prompt}-token prompt, {args.new} new tokens, {args.blocks} rounds alternating; {platform.machine()}, "
         f"read bandwidth {gbs:.1f} GB/s ({bandwidth})",
         "",
         "| contender | export s | load s | first token ms | decode ms/token | vs graphc float32 | weights GB | of read bandwidth | peak RSS GB |",
