@@ -227,8 +227,8 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     lines = [
-        f"{args.shape} ({os.cpu_count()}-core {cpu.removesuffix(' Processor')}, {memory:.0f} GiB), {args.prompt}-token prompt, {args.new} new tokens, {args.blocks} rounds alternating; {platform.machine()}, "
-        f"read bandwidth {gbs:.1f} GB/s ({bandwidth})",
+        f"{args.shape} ({os.cpu_count()}-core {cpu.removesuffix(' Processor')}, {memory:.0f} GiB), {args.prompt}-token prompt, "
+        f"{args.new} new tokens, {args.blocks} rounds alternating; {platform.machine()}, read bandwidth {gbs:.1f} GB/s ({bandwidth})",
         "",
         "| contender | export s | load s | first token ms | decode ms/token | vs graphc float32 | weights GB | of read bandwidth | peak RSS GB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
