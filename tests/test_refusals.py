@@ -182,3 +182,14 @@ def test_an_ortvalue_of_another_dtype_fed_to_a_cache_names_the_input():
     feeds |= {n: ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 2, 0, 16), np.float32)) for n in lm.inputs if n.startswith("past")}
     with pytest.raises(InputError, match=r"input 'past_key_values.0.key': an OrtValue of tensor\(float\) where the model takes tensor\(bfloat16\)"):
         runner.step(feeds)
+
+
+def test_a_float16_constant_is_read_without_an_overflow_warning():
+    import warnings
+
+    from graphc.onnx_import.shapes import as_dims
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert as_dims(np.array([-np.inf], np.float16)) is None
+        assert as_dims(np.array([3.0, 4.0], np.float16)).values == (3, 4)
