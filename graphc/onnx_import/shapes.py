@@ -26,9 +26,10 @@ def as_dims(v: Imported | None) -> SymInts | None:
         return v
     if isinstance(v, np.ndarray) and v.dtype.kind in "iu" and v.ndim <= 1 and v.size <= 64:
         return SymInts(tuple(int(x) for x in v.reshape(-1)), v.ndim == 0)
-    wide = v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.ndim <= 1 and v.size <= 64 else None
-    if wide is not None and np.all(np.abs(wide) < 2**53) and np.all(wide == np.round(wide)):  # float64: float16 cannot hold 2**53
-        return SymInts(tuple(int(x) for x in v.reshape(-1)), v.ndim == 0, str(v.dtype))
+    if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.ndim <= 1 and v.size <= 64:
+        wide = v.astype(np.float64)  # float16 cannot hold 2**53
+        if np.all(np.abs(wide) < 2**53) and np.all(wide == np.round(wide)):
+            return SymInts(tuple(int(x) for x in v.reshape(-1)), v.ndim == 0, str(v.dtype))
     return None
 
 
