@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["hidden_keys", "causal_mask", "softcap", "safe_softmax", "contiguous", "lowest"]
+__all__ = ["hidden_keys", "causal_mask", "softcap", "safe_softmax", "contiguous", "lowest", "hides_keys", "FILL_LIMIT"]
 
 
 def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int, window: int | None = None) -> np.ndarray:
@@ -57,3 +57,19 @@ def contiguous(a: np.ndarray, dtype: np.dtype | str | None = None) -> np.ndarray
 def lowest(dtype: str | np.dtype) -> np.ndarray:
     """The most negative finite value of the float ``dtype`` (bfloat16 included), as a 0-d array of that dtype."""
     return np.array(ml_dtypes.finfo(dtype).min, dtype)
+
+
+FILL_LIMIT = -1e30
+"""A finite additive fill at most this hides a key: ``s + fill == fill`` for ``|s|`` under half its ulp (1e31 for
+``finfo(float32).min``)."""
+
+
+def hides_keys(value: object) -> bool:
+    """Whether an additive mask value hides the key it is added to: ``-inf``, a finite fill at most :data:`FILL_LIMIT`
+    (float32's and bfloat16's ``finfo.min``), or float16's own ``finfo.min`` (-65504) in a float16 tensor (what a
+    float16 model masks with: its sum with any score under 16 in size is the fill again)."""
+    arr = np.asarray(value)
+    if str(arr.dtype) not in ("float16", "bfloat16", "float32", "float64") or arr.size != 1:
+        return False
+    v = float(arr.reshape(()))
+    return v <= FILL_LIMIT or (str(arr.dtype) == "float16" and v <= float(np.finfo(np.float16).min))

@@ -358,3 +358,34 @@ def test_an_int8_export_from_quantize_dynamic_is_understood_and_equal_to_onnxrun
     eight_bit = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}
     held = {t.raw_data for t in model.graph.initializer if t.data_type in eight_bit and len(t.dims) == 2}
     assert held <= {t.raw_data for t in export(optimized).graph.initializer if t.data_type in eight_bit}
+
+
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+def test_a_float16_export_equals_onnxruntime_and_its_causal_masks_are_read(exporter, tmp_path):
+    """A cache export converted to float16 (onnxruntime's float16 converter: weights, inputs and the mask's fill become
+    float16, the fill float16's -65504): onnxruntime's numbers on every size, padded rows included.  The legacy
+    exporter's causal mask (a masked_fill of a triangle) is read as the causal offset with its cache; the dynamo
+    exporter's (a Where over position comparisons, filled with -65504) stays an additive mask: widened to the float32
+    graphc computes in, -65504 does not swamp a score, so a row it hides whole attends to every key, which no
+    empty-row form of the attention op says."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    path = export_model("llama", exporter, "sdpa", True, tmp_path / "model.onnx")
+    model = convert_float_to_float16(onnx.load(str(path)), keep_io_types=False)
+    onnx.save(model, str(tmp_path / "f16.onnx"))
+    graph = from_onnx(tmp_path / "f16.onnx")
+    optimized = optimize(graph).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
+    assert len(attention) == 2
+    if exporter == "legacy":
+        assert all(op.kv_cache and op.causal_offset is not None for op in attention)
+    session = ort.InferenceSession(str(tmp_path / "f16.onnx"), providers=["CPUExecutionProvider"])
+    runners = {backend: prepare(optimized, backend) for backend in ("numpy", "ort-cpu")}
+    for batch, seq, past, pad in SIZES[True]:
+        f = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in feeds(model, batch, seq, past, pad).items()}
+        want = session.run(None, f)
+        mine = {name: f[vi.name] for name, vi in zip(graph.inputs, model.graph.input)}
+        for backend, runner in runners.items():
+            got = runner.run(mine)
+            for name, w in zip(optimized.outputs, want):
+                np.testing.assert_allclose(got[name].astype(np.float32), w.astype(np.float32), rtol=1e-2, atol=2e-3, err_msg=f"{backend} {name}")

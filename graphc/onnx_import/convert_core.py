@@ -40,7 +40,8 @@ from ..rotary import Positions
 from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, Slice
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
-from .triangles import NEG_INF_LIKE, tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
+from ..numerics import hides_keys
+from .triangles import tri_cast, tri_equal, tri_from_buffer, tri_not, tri_where
 from .unify import DimConflict, conflict_in_broadcast
 
 __all__ = ["CORE_CONVERTERS", "Converter", "unary_converter"]
@@ -71,7 +72,7 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
     xs = ctx.graph.types[x].shape
     if len(xs) < 2 or broadcast_shapes(xs, tri.shape) != xs:
         raise ctx.error(f"a Trilu mask of shape {format_shape(tri.shape)} must broadcast into {x!r} {format_shape(xs)}")
-    if fn == "add" and tri.upper and float(tri.value) <= NEG_INF_LIKE:
+    if fn == "add" and tri.upper and hides_keys(tri.value):
         return ctx.add(CausalMask(dim_sub(tri.k, 1)), [x], "causal")
     mask = ctx.tensor(Triangle(np.asarray(tri.value).astype(ctx.graph.types[x].dtype), tri.shape, tri.k, tri.upper))
     return ctx.add(Binary(fn), [x, mask], "t")
@@ -80,7 +81,7 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
 def _causal_window(m: MaskSum) -> tuple[Dim, int] | None:
     """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 -
     1 - k2``."""
-    tris = [p for p in m.parts if isinstance(p, Triangle) and float(p.value) <= NEG_INF_LIKE]
+    tris = [p for p in m.parts if isinstance(p, Triangle) and hides_keys(p.value)]
     if len(m.parts) != 2 or len(tris) != 2:
         return None
     up, low = sorted(tris, key=lambda p: not p.upper)

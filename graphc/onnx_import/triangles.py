@@ -18,12 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..dims import Dim, dim_add, dim_sub, normalize_dim
+from ..numerics import hides_keys
 from .context import Filled, Imported, Triangle, simplify
 
-__all__ = ["complement", "tri_equal", "tri_cast", "tri_not", "tri_where", "tri_from_buffer", "NEG_INF_LIKE"]
-
-NEG_INF_LIKE = -1e30
-"""Additive masks fill with ``-inf`` or ``finfo(dtype).min``; both hide a key."""
+__all__ = ["complement", "tri_equal", "tri_cast", "tri_not", "tri_where", "tri_from_buffer"]
 
 
 def complement(t: Triangle, value: np.ndarray) -> Triangle:
@@ -77,9 +75,9 @@ def tri_where(cond: Imported, x: Imported, y: Imported) -> tuple[str, Imported, 
         if sx == 0:
             return complement(cond, sy)
         return None
-    if sx is not None and isinstance(y, str) and float(sx) <= NEG_INF_LIKE:  # masked_fill(tri, -inf)
+    if sx is not None and isinstance(y, str) and hides_keys(sx):  # masked_fill(tri, -inf)
         return ("add", y, Triangle(np.asarray(-np.inf, sx.dtype), cond.shape, cond.k, cond.upper))
-    if sy is not None and isinstance(x, str) and float(sy) <= NEG_INF_LIKE:  # keep x inside, hide the rest
+    if sy is not None and isinstance(x, str) and hides_keys(sy):  # keep x inside, hide the rest
         return ("add", x, complement(cond, np.asarray(-np.inf, sy.dtype)))
     return None
 

@@ -11,9 +11,8 @@ with ``i + b`` (query positions along the one before) is a half-plane
 lower bound the window, and the other conjuncts stay a bool mask (an encoder's
 padding mask alone becomes that bool mask).
 
-``fill`` is ``-inf`` or a finite number at most :data:`FILL_LIMIT`
-(``finfo(dtype).min``).  With a finite fill a row whose every key is hidden
-does not give zeros: every one of its scores becomes the fill, so its softmax
+``fill`` is ``-inf`` or a finite number at most :data:`FILL_LIMIT` (``finfo(dtype).min`` of float32 or bfloat16).
+With a finite fill a row whose every key is hidden does not give zeros: every one of its scores becomes the fill, so its softmax
 is uniform over all keys; the split records that as ``empty_rows="mean"``.
 """
 
@@ -26,15 +25,13 @@ import numpy as np
 
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph, Node
+from graphc.numerics import FILL_LIMIT
 from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Concat, Reshape, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
 
 __all__ = ["MaskSplit", "split_additive_mask", "FILL_LIMIT"]
 
-FILL_LIMIT = -1e30
-"""A finite fill hides a key only when it swamps every score: ``s + fill == fill`` for ``|s|`` under half its ulp (1e31
-for ``finfo(float32).min``)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +46,12 @@ class MaskSplit:
 
 
 def _scalar(graph: Graph, value: str) -> np.ndarray | None:
+    """A one-element constant; seen through a widening ``Cast`` of one (a float16 model's mask values, widened where it
+    computes in float32), in its own dtype: a float16 fill stays float16's ``finfo.min``."""
+    node = graph.producer(value)
+    if node is not None and isinstance(node.op, Cast) and node.op.dtype in FLOAT_DTYPES and graph.is_constant(node.inputs[0]):
+        arr = graph.initializers[node.inputs[0]]
+        return arr.reshape(()) if arr.size == 1 and str(arr.dtype) in FLOAT_DTYPES else None
     if graph.is_constant(value):
         arr = graph.initializers[value]
         return arr.reshape(()) if arr.size == 1 else None
@@ -183,7 +186,8 @@ def _is_zero(arr: np.ndarray | None) -> bool:
 
 
 def _is_fill(arr: np.ndarray | None) -> TypeGuard[np.ndarray]:
-    """A float scalar that hides a key it is added to (``-inf``, or at most :data:`FILL_LIMIT`)."""
+    """A float scalar that hides a key it is added to in the float32 graphc computes in: ``-inf``, or at most
+    :data:`FILL_LIMIT` (float16's -65504 does not swamp a float32 score: a row it hides whole attends to every key)."""
     return arr is not None and str(arr.dtype) in FLOAT_DTYPES and float(arr) <= FILL_LIMIT
 
 
