@@ -84,8 +84,10 @@ def quantize_blocks(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Round-to-nearest quantization of ``W [N, K]`` in ``MatMulNBits``' layout: ``(packed, scales, zero_points)``.
 
-    ``symmetric``: ``scale = max|w| / 2**(bits-1)`` per block and the default zero point (no zero points returned);
-    else ``scale = (max - min) / (2**bits - 1)`` and a rounded zero point per block, packed.  Values round half to even."""
+    ``symmetric``: ``scale = w_e / -2**(bits-1)`` per block, ``w_e`` its value of largest size (so it maps to the
+    lowest level exactly, as onnxruntime's blockwise quantizer and onnxruntime-genai's builder do: the scale may be
+    negative), and the default zero point (none returned); else ``scale = (max - min) / (2**bits - 1)`` and a rounded
+    zero point per block, packed.  Values round half to even."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
     blocks = -(-k // block_size)
@@ -93,8 +95,9 @@ def quantize_blocks(
     padded[:, :k] = w
     grouped = padded.reshape(n, blocks, block_size)
     top = (1 << bits) - 1
-    if symmetric:
-        scale = np.abs(grouped).max(axis=-1) / (1 << (bits - 1))
+    if symmetric:  # the value of largest size maps to -2**(bits-1) exactly (onnxruntime's blockwise quantizer: a signed scale)
+        extreme = np.take_along_axis(grouped, np.abs(grouped).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        scale = extreme / -(1 << (bits - 1))
         zero = np.full((n, blocks), 1 << (bits - 1), np.float32)
     else:
         lo, hi = np.minimum(grouped.min(axis=-1), 0), np.maximum(grouped.max(axis=-1), 0)

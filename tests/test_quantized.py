@@ -56,7 +56,7 @@ def test_dequantize_blocks_is_the_block_formula(bits, symmetric, k):
     packed, scales, zeros = quantize_blocks(w, bits, 16, symmetric)
     got = dequantize_blocks(packed, scales, zeros, bits, 16, k)
     np.testing.assert_allclose(got, _reference_weight(packed, scales, zeros, bits, 16, k), rtol=1e-6, atol=1e-6)
-    assert np.abs(got - w).max() <= scales.max() * (1.0 if symmetric else 0.5) + 1e-6  # round-to-nearest: within a step
+    assert np.abs(got - w).max() <= np.abs(scales).max() * (1.0 if symmetric else 0.5) + 1e-6  # a step where the top level clips
 
 
 def _matmul_nbits(bits, block_size, k, n, zero="none", bias=False, rank=3, level=0, seed=0):
@@ -381,3 +381,24 @@ def test_a_tied_table_is_looked_up_from_the_lm_heads_bytes(tmp_path):
     assert table in {n.input[1] for n in out.graph.node if n.op_type == "MatMulNBits"}  # the LM head's bytes, written once
     prompts = [[1, 5, 9], [7, 3]]
     np.testing.assert_array_equal(generate(opt, prompts, 5, backend="ort-cpu").new_tokens, generate(opt, prompts, 5).new_tokens)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_blocks_writes_onnxruntimes_own_bytes(symmetric):
+    """graphc's round-to-nearest quantizer gives the bytes, scales and zero points of onnxruntime's matmul_nbits_quantizer
+    (its blockwise quantizer, which onnxruntime-genai's builder uses too): a symmetric block's scale is signed, its value
+    of largest size mapping to -8 exactly."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 96)).astype(np.float32)  # MatMul's B [K, N]: MatMulNBits holds W = B.T
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 256])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 96])], [numpy_helper.from_array(w, "w")])  # fmt: skip
+    quantizer = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), bits=4, block_size=32, is_symmetric=symmetric)
+    quantizer.process()
+    held = {t.name: numpy_helper.to_array(t) for t in quantizer.model.model.graph.initializer}
+    node = quantizer.model.model.graph.node[0]
+    packed, scales, zeros = quantize_blocks(w.T, 4, 32, symmetric)
+    assert np.array_equal(held[node.input[1]].reshape(-1), packed.reshape(-1))
+    assert np.array_equal(held[node.input[2]].reshape(-1), scales)
+    assert (zeros is None) == (len(node.input) < 4) and (zeros is None or np.array_equal(held[node.input[3]].reshape(-1), zeros))
