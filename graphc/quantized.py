@@ -154,25 +154,33 @@ def _infer_weight(op: str, ins: Sequence[TensorType], bits: int, block_size: int
     return n, scales.dtype
 
 
-@register_op
 @dataclass(frozen=True)
-class DequantizeBlocks(Op):
-    """``W [N, K]`` from ``MatMulNBits``' packed weight, scales and optional zero points (see the module doc);
-    ``accuracy_level``: the one the weight's product asks onnxruntime for (kept for :class:`QuantizedMatMul`)."""
+class _BlockwiseProduct(Op):
+    """What the ops over a packed weight share: its layout (``bits``, ``block_size``, ``k``), onnxruntime's
+    ``accuracy_level`` for its product, and how many operands they take."""
 
     bits: int
     block_size: int
     k: int
     accuracy_level: int = 0
     arity: ClassVar[int | None] = None
+    operand_counts: ClassVar[tuple[int, int]] = (2, 3)
+    operand_names: ClassVar[str] = "packed, scales[, zero_points]"
 
     def __post_init__(self) -> None:
-        _check_layout("DequantizeBlocks", self.bits, self.block_size, self.k)
-        _check_level("DequantizeBlocks", self.accuracy_level)
+        _check_layout(self.kind, self.bits, self.block_size, self.k)
+        _check_level(self.kind, self.accuracy_level)
 
     def check_arity(self, n: int) -> None:
-        if n not in (2, 3):
-            raise OpError(f"DequantizeBlocks: takes 2 or 3 operands (packed, scales[, zero_points]), got {n}")
+        if n not in self.operand_counts:
+            raise OpError(f"{self.kind}: takes {self.operand_counts[0]} or {self.operand_counts[1]} operands ({self.operand_names}), got {n}")
+
+
+@register_op
+@dataclass(frozen=True)
+class DequantizeBlocks(_BlockwiseProduct):
+    """``W [N, K]`` from ``MatMulNBits``' packed weight, scales and optional zero points (see the module doc);
+    ``accuracy_level``: the one the weight's product asks onnxruntime for (kept for :class:`QuantizedMatMul`)."""
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         n, dtype = _infer_weight("DequantizeBlocks", ins, self.bits, self.block_size, self.k)
@@ -189,23 +197,12 @@ class DequantizeBlocks(Op):
 
 @register_op
 @dataclass(frozen=True)
-class QuantizedMatMul(Op):
+class QuantizedMatMul(_BlockwiseProduct):
     """``x [..., K] @ W.T -> [..., N]`` with ``W`` kept packed (``MatMulNBits``); operands ``x, packed, scales[,
     zero_points]``.  ``accuracy_level`` is onnxruntime's (0: as the inputs, 4: activations quantized to int8)."""
 
-    bits: int
-    block_size: int
-    k: int
-    accuracy_level: int = 0
-    arity: ClassVar[int | None] = None
-
-    def __post_init__(self) -> None:
-        _check_layout("QuantizedMatMul", self.bits, self.block_size, self.k)
-        _check_level("QuantizedMatMul", self.accuracy_level)
-
-    def check_arity(self, n: int) -> None:
-        if n not in (3, 4):
-            raise OpError(f"QuantizedMatMul: takes 3 or 4 operands (x, packed, scales[, zero_points]), got {n}")
+    operand_counts: ClassVar[tuple[int, int]] = (3, 4)
+    operand_names: ClassVar[str] = "x, packed, scales[, zero_points]"
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         x = ins[0]

@@ -402,3 +402,16 @@ def test_quantize_blocks_writes_onnxruntimes_own_bytes(symmetric):
     assert np.array_equal(held[node.input[1]].reshape(-1), packed.reshape(-1))
     assert np.array_equal(held[node.input[2]].reshape(-1), scales)
     assert (zeros is None) == (len(node.input) < 4) and (zeros is None or np.array_equal(held[node.input[3]].reshape(-1), zeros))
+
+
+def test_a_quantized_graph_round_trips_through_json(tmp_path):
+    from graphc.serialize import load_graph, save_graph
+
+    model, *_ = _matmul_nbits(4, 32, 80, 16, "packed", level=4)
+    opt = optimize(from_onnx(model)).graph
+    save_graph(opt, tmp_path / "g.json")
+    back = load_graph(tmp_path / "g.json")
+    (node,) = [n for n in back.nodes.values() if isinstance(n.op, QuantizedMatMul)]
+    assert node.op == QuantizedMatMul(4, 32, 80, 4)
+    a = np.random.default_rng(0).standard_normal((1, 3, 80)).astype(np.float32)
+    np.testing.assert_array_equal(run(back, {"A": a}, "numpy")["Y"], run(opt, {"A": a}, "numpy")["Y"])
