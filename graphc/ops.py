@@ -182,6 +182,7 @@ class Op:
     num_outputs: ClassVar[int] = 1
     moves_data: ClassVar[bool] = True  # False for a view (Reshape): no FLOPs and no bytes in the cost model
     reads_shape_only: ClassVar[bool] = False  # True: the result depends on the operands' shapes, never their values
+    folds: ClassVar[bool] = True  # False: never constant-folded (a dequantization: folding would widen quantized weights)
 
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """Floating-point operations on operands and results of these sizes (the cost model asks the op; 0: data movement only)."""

@@ -166,6 +166,7 @@ class _BlockwiseProduct(Op):
     arity: ClassVar[int | None] = None
     operand_counts: ClassVar[tuple[int, int]] = (2, 3)
     operand_names: ClassVar[str] = "packed, scales[, zero_points]"
+    folds: ClassVar[bool] = False  # the weight stays packed: never folded into its float values
 
     def __post_init__(self) -> None:
         _check_layout(self.kind, self.bits, self.block_size, self.k)

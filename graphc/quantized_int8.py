@@ -6,7 +6,8 @@ onnxruntime's ``quantize_dynamic`` (and ``optimum-cli onnxruntime quantize``) tu
     y = Cast(MatMulInteger(x_q, W_q, x_zero, W_zero), float) * (x_scale * W_scale)
 
 :class:`DynamicQuantize` and :class:`IntegerMatMul` are those two ops with ONNX's semantics (and :class:`Dequantize`
-is ``DequantizeLinear`` of 8-bit data: the quantized embedding table ``quantize_dynamic`` writes for a ``Gather``) (``round`` half to even,
+is ``DequantizeLinear`` of 8-bit data: the quantized embedding table ``quantize_dynamic`` writes for a ``Gather``;
+:class:`Quantize` is ``QuantizeLinear``: with ``Dequantize``, the QDQ pairs of ``quantize_static``'s files) (``round`` half to even,
 saturating), so the NumPy interpreter gives the reference numbers and the export writes the same standard ops back:
 ``W_q`` stays ``int8``/``uint8`` as the file holds it.
 """
@@ -25,7 +26,7 @@ from .errors import DTypeMismatchError, ShapeMismatchError
 from .errors import OpError
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
 
-__all__ = ["DynamicQuantize", "IntegerMatMul", "Dequantize", "dynamic_quantize"]
+__all__ = ["DynamicQuantize", "IntegerMatMul", "Dequantize", "Quantize", "dynamic_quantize"]
 
 
 def dynamic_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,6 +115,7 @@ class Dequantize(Op):
     axis: int = 1
     block_size: int = 0
     arity: ClassVar[int | None] = None
+    folds: ClassVar[bool] = False  # an 8-bit weight stays 8-bit: never folded into its float values
 
     def check_arity(self, n: int) -> None:
         if n not in (2, 3):
@@ -152,3 +154,47 @@ class Dequantize(Op):
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """Two per element."""
         return 2 * math.prod(out_shapes[0])
+
+
+@register_op
+@dataclass(frozen=True)
+class Quantize(Op):
+    """ONNX ``QuantizeLinear`` to 8 bits: ``saturate(round(x / scale) + zero_point)``, rounding half to even, in
+    ``dtype`` (``int8`` or ``uint8``: the zero point's, else uint8); the scale (and zero point) one value or one a slice
+    along ``axis``."""
+
+    dtype: str = "uint8"
+    axis: int = 1
+    arity: ClassVar[int | None] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("int8", "uint8"):
+            raise OpError(f"Quantize: dtype must be int8 or uint8, got {self.dtype!r}")
+
+    def check_arity(self, n: int) -> None:
+        if n not in (2, 3):
+            raise OpError(f"Quantize: takes x, its scale and an optional zero point, got {n} operand(s)")
+
+    def infer(self, ins: Sequence[TensorType]) -> TensorType:
+        x, scale = ins[0], ins[1]
+        if x.dtype not in FLOAT_DTYPES or scale.dtype not in FLOAT_DTYPES:
+            raise DTypeMismatchError(f"Quantize: x and its scale must be float, got {x.dtype} and {scale.dtype}")
+        if len(ins) == 3 and (ins[2].dtype != self.dtype or ins[2].shape != scale.shape):
+            raise ShapeMismatchError(f"Quantize: the zero point must be {self.dtype}{format_shape(scale.shape)}, like the scale")
+        if scale.rank > 1:
+            raise ShapeMismatchError(f"Quantize: scales are one value or one a slice along axis {self.axis}, got {format_shape(scale.shape)}")
+        return TensorType(x.shape, self.dtype)
+
+    def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
+        x, scale = np.asarray(args[0], np.float32), np.asarray(args[1], np.float32)
+        zero = np.asarray(args[2]).astype(np.float32) if len(args) == 3 else np.zeros(scale.shape, np.float32)
+        if scale.ndim == 1 and scale.size > 1:
+            shape = [1] * x.ndim
+            shape[self.axis % x.ndim] = scale.size
+            scale, zero = scale.reshape(shape), zero.reshape(shape)
+        info = np.iinfo(self.dtype)
+        return np.clip(np.rint(x / scale) + zero, info.min, info.max).astype(self.dtype)
+
+    def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
+        """A divide, a round and an add per element."""
+        return 3 * math.prod(out_shapes[0])

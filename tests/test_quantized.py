@@ -415,3 +415,52 @@ def test_a_quantized_graph_round_trips_through_json(tmp_path):
     assert node.op == QuantizedMatMul(4, 32, 80, 4)
     a = np.random.default_rng(0).standard_normal((1, 3, 80)).astype(np.float32)
     np.testing.assert_array_equal(run(back, {"A": a}, "numpy")["Y"], run(opt, {"A": a}, "numpy")["Y"])
+
+
+@pytest.mark.parametrize("activations, per_channel", [("uint8", False), ("int8", True)])
+def test_a_static_qdq_file_imports_equal_to_onnxruntime_with_its_weights_8_bit(activations, per_channel, tmp_path):
+    """quantize_static's QDQ format (QuantizeLinear/DequantizeLinear pairs on activations, a DequantizeLinear of the
+    8-bit weight, per tensor or per channel): onnxruntime's numbers on every backend, and the weight never folded into
+    float (import, optimizer and re-export keep it int8)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"x": np.random.default_rng(i).standard_normal((4, 64)).astype(np.float32)} for i in range(4)])
+
+        def get_next(self):  # noqa: ANN201
+            return next(self.batches, None)
+
+    w = numpy_helper.from_array(np.random.default_rng(9).standard_normal((64, 48)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 48])], [w])  # fmt: skip
+    import onnx
+
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "f.onnx"))
+    kind = QuantType.QUInt8 if activations == "uint8" else QuantType.QInt8
+    quantize_static(str(tmp_path / "f.onnx"), str(tmp_path / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ, activation_type=kind,
+                    weight_type=QuantType.QInt8, per_channel=per_channel)  # fmt: skip
+    model = onnx.load(str(tmp_path / "qdq.onnx"))
+    assert {n.op_type for n in model.graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
+    x = np.random.default_rng(42).standard_normal((5, 64)).astype(np.float32)
+    want = _ort(model, {"x": x})[0]
+    opt = optimize(from_onnx(model)).graph
+    assert opt.op_counts()["Dequantize"] == 3 and opt.op_counts()["Quantize"] == 2
+    assert [a.dtype for a in opt.initializers.values() if a.size == 64 * 48] == [np.int8]
+    for backend in installed("numpy", "ort-cpu", "onnx-reference", "torch"):
+        np.testing.assert_allclose(run(opt, {"x": x}, backend)["y"], want, rtol=1e-6, atol=1e-6, err_msg=backend)
+    assert [t.data_type for t in export(opt).graph.initializer if np.prod(t.dims) == 64 * 48] == [TensorProto.INT8]
+
+
+@pytest.mark.parametrize("zero_dtype", [TensorProto.UINT8, TensorProto.INT8])
+def test_quantize_linear_rounds_half_to_even_and_saturates_as_onnxruntime(zero_dtype):
+    x = np.array([-300.0, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.49, 300.0, 127.5], np.float32)
+    zero = np.array(3 if zero_dtype == TensorProto.UINT8 else -3, np.uint8 if zero_dtype == TensorProto.UINT8 else np.int8)
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])
+    model = _one_node(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [10])], [helper.make_tensor_value_info("y", zero_dtype, None)],
+                      [numpy_helper.from_array(np.array(1.0, np.float32), "s"), numpy_helper.from_array(zero, "z")])  # fmt: skip
+    want = _ort(model, {"x": x})[0]
+    info = np.iinfo(zero.dtype)
+    np.testing.assert_array_equal(want, np.clip(np.rint(x) + zero.astype(np.float32), info.min, info.max).astype(zero.dtype))
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        np.testing.assert_array_equal(run(from_onnx(model), {"x": x}, backend)["y"], want, err_msg=backend)

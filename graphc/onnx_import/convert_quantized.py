@@ -8,6 +8,8 @@
   ``accuracy_level`` is kept.  A ``g_idx`` that is not the blocks in order (act-order GPTQ) is refused by name.
 - ``com.microsoft.GatherBlockQuantized`` (onnxruntime-genai's quantized embedding table, tied to the LM head or not):
   :class:`~graphc.quantized.QuantizedGather`, the table in the same block layout, only the gathered rows read.
+- ``QuantizeLinear`` / ``DequantizeLinear`` pairs of 8-bit data (``quantize_static``'s QDQ files) as
+  :class:`~graphc.quantized_int8.Quantize` / :class:`~graphc.quantized_int8.Dequantize`.
 - ``DynamicQuantizeLinear`` and ``MatMulInteger`` (onnxruntime's ``quantize_dynamic``, optimum's int8 export) as
   :class:`~graphc.quantized_int8.DynamicQuantize` and :class:`~graphc.quantized_int8.IntegerMatMul`, the 8-bit weight
   and its zero point kept as the file holds them.
@@ -19,7 +21,7 @@ import numpy as np
 
 from ..ops import Binary, Einsum
 from ..quantized import DequantizeBlocks, QuantizedGather
-from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul
+from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul, Quantize
 from .context import Imported, ImportContext, simplify
 from .convert_core import Converter
 
@@ -109,7 +111,18 @@ def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [ctx.add(Dequantize(int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "dequantized")]
 
 
+def _quantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    x = ctx.tensor(ins[0], "QuantizeLinear input")
+    zero = _eight_bit(ctx, ins[2], "y_zero_point") if len(ins) > 2 and ins[2] is not None else None
+    dtype = ctx.graph.types[zero].dtype if zero is not None else {2: "uint8", 3: "int8"}.get(int(attrs.get("output_dtype", 2)))
+    if dtype not in ("int8", "uint8") or int(attrs.get("block_size", 0)):
+        raise ctx.error("QuantizeLinear: graphc quantizes to int8 or uint8, per tensor or per axis")
+    operands = [x, ctx.tensor(ins[1], "y_scale")] + ([zero] if zero is not None else [])
+    return [ctx.add(Quantize(dtype, int(attrs.get("axis", 1))), operands, "quantized")]
+
+
 QUANTIZED_CONVERTERS: dict[tuple[str, str], Converter] = {
+    ("", "QuantizeLinear"): _quantize_linear,
     ("com.microsoft", "GatherBlockQuantized"): _gather_block_quantized,
     ("", "DequantizeLinear"): _dequantize_linear,
     ("com.microsoft", "MatMulNBits"): _matmul_nbits,

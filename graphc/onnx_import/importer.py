@@ -40,7 +40,8 @@ __all__ = ["from_onnx", "supported_ops", "ATTENTION_SEMANTICS"]
 
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_.:/\-]")
 _FOLD_LIMIT = 1 << 22  # elements: larger constant results stay lazy (a causal mask over 4096 keys is 16 M)
-_NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+_NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "DequantizeLinear"}
+"""Ops never run at import: random ones, and dequantization (a quantized weight stays quantized)."""
 
 
 def supported_ops() -> dict[str, list[str]]:

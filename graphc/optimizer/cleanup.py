@@ -262,7 +262,7 @@ common_subexpression_elimination = Pass("cse", "merge nodes that apply the same 
 def _match_constant(graph: Graph, node: Node, ctx: PassContext) -> object:
     if not node.inputs or not all(graph.is_constant(i) for i in node.inputs):
         return None
-    if isinstance(node.op, (Repeat, Opaque)) or len(node.outputs) != 1 or graph.is_output(node.name):
+    if isinstance(node.op, (Repeat, Opaque)) or not node.op.folds or len(node.outputs) != 1 or graph.is_output(node.name):
         return None
     if not is_static(graph.types[node.name].shape):  # a slice of a constant up to a run-time length (nanoGPT's tril buffer)
         return Miss("its result has a symbolic shape")

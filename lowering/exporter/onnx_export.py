@@ -38,7 +38,7 @@ from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Re
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
 from graphc.quantized import DequantizeBlocks, QuantizedGather, QuantizedMatMul
-from graphc.quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul
+from graphc.quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul, Quantize
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, ShapeValues, Slice
 
@@ -52,6 +52,7 @@ from .quantized_export import (
     emit_dequantize_blocks,
     emit_dynamic_quantize,
     emit_integer_matmul,
+    emit_quantize,
     emit_quantized_gather,
     emit_quantized_matmul,
 )
@@ -259,6 +260,7 @@ ONNX_EMITTERS.update(
         DynamicQuantize: emit_dynamic_quantize,
         IntegerMatMul: emit_integer_matmul,
         Dequantize: emit_dequantize,
+        Quantize: emit_quantize,
         Einsum: lambda b, node, mode: _lower_einsum(b, node),
         Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op_as(Reshape).shape, node.name),
         Concat: _simple("Concat", Concat, axis=lambda op: op.axis),

@@ -22,7 +22,7 @@ from graphc.dims import normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Node
 from graphc.quantized import DequantizeBlocks, QuantizedGather, QuantizedMatMul, pack_bits, unpack_bits
-from graphc.quantized_int8 import Dequantize
+from graphc.quantized_int8 import Dequantize, Quantize
 
 from .onnx_builder import QUANTIZED_FORMS, OnnxBuilder
 
@@ -33,6 +33,7 @@ __all__ = [
     "emit_dynamic_quantize",
     "emit_integer_matmul",
     "emit_dequantize",
+    "emit_quantize",
     "QUANTIZED_FORMS",
 ]
 
@@ -93,6 +94,15 @@ def emit_dequantize(b: OnnxBuilder, node: Node, mode: str) -> None:
     proto = onnx.helper.make_node("DequantizeLinear", list(node.inputs), [node.name], name=b.fresh(f"n_{node.name}"), axis=op.axis)
     if op.block_size:
         proto.attribute.append(onnx.helper.make_attribute("block_size", op.block_size))
+    b.nodes.append(proto)
+
+
+def emit_quantize(b: OnnxBuilder, node: Node, mode: str) -> None:
+    """``Quantize`` as ONNX ``QuantizeLinear`` (the zero point gives the output type; without one, ``output_dtype``)."""
+    op = node.op_as(Quantize)
+    proto = onnx.helper.make_node("QuantizeLinear", list(node.inputs), [node.name], name=b.fresh(f"n_{node.name}"), axis=op.axis)
+    if len(node.inputs) < 3 and op.dtype != "uint8":
+        proto.attribute.append(onnx.helper.make_attribute("output_dtype", onnx.TensorProto.INT8))
     b.nodes.append(proto)
 
 
