@@ -32,7 +32,17 @@ from .dims import Dim, format_shape, normalize_dim
 from .errors import DTypeMismatchError, OpError, ShapeMismatchError
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
 
-__all__ = ["DequantizeBlocks", "QuantizedMatMul", "QuantizedGather", "unpack_bits", "pack_bits", "dequantize_blocks", "quantize_blocks"]
+__all__ = [
+    "DequantizeBlocks",
+    "QuantizedMatMul",
+    "QuantizedGather",
+    "unpack_bits",
+    "pack_bits",
+    "dequantize_blocks",
+    "quantize_blocks",
+    "block_zero_points",
+    "zero_point_rows",
+]
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -68,15 +78,24 @@ def dequantize_blocks(
     n, blocks = packed.shape[0], packed.shape[1]
     q = unpack_bits(packed.reshape(n, blocks, -1), bits).reshape(n, blocks, block_size).astype(np.float32)
     scale = np.asarray(scales).reshape(n, blocks, 1).astype(np.float32)
-    zero: np.ndarray
-    if zero_points is None:
-        zero = np.full((n, blocks, 1), 1 << (bits - 1), np.float32)
-    elif np.asarray(zero_points).dtype == np.uint8:
-        zero = unpack_bits(np.asarray(zero_points).reshape(n, -1), bits)[:, :blocks].reshape(n, blocks, 1).astype(np.float32)
-    else:
-        zero = np.asarray(zero_points).reshape(n, blocks, 1).astype(np.float32)
+    zero = block_zero_points(zero_points, n, blocks, bits)[..., None]
     w = ((q - zero) * scale).reshape(n, blocks * block_size)[:, :k]
     return w.astype(np.asarray(scales).dtype)
+
+
+def block_zero_points(zero_points: np.ndarray | None, n: int, blocks: int, bits: int) -> np.ndarray:
+    """Every block's zero point as float32 ``[N, blocks]``: the default ``2**(bits-1)``, packed uint8 bytes unpacked
+    (each row padded to a whole byte), or the floats given."""
+    if zero_points is None:
+        return np.full((n, blocks), 1 << (bits - 1), np.float32)
+    rows = zero_point_rows(zero_points, n, blocks)
+    return unpack_bits(rows, bits)[:, :blocks].astype(np.float32) if rows.dtype == np.uint8 else rows.astype(np.float32)
+
+
+def zero_point_rows(zero_points: np.ndarray, n: int, blocks: int) -> np.ndarray:
+    """Zero points one row a weight row (packed uint8 ``[N, bytes]``, or float ``[N, blocks]``), so rows can be taken."""
+    z = np.asarray(zero_points)
+    return z.reshape(n, -1) if z.dtype == np.uint8 else z.reshape(n, blocks)
 
 
 def quantize_blocks(
@@ -124,6 +143,12 @@ def _check_level(op: str, level: int) -> None:
         raise OpError(f"{op}: accuracy_level must be an int in 0..4, got {level!r}")
 
 
+def _static_size(shape: Sequence[Dim]) -> int | None:
+    """The element count of ``shape`` when every dim is known, else None."""
+    dims = [normalize_dim(d) for d in shape]
+    return math.prod(d for d in dims if isinstance(d, int)) if all(isinstance(d, int) for d in dims) else None
+
+
 def _infer_weight(op: str, ins: Sequence[TensorType], bits: int, block_size: int, k: int) -> tuple[Dim, str]:
     """Check ``(packed, scales[, zero_points])`` against the layout; return ``N`` and the result's dtype."""
     if len(ins) not in (2, 3):
@@ -139,13 +164,13 @@ def _infer_weight(op: str, ins: Sequence[TensorType], bits: int, block_size: int
     n = packed.shape[0]
     if scales.dtype not in FLOAT_DTYPES:
         raise DTypeMismatchError(f"{op}: scales must be float, got {scales.dtype}")
-    count = math.prod(normalize_dim(d) for d in scales.shape) if all(isinstance(normalize_dim(d), int) for d in scales.shape) else None
+    count = _static_size(scales.shape)
     if isinstance(n, int) and count is not None and count != n * blocks:
         raise ShapeMismatchError(f"{op}: scales hold {count} values, the weight has {n} x {blocks} blocks")
     if len(ins) == 3:
         zero = ins[2]
         width = -(-blocks * bits // 8)
-        zcount = math.prod(int(normalize_dim(d)) for d in zero.shape) if all(isinstance(normalize_dim(d), int) for d in zero.shape) else None
+        zcount = _static_size(zero.shape)
         if zero.dtype == "uint8":
             if isinstance(n, int) and zcount is not None and zcount != n * width:
                 raise ShapeMismatchError(f"{op}: packed zero points hold {zcount} bytes, the weight needs {n} x {width}")
@@ -258,10 +283,7 @@ class QuantizedGather(Op):
         if ids.size and (ids.min() < -rows or ids.max() >= rows):
             raise OpError(f"QuantizedGather: ids span {int(ids.min())}..{int(ids.max())}, outside [-{rows}, {rows}) of the table's rows")
         flat = np.where(ids < 0, ids + rows, ids).reshape(-1)
-        zero = None
-        if len(args) == 4:
-            z = np.asarray(args[3])
-            zero = z.reshape(rows, -1)[flat] if z.dtype == np.uint8 else z.reshape(rows, blocks)[flat]
+        zero = zero_point_rows(args[3], rows, blocks)[flat] if len(args) == 4 else None
         w = dequantize_blocks(packed[flat], scales.reshape(rows, blocks)[flat], zero, self.bits, self.block_size, self.k)
         return w.reshape(*ids.shape, self.k)
 

@@ -21,7 +21,7 @@ import onnx
 from graphc.dims import normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Node
-from graphc.quantized import DequantizeBlocks, QuantizedGather, QuantizedMatMul, pack_bits, unpack_bits
+from graphc.quantized import DequantizeBlocks, QuantizedGather, QuantizedMatMul, block_zero_points, pack_bits
 from graphc.quantized_int8 import Dequantize, Quantize
 
 from .onnx_builder import QUANTIZED_FORMS, OnnxBuilder
@@ -123,16 +123,13 @@ def _dequantize_linear(b: OnnxBuilder, node: Node, operands: tuple[str, ...] | l
     data = b.fresh(f"{packed_name}_{'uint4' if bits == 4 else 'uint8'}")
     b.initializers.append(_raw(data, kind, [n, blocks * block_size], np.ascontiguousarray(packed).tobytes()))
     zero = b.fresh(f"{packed_name}_zero_points")
-    if len(operands) == 3:
-        z = graph.initializers.get(operands[2])
-        if z is None or z.dtype != np.uint8:
-            raise ExportError(
-                f"node {node.name!r}: zero points {operands[2]!r} are not packed uint8 constants; standard DequantizeLinear takes zero points "
-                "of the data's type (export with quantized='matmulnbits')"
-            )
-        values = unpack_bits(np.asarray(z).reshape(n, -1), bits)[:, :blocks]
-    else:
-        values = np.full((n, blocks), 1 << (bits - 1), np.uint8)
+    z = graph.initializers.get(operands[2]) if len(operands) == 3 else None
+    if len(operands) == 3 and (z is None or z.dtype != np.uint8):
+        raise ExportError(
+            f"node {node.name!r}: zero points {operands[2]!r} are not packed uint8 constants; standard DequantizeLinear takes zero points "
+            "of the data's type (export with quantized='matmulnbits')"
+        )
+    values = block_zero_points(z, n, blocks, bits).astype(np.uint8)
     b.initializers.append(_raw(zero, kind, [n, blocks], pack_bits(values.reshape(-1), bits).tobytes()))
     scales = b.op("Reshape", [scales_name, b.const(np.array([n, blocks], np.int64), f"{node.name}_scale_shape")], base=f"{node.name}_scales")
     w = b.op("DequantizeLinear", [data, scales, zero], base=f"{node.name}_w", axis=1, block_size=block_size)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from graphc.quantized import QuantizedMatMul, dequantize_blocks, unpack_bits
+from graphc.quantized import QuantizedMatMul, block_zero_points, dequantize_blocks, zero_point_rows
 
 from .compiled import _loaded_kernels, use_compiled
 from .softmax import default_threads, run_blocks
@@ -48,15 +48,6 @@ def quantized_matmul(op: QuantizedMatMul, a: Sequence[np.ndarray], dims: Mapping
     return (out.reshape(*x.shape[:-1], n).astype(x.dtype, copy=False),)
 
 
-def _zeros(zero_points: np.ndarray | None, n: int, blocks: int, bits: int) -> np.ndarray:
-    """Every block's zero point as float32 ``[N, blocks]``."""
-    if zero_points is None:
-        return np.full((n, blocks), 1 << (bits - 1), np.float32)
-    if zero_points.dtype == np.uint8:
-        return unpack_bits(zero_points.reshape(n, -1), bits)[:, :blocks].astype(np.float32)
-    return np.asarray(zero_points, np.float32).reshape(n, blocks)
-
-
 _PREPARED: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]] = {}
 """id(packed weight) -> (the weight, its scales as float32 [N, blocks], scale times zero point): made once a weight."""
 
@@ -68,7 +59,7 @@ def _prepared(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | 
         return hit[1], hit[2]
     n, blocks, _ = packed.shape
     scales32 = np.ascontiguousarray(np.asarray(scales, np.float32).reshape(n, blocks))
-    scaled_zeros = np.ascontiguousarray(scales32 * _zeros(zero_points, n, blocks, bits))
+    scaled_zeros = np.ascontiguousarray(scales32 * block_zero_points(zero_points, n, blocks, bits))
     key = id(packed)
 
     def forget(_: object) -> None:
@@ -117,9 +108,7 @@ def _blocked(
 ) -> np.ndarray:
     n, blocks, _ = packed.shape
     scales2 = np.asarray(scales).reshape(n, blocks)
-    zeros2 = None
-    if zero_points is not None:
-        zeros2 = zero_points.reshape(n, -1) if zero_points.dtype == np.uint8 else np.asarray(zero_points).reshape(n, blocks)
+    zeros2 = None if zero_points is None else zero_point_rows(zero_points, n, blocks)
     out = np.empty((x.shape[0], n), np.float32)
     step = max(1, _BLOCK_BYTES // (4 * op.k))
 
