@@ -250,13 +250,12 @@ class ImportContext:
         out = self.add(Where(), [keep, self.constant(value, "tri_value"), self.constant(np.zeros((), value.dtype), "tri_zero")], "triangle")
         return out if len(t.shape) == 2 else self.add(BroadcastTo(t.shape), [out], "triangle")
 
-    def constant(self, arr: np.ndarray, base: str = "const", quantized: bool = False) -> str:
+    def constant(self, arr: np.ndarray, base: str = "const") -> str:
         """A new initializer holding ``arr`` (converted to a graphc dtype; int8/uint8 data, the bytes of quantized
-        weights, kept as it is, under its ONNX name where ``quantized``)."""
+        weights, kept as it is)."""
         arr = np.asarray(arr)
         if arr.dtype in (np.int8, np.uint8):  # quantized data: kept as the file holds it
-            name = self.array_names.get(id(arr), base) if quantized else base
-            return self.graph.add_initializer(self.graph.fresh_name(_clean(name)), arr, copy=arr.flags.writeable).name
+            return self.graph.add_initializer(self.graph.fresh_name(_clean(base)), arr, copy=arr.flags.writeable).name
         if arr.dtype.kind == "U":
             raise self.error(f"{base}: dtype {arr.dtype} has no graphc equivalent")
         if arr.dtype.kind in "iu" and arr.dtype != np.int32:

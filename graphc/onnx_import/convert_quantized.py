@@ -22,7 +22,7 @@ import numpy as np
 from ..ops import Binary, Einsum
 from ..quantized import DequantizeBlocks, QuantizedGather
 from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul, Quantize
-from .context import Imported, ImportContext, simplify
+from .context import ImportContext, simplify
 from .convert_core import Converter
 
 __all__ = ["QUANTIZED_CONVERTERS"]
@@ -42,11 +42,9 @@ def _matmul_nbits(ctx: ImportContext, ins: list, attrs: dict) -> list:
     blob = block_size * bits // 8
     if packed.size != n * blocks * blob:
         raise ctx.error(f"MatMulNBits B holds {packed.size} bytes; N={n}, K={k}, bits={bits}, block_size={block_size} need {n} x {blocks} x {blob}")
-    operands = [ctx.constant(packed.reshape(n, blocks, blob), "B", quantized=True), ctx.tensor(np.asarray(scales), "scales")]
-    zero = simplify(ins[3]) if len(ins) > 3 and ins[3] is not None else None
-    if zero is not None:
-        zero = ctx.known(zero, "MatMulNBits zero_points")
-        operands.append(ctx.constant(zero, "zero_points", quantized=True) if zero.dtype == np.uint8 else ctx.tensor(zero, "zero_points"))
+    operands = [ctx.constant(packed.reshape(n, blocks, blob), "B"), ctx.tensor(np.asarray(scales), "scales")]
+    if len(ins) > 3 and ins[3] is not None:
+        operands.append(ctx.tensor(ctx.known(ins[3], "MatMulNBits zero_points"), "zero_points"))
     g_idx = simplify(ins[4]) if len(ins) > 4 and ins[4] is not None else None
     if g_idx is not None:
         order = np.arange(k) // block_size
@@ -73,11 +71,10 @@ def _gather_block_quantized(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if k % block_size:
         raise ctx.error(f"GatherBlockQuantized: {k} columns are not whole blocks of {block_size}")
     blocks = k // block_size
-    operands = [ctx.constant(data.reshape(rows, blocks, block_size * bits // 8), "data", quantized=True), ctx.tensor(ins[1], "indices")]
+    operands = [ctx.constant(data.reshape(rows, blocks, block_size * bits // 8), "data"), ctx.tensor(ins[1], "indices")]
     operands.append(ctx.tensor(ctx.known(ins[2], "GatherBlockQuantized scales"), "scales"))
-    zero = simplify(ins[3]) if len(ins) > 3 and ins[3] is not None else None
-    if zero is not None:
-        operands.append(ctx.constant(ctx.known(zero, "GatherBlockQuantized zero_points"), "zero_points", quantized=True))
+    if len(ins) > 3 and ins[3] is not None:
+        operands.append(ctx.tensor(ctx.known(ins[3], "GatherBlockQuantized zero_points"), "zero_points"))
     return [ctx.add(QuantizedGather(bits, block_size, k), operands, "gathered")]
 
 
@@ -87,33 +84,24 @@ def _dynamic_quantize(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [v.name for v in ctx.graph.add_multi_node(DynamicQuantize(), [x], names)]
 
 
-def _eight_bit(ctx: ImportContext, v: Imported, what: str) -> str:
-    """An 8-bit operand: a graph value, or a constant kept int8/uint8."""
-    v = simplify(v)
-    if isinstance(v, np.ndarray) and v.dtype in (np.int8, np.uint8):
-        return ctx.constant(v, what, quantized=True)
-    return ctx.tensor(v, what)
-
-
 def _matmul_integer(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    operands = [_eight_bit(ctx, v, what) for v, what in zip(ins, ("A", "B", "a_zero_point", "b_zero_point")) if v is not None]
+    operands = [ctx.tensor(v, what) for v, what in zip(ins, ("A", "B", "a_zero_point", "b_zero_point")) if v is not None]
     if len(ins) > 3 and ins[2] is None and ins[3] is not None:
-        zero = np.zeros((), ctx.graph.types[operands[0]].dtype)
-        operands.insert(2, ctx.constant(zero, "a_zero_point", quantized=True))
+        operands.insert(2, ctx.constant(np.zeros((), ctx.graph.types[operands[0]].dtype), "a_zero_point"))
     return [ctx.add(IntegerMatMul(), operands, "matmul_integer")]
 
 
 def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
-    x = _eight_bit(ctx, ins[0], "DequantizeLinear input")
+    x = ctx.tensor(ins[0], "DequantizeLinear input")
     if ctx.graph.types[x].dtype not in ("int8", "uint8"):
         raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) and MatMulNBits' packed 4-bit weights")
-    operands = [x, ctx.tensor(ins[1], "x_scale")] + ([_eight_bit(ctx, ins[2], "x_zero_point")] if len(ins) > 2 and ins[2] is not None else [])
+    operands = [x, ctx.tensor(ins[1], "x_scale")] + ([ctx.tensor(ins[2], "x_zero_point")] if len(ins) > 2 and ins[2] is not None else [])
     return [ctx.add(Dequantize(int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "dequantized")]
 
 
 def _quantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0], "QuantizeLinear input")
-    zero = _eight_bit(ctx, ins[2], "y_zero_point") if len(ins) > 2 and ins[2] is not None else None
+    zero = ctx.tensor(ins[2], "y_zero_point") if len(ins) > 2 and ins[2] is not None else None
     dtype = ctx.graph.types[zero].dtype if zero is not None else {2: "uint8", 3: "int8"}.get(int(attrs.get("output_dtype", 2)))
     if dtype not in ("int8", "uint8") or int(attrs.get("block_size", 0)):
         raise ctx.error("QuantizeLinear: graphc quantizes to int8 or uint8, per tensor or per axis")
