@@ -45,6 +45,7 @@ def _prompts(items: list[str]) -> list[list[int]]:
 def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]:
     """The prompts as ids, their texts (empty for ``--prompt-ids``) and the tokenizer (or None); fills ``--hf-config``,
     ``--weights``, ``--pad-token-id`` and ``--eos-token-id`` from a checkpoint folder where they were not given."""
+    from .attention.hf import read_hf_config
     from .checkpoint import Checkpoint
 
     folder = Checkpoint(args.checkpoint) if args.checkpoint else None
@@ -60,7 +61,8 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
                 setattr(args, field, defaults[field])
                 sources[field] = f"the folder's {field} (generation_config.json or config.json)"
     args.pad_token_id = 0 if args.pad_token_id is None else args.pad_token_id
-    _check_special_ids(args, sources)
+    config = read_hf_config(args.hf_config)
+    _check_special_ids(args, sources, config)
     if args.chat and not args.prompt:
         raise UsageError("--chat applies the chat template to --prompt TEXT messages; give --prompt")
     if not args.prompt and not args.prompt_ids:
@@ -77,14 +79,13 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
         if not all(encoded):
             raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
         prompts = encoded + prompts
+    _warn_past_positions(args, prompts, config)
     return prompts, texts, tokenizer
 
 
-def _check_special_ids(args: argparse.Namespace, sources: dict[str, str]) -> None:
+def _check_special_ids(args: argparse.Namespace, sources: dict[str, str], config: dict[str, Any]) -> None:
     """The pad id must be an id of the model's vocabulary, an eos id an int64; an error names where each came from."""
-    from .attention.hf import read_hf_config
-
-    vocab = read_hf_config(args.hf_config).get("vocab_size")
+    vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool):
         return  # the model's own config check names it
     if not 0 <= args.pad_token_id < vocab:  # fed to the model: it must be a row of the embedding table
@@ -95,11 +96,9 @@ def _check_special_ids(args: argparse.Namespace, sources: dict[str, str]) -> Non
         raise UsageError(f"{sources['eos_token_id']} {bad[0]} is not a token id (ids are 0 .. 2**63 - 1)")
 
 
-def _warn_past_positions(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+def _warn_past_positions(args: argparse.Namespace, prompts: list[list[int]], config: dict[str, Any]) -> None:
     """A prompt (with the tokens asked for) past the model's positions runs on, as transformers does, with a warning."""
-    from .attention.hf import read_hf_config
-
-    limit = read_hf_config(args.hf_config).get("max_position_embeddings")
+    limit = config.get("max_position_embeddings")
     longest = max(map(len, prompts))
     if isinstance(limit, int) and longest + args.max_new_tokens > limit:
         print(
@@ -268,7 +267,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.cuda_graph and args.shards is not None:
         raise UsageError("--cuda-graph and --shards do not go together: CUDA graphs replay one process's ort-cuda step")
     prompts, texts, tokenizer = _resolve(args)
-    _warn_past_positions(args, prompts)
     progress = Progress(sys.stderr, enabled=not args.quiet)
     progress("building the model")
     graph = _model(args)

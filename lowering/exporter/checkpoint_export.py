@@ -91,10 +91,10 @@ def export_checkpoint(
     ckpt = Checkpoint(Path(folder))
     target = _output_folder(ckpt, out, force)
     config = read_hf_config(ckpt.config)
-    lm = causal_lm_config_from_hf(ckpt.config, layers)
+    lm = causal_lm_config_from_hf(config, layers)
     copies = _loader_sources(ckpt)
     genai = _genai_config(ckpt, lm, config)
-    graph = causal_lm_from_hf(ckpt.config, load_weights(ckpt.folder), n_layers=layers, dtype=dtype, logits="all")
+    graph = causal_lm_from_hf(config, load_weights(ckpt.folder), n_layers=layers, dtype=dtype, logits="all")
     if quantize is not None:
         graph = quantize_weights(graph, quantize)[0]
     optimized = optimize(graph, hints=hints).graph
