@@ -31,13 +31,12 @@ import numpy as np
 from graphc.attention_op import Attention
 from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
+from graphc.numerics import FILL_LIMIT
 from graphc.ops import FLOAT_DTYPES, Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.tensor_ops import BroadcastTo
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
-from graphc.numerics import FILL_LIMIT
-
 from .masks import MaskSplit, split_additive_mask
 
 __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
@@ -93,9 +92,7 @@ def _fill_rows(graph: Graph, name: str) -> str | None:
     if arr.size < 1 or not np.all(arr == arr.reshape(-1)[0]):
         return None
     fill = float(arr.reshape(-1)[0])
-    # a finite fill swamps every score only at most FILL_LIMIT: float16's -65504, widened to the float32 graphc (and
-    # onnxruntime's CPU) computes in, does not, so a row it hides whole attends to every key: no empty-row form says that
-    return "zero" if np.isneginf(fill) else "mean" if float(fill) <= FILL_LIMIT else None
+    return "zero" if np.isneginf(fill) else "mean" if fill <= FILL_LIMIT else None
 
 
 def _match_fill_first(graph: Graph, node: Node, ctx: PassContext) -> object:

@@ -189,12 +189,12 @@ def _split_axes(g: Graph, classes: AxisClasses, seeds: list[tuple[str, int]], n:
     return split
 
 
-def _partials(g: Graph, split: Mapping[str, int], classes: AxisClasses) -> set[str]:
+def _partials(g: Graph, split: Mapping[str, int], gathered: set[str]) -> set[str]:
     partial: set[str] = set()
     for node in g.topological_order():
         reads_split = [v for v in node.inputs if v in split]
-        if node.name in classes.opaque and (reads_split or any(o in split for o in node.outputs)) and not _reads_another_axis_length(g, node, split):
-            continue  # no sharding rule: run whole, in a replicated stage (_gathered)
+        if node.name in gathered:
+            continue  # no sharding rule: run whole, in a replicated stage
         if not reads_split or any(o in split for o in node.outputs):
             continue
         if isinstance(node.op, Einsum):
@@ -398,8 +398,9 @@ def shard(graph: Graph, n: int, mlp: bool = True, replicated: str = "workers") -
         seeds += _mlp_seeds(g, n)
     classes = link_axes(g)
     split = _split_axes(g, classes, seeds, n) if n > 1 else {}
-    partial = _partials(g, split, classes) if n > 1 else set()
-    stage_of = _stages(g, split, partial, replicated == "workers", _gathered(g, split, classes))
+    gathered = _gathered(g, split, classes)
+    partial = _partials(g, split, gathered) if n > 1 else set()
+    stage_of = _stages(g, split, partial, replicated == "workers", gathered)
     last = max(stage_of.values(), default=0)
     order = g.topological_order()
     stages = []
