@@ -17,7 +17,8 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from ..errors import OnnxImportError
+from ..errors import OnnxImportError, SerializationError
+from ..folders import confined
 from ..memory import check_allocation
 
 __all__ = ["load_model", "read_model", "MAX_DIM", "MIN_IMPORT_OPSET", "MAX_PROTO_BYTES"]
@@ -149,9 +150,6 @@ def _external_ref(t: onnx.TensorProto, folder: Path, where: str = "initializer")
     """One tensor's external data as ``(tensor, file, offset, length)``, checked (the file named by its entry must lie in
     ``folder``, a link included; an absent length means the tensor's own size)."""
     from onnx.external_data_helper import ExternalDataInfo
-
-    from ..errors import SerializationError
-    from ..folders import confined
 
     try:
         info = ExternalDataInfo(t)
