@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .errors import OptimizerError
 from .graph import Graph, Node
 from .ops import Einsum
-from .quantized import DequantizeBlocks, QuantizedGather, quantize_blocks
+from .quantized import DequantizeBlocks, QuantizedGather, quantize_blocks, reads_weight_rows
 from .tensor_ops import Gather
 
 __all__ = ["QuantizeOptions", "quantize_weights", "QUANTIZE_CHOICES"]
@@ -89,8 +89,4 @@ def _weight_of(g: Graph, node: Node) -> str | None:
     w = g.initializers.get(weight)
     if w is None or w.ndim != 2 or str(w.dtype) not in ("float32", "float16") or str(w.dtype) != g.types[node.inputs[0]].dtype:
         return None
-    spec = node.op_as(Einsum).parsed
-    x_term, w_term = spec.inputs
-    if not x_term or x_term[-1] != w_term[1] or spec.output != x_term[:-1] + w_term[0] or w_term[1] in x_term[:-1]:
-        return None
-    return weight
+    return weight if reads_weight_rows(node.op_as(Einsum).parsed) else None

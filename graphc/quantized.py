@@ -29,6 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from .dims import Dim, format_shape, normalize_dim
+from .einsum_spec import EinsumSpec
 from .errors import DTypeMismatchError, OpError, ShapeMismatchError
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
 
@@ -42,6 +43,7 @@ __all__ = [
     "quantize_blocks",
     "block_zero_points",
     "zero_point_rows",
+    "reads_weight_rows",
 ]
 
 
@@ -127,6 +129,15 @@ def quantize_blocks(
     packed = pack_bits(q.reshape(n, blocks, block_size), bits)
     zero_points = None if symmetric else pack_bits(zero.astype(np.uint8), bits).reshape(-1)
     return packed, scale.astype(np.float32).reshape(-1), zero_points
+
+
+def reads_weight_rows(spec: EinsumSpec) -> bool:
+    """Whether a two-operand einsum is ``x[..., K] . W[N, K] -> [..., N]``: the product ``x @ W.T`` a
+    :class:`QuantizedMatMul` computes (and a linear layer's, with ``W`` stored as transformers stores it)."""
+    if len(spec.inputs) != 2:
+        return False
+    x_term, w_term = spec.inputs
+    return len(w_term) == 2 and bool(x_term) and x_term[-1] == w_term[1] and spec.output == x_term[:-1] + w_term[0] and w_term[1] not in x_term[:-1]
 
 
 def _check_layout(op: str, bits: int, block_size: int, k: int) -> None:

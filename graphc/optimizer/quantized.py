@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from graphc.graph import Graph, Node
 from graphc.ops import Einsum
-from graphc.quantized import DequantizeBlocks, QuantizedMatMul
+from graphc.quantized import DequantizeBlocks, QuantizedMatMul, reads_weight_rows
 
 from .infra import PassContext, Rule
 from .patterns import Miss
@@ -24,9 +24,7 @@ def _match(graph: Graph, node: Node, ctx: PassContext) -> Node | Miss | None:
     weight = graph.producer(node.inputs[1])
     if weight is None or not isinstance(weight.op, DequantizeBlocks):
         return None
-    spec = node.op_as(Einsum).parsed
-    x_term, w_term = spec.inputs
-    if len(w_term) != 2 or not x_term or x_term[-1] != w_term[1] or spec.output != x_term[:-1] + w_term[0] or w_term[1] in x_term[:-1]:
+    if not reads_weight_rows(node.op_as(Einsum).parsed):
         return Miss(f"einsum {node.name!r} ({node.op_as(Einsum).spec}) is not x[..., K] times a dequantized W[N, K] transposed")
     if graph.types[node.inputs[0]].dtype != graph.types[node.inputs[1]].dtype:
         return Miss(f"einsum {node.name!r}: x and the dequantized weight differ in dtype")
