@@ -52,12 +52,12 @@ def causal_lm_weights_from_hf(weights: Mapping[str, Any], config: Mapping[str, A
     cfg = read_hf_config(config)
     out = decoder_weights_from_hf(weights, cfg)  # the embeddings and head renamed with the layers
     lm = causal_lm_config_from_hf(cfg)
-    if lm.tie_word_embeddings and not unties(out):
+    if lm.tie_word_embeddings and not _unties(out):
         out.pop("lm_head.weight", None)
     return out
 
 
-def unties(weights: Mapping[str, Any]) -> bool:
+def _unties(weights: Mapping[str, Any]) -> bool:
     """Whether a checkpoint whose config ties the LM head to the embedding holds an ``lm_head.weight`` of other values:
     transformers then does not tie them (it warns) and computes the logits with ``lm_head.weight``, and so does graphc."""
     head, table = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
