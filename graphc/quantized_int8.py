@@ -24,7 +24,7 @@ import numpy as np
 from .dims import format_shape, normalize_dim
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .errors import OpError
-from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
+from .ops import FLOAT_DTYPES, QUANTIZED_DTYPES, Dims, Op, TensorType, register_op
 
 __all__ = ["DynamicQuantize", "IntegerMatMul", "Dequantize", "Quantize", "dynamic_quantize"]
 
@@ -84,7 +84,7 @@ class IntegerMatMul(Op):
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         a, b = ins[0], ins[1]
         for name, t in (("a", a), ("b", b), *((f"zero point {i}", z) for i, z in enumerate(ins[2:]))):
-            if t.dtype not in ("int8", "uint8"):
+            if t.dtype not in QUANTIZED_DTYPES:
                 raise DTypeMismatchError(f"IntegerMatMul: {name} must be int8 or uint8, got {t.dtype}")
         if b.rank != 2 or a.rank < 1 or normalize_dim(a.shape[-1]) != normalize_dim(b.shape[0]):
             raise ShapeMismatchError(f"IntegerMatMul: a {format_shape(a.shape)} and b {format_shape(b.shape)} must be [..., K] and [K, N]")
@@ -123,7 +123,7 @@ class Dequantize(Op):
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         x, scale = ins[0], ins[1]
-        if x.dtype not in ("int8", "uint8"):
+        if x.dtype not in QUANTIZED_DTYPES:
             raise DTypeMismatchError(f"Dequantize: x must be int8 or uint8, got {x.dtype}")
         if scale.dtype not in FLOAT_DTYPES:
             raise DTypeMismatchError(f"Dequantize: the scale must be float, got {scale.dtype}")
@@ -168,7 +168,7 @@ class Quantize(Op):
     arity: ClassVar[int | None] = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("int8", "uint8"):
+        if self.dtype not in QUANTIZED_DTYPES:
             raise OpError(f"Quantize: dtype must be int8 or uint8, got {self.dtype!r}")
 
     def check_arity(self, n: int) -> None:

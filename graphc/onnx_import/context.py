@@ -31,7 +31,7 @@ from ..dims import Dim, dim_symbols, format_shape, is_static, is_symbol, normali
 from ..einsum_spec import parse_einsum
 from ..errors import EinsumSpecError, OnnxImportError, ShapeMismatchError
 from ..graph import Graph, GraphMark
-from ..ops import Binary, Cast, Compare, Concat, Einsum, Reshape, Where
+from ..ops import QUANTIZED_DTYPES, Binary, Cast, Compare, Concat, Einsum, Reshape, Where
 from ..tensor_ops import Arange, BroadcastTo, ShapeValues
 from .unify import MAX_UNIFICATIONS, DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
 
@@ -254,7 +254,7 @@ class ImportContext:
         """A new initializer holding ``arr`` (converted to a graphc dtype; int8/uint8 data, the bytes of quantized
         weights, kept as it is)."""
         arr = np.asarray(arr)
-        if arr.dtype in (np.int8, np.uint8):  # quantized data: kept as the file holds it
+        if str(arr.dtype) in QUANTIZED_DTYPES:  # quantized data: kept as the file holds it
             return self.graph.add_initializer(self.graph.fresh_name(_clean(base)), arr, copy=arr.flags.writeable).name
         if arr.dtype.kind == "U":
             raise self.error(f"{base}: dtype {arr.dtype} has no graphc equivalent")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import Binary, Einsum
+from ..ops import QUANTIZED_DTYPES, Binary, Einsum
 from ..quantized import DequantizeBlocks, QuantizedGather
 from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul, Quantize
 from .context import ImportContext, simplify
@@ -93,7 +93,7 @@ def _matmul_integer(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0], "DequantizeLinear input")
-    if ctx.graph.types[x].dtype not in ("int8", "uint8"):
+    if ctx.graph.types[x].dtype not in QUANTIZED_DTYPES:
         raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) and MatMulNBits' packed 4-bit weights")
     operands = [x, ctx.tensor(ins[1], "x_scale")] + ([ctx.tensor(ins[2], "x_zero_point")] if len(ins) > 2 and ins[2] is not None else [])
     return [ctx.add(Dequantize(int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "dequantized")]
@@ -103,7 +103,7 @@ def _quantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0], "QuantizeLinear input")
     zero = ctx.tensor(ins[2], "y_zero_point") if len(ins) > 2 and ins[2] is not None else None
     dtype = ctx.graph.types[zero].dtype if zero is not None else {2: "uint8", 3: "int8"}.get(int(attrs.get("output_dtype", 2)))
-    if dtype not in ("int8", "uint8") or int(attrs.get("block_size", 0)):
+    if dtype not in QUANTIZED_DTYPES or int(attrs.get("block_size", 0)):
         raise ctx.error("QuantizeLinear: graphc quantizes to int8 or uint8, per tensor or per axis")
     operands = [x, ctx.tensor(ins[1], "y_scale")] + ([zero] if zero is not None else [])
     return [ctx.add(Quantize(dtype, int(attrs.get("axis", 1))), operands, "quantized")]
