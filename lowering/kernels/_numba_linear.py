@@ -75,10 +75,11 @@ def nbits_rows(x_lo, x_hi, xsum, packed, scales, zeros, n0, n1, out):
     """``out[:, n0:n1] = x @ W[n0:n1].T`` for a 4-bit ``W`` in ``MatMulNBits``' layout, read packed.
 
     ``packed [N, blocks * blob]`` uint8, ``scales [N, blocks]`` and ``zeros`` (each block's scale times its zero point)
-    float32; ``xsum [M, blocks]`` the sums
-    of ``x`` per block; ``x_lo``/``x_hi [M, blocks * blob]`` the values of ``x`` that meet each byte's low and high
-    nibble (``x``'s even and odd columns, ``K`` padded with zeros), so both stream contiguously beside the bytes.
-    Each block contributes ``scale * sum_j x_j q_j - scale * zero * sum_j x_j``, the values unpacked in registers."""
+    float32; ``xsum [M, blocks]`` the sums of ``x`` per block; ``x_lo``/``x_hi [M, blocks * blob]`` the values of ``x``
+    that meet each byte's low and high nibble (``x``'s even and odd columns, ``K`` padded with zeros), so both stream
+    contiguously beside the bytes.  Each block contributes ``scale * sum_j x_j q_j - scale * zero * sum_j x_j``, the
+    values unpacked in registers.  A twin of :func:`bytes_rows` rather than one kernel with a branch on the bit width:
+    a branch in the inner loop keeps LLVM from vectorising it (measured: 2.5 ms against 1.0 ms on a 4864 x 896 weight)."""
     m_rows = x_lo.shape[0]
     blocks = scales.shape[1]
     blob = packed.shape[1] // blocks
