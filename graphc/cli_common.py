@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from .errors import GraphcError
 
@@ -40,22 +40,27 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("quantization (from a checkpoint folder)")
     q.add_argument("--quantize", choices=("int4", "int8"), default=None,
                    help="quantize the weight matrices (projections, MLP, LM head) in blocks: onnxruntime's MatMulNBits")  # fmt: skip
-    q.add_argument("--quantize-block-size", type=int, default=32, metavar="N", help="values a block, a power of two >= 16 (default 32)")
+    q.add_argument("--quantize-block-size", type=int, default=None, metavar="N", help="values a block, a power of two >= 16 (default 32)")
     q.add_argument("--quantize-asymmetric", action="store_true", help="a zero point per block (default: symmetric, as genai's builder)")
-    q.add_argument("--accuracy-level", type=int, default=0, choices=(0, 1, 2, 3, 4),
+    q.add_argument("--accuracy-level", type=int, default=None, choices=(0, 1, 2, 3, 4),
                    help="onnxruntime's MatMulNBits accuracy level (4: activations quantized to int8, faster; default 0: as computed)")  # fmt: skip
 
 
 def quantize_options(args: argparse.Namespace) -> QuantizeOptions | None:
-    """The :class:`~graphc.quantize.QuantizeOptions` the flags ask for, or None without ``--quantize``."""
+    """The :class:`~graphc.quantize.QuantizeOptions` the flags ask for (its defaults where a flag is not given), or None
+    without ``--quantize``."""
     from .quantize import QUANTIZE_CHOICES, QuantizeOptions
 
+    flags = {"block_size": getattr(args, "quantize_block_size", None), "accuracy_level": getattr(args, "accuracy_level", None)}
+    given: dict[str, Any] = {k: v for k, v in flags.items() if v is not None}
+    if getattr(args, "quantize_asymmetric", False):
+        given["symmetric"] = False
     if getattr(args, "quantize", None) is None:
-        if getattr(args, "quantize_asymmetric", False) or getattr(args, "accuracy_level", 0) or getattr(args, "quantize_block_size", 32) != 32:
+        if given:
             raise UsageError("--quantize-block-size, --quantize-asymmetric and --accuracy-level go with --quantize int4|int8")
         return None
     try:
-        return QuantizeOptions(QUANTIZE_CHOICES[args.quantize], args.quantize_block_size, not args.quantize_asymmetric, args.accuracy_level)
+        return QuantizeOptions(bits=QUANTIZE_CHOICES[args.quantize], **given)
     except GraphcError as e:
         raise UsageError(f"--quantize-block-size: {e}") from None
 
