@@ -41,15 +41,20 @@ def weights(config: dict[str, Any] | None = None, varied: bool = False) -> dict[
     return out
 
 
-def write_tokenizer(path: Path) -> None:
-    """A WordLevel tokenizer over :data:`WORDS` that adds ``<s>`` in front, as ``tokenizer.json``."""
+def tokenizer() -> Any:
+    """A ``tokenizers`` WordLevel tokenizer over :data:`VOCAB` that adds ``<s>`` in front."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(path))
+    return tok
+
+
+def write_tokenizer(path: Path) -> None:
+    """:func:`tokenizer` as ``tokenizer.json``."""
+    tokenizer().save(str(path))
 
 
 def write_checkpoint(folder: Path, config: dict[str, Any] | None = None, safetensors: bool = True, varied: bool = False) -> Path:

@@ -18,20 +18,9 @@ from graphc.checkpoint import Checkpoint
 from graphc.cli import main
 from graphc.errors import SerializationError
 
-WORDS = "the cat sat on a mat and dog ran to big red house in sun was very happy small bird sang song".split()
+from checkpoints import VOCAB, tokenizer
+
 PROMPTS = ["the cat sat on", "a big red dog ran to the"]
-
-
-def _tokenizer(folder: Path):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, processors
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    return tok, len(vocab)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +28,8 @@ def folder(tmp_path_factory) -> Path:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("llama_text")
-    tok, vocab = _tokenizer(out)
+    pytest.importorskip("tokenizers")
+    tok, vocab = tokenizer(), len(VOCAB)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
