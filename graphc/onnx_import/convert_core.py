@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dims import Dim, dim_add, dim_max, dim_mul, dim_sub, format_shape, normalize_dim
+from ..dims import Dim, dim_add, dim_max, dim_mul, dim_sub, dim_symbols, format_shape, is_symbol, normalize_dim
 from ..errors import GraphcError
 from ..ops import (
     UNARY_FUNCTIONS,
@@ -660,16 +660,29 @@ def _range(ctx: ImportContext, ins: list, attrs: dict) -> list:
     start, limit, delta = (as_dims(x) for x in ins)
     if start is None or limit is None or delta is None or delta.values != (1,):
         raise ctx.error("Range with a run-time start, limit or a step other than 1 is not supported")
-    length = dim_sub(limit.values[0], start.values[0])
-    for name, t in ctx.graph.types.items():
-        for axis, d in enumerate(t.shape):
-            if normalize_dim(d) == normalize_dim(length):
-                pos = ctx.add(Positions(axis, start.values[0]), [name], "range")
-                dtype = ctx.dtype_of(ins[0])
-                return [pos if dtype == "int64" else ctx.add(Cast(dtype), [pos], "range_cast")]
-    pos = ctx.graph.add_node(Arange(start.values[0], limit.values[0]), [], ctx.graph.fresh_name("range")).name  # no axis of that length yet
+    length = normalize_dim(dim_sub(limit.values[0], start.values[0]))
     dtype = ctx.dtype_of(ins[0])
+    carrier = _length_carrier(ctx, length)
+    if carrier is not None:
+        pos = ctx.add(Positions(carrier[1], start.values[0]), [carrier[0]], "range")
+    else:
+        pos = ctx.graph.add_node(Arange(start.values[0], limit.values[0]), [], ctx.graph.fresh_name("range")).name
     return [pos if dtype == "int64" else ctx.add(Cast(dtype), [pos], "range_cast")]
+
+
+def _length_carrier(ctx: ImportContext, length: Dim) -> tuple[str, int] | None:
+    """The value and axis a ``Range`` of ``length`` reads its length from: a graph input's axis of that length; else
+    None (an ``Arange`` over the dim) where the inputs' dims give it; else any value's axis of that length.  A value
+    computed in the graph is the last choice: reading it would tie the positions to it (a cache ``Concat`` read
+    before the attention it feeds)."""
+    inputs = [(name, ctx.graph.types[name]) for name in ctx.graph.inputs]
+    for name, t in inputs + [item for item in ctx.graph.types.items() if item[0] not in ctx.graph.inputs]:
+        if name not in ctx.graph.inputs and dim_symbols(length) <= {str(d) for _, t2 in inputs for d in t2.shape if is_symbol(d)}:
+            return None
+        for axis, d in enumerate(t.shape):
+            if normalize_dim(d) == length:
+                return name, axis
+    return None
 
 
 def _trilu(ctx: ImportContext, ins: list, attrs: dict) -> list:

@@ -27,7 +27,7 @@ from graphc.graph import Graph, Node, ValueLike
 from graphc.opaque import Opaque
 from graphc.ops import Concat, Repeat, Reshape, Transpose
 from graphc.rotary import Positions
-from graphc.tensor_ops import BroadcastTo, Slice
+from graphc.tensor_ops import Arange, BroadcastTo, Slice
 
 from .infra import PassContext, Rule
 from .patterns import Miss
@@ -54,7 +54,7 @@ def _is_zero(graph: Graph, value: str) -> bool:
 
 def _start_along(graph: Graph, value: str, axis: int, rank: int) -> Dim | None:
     """``a`` when ``value`` (``rank`` axes and a trailing 1) holds ``a + i`` at index ``i`` of ``axis`` and is constant
-    along every other axis, else None.  The root is a ``Positions`` of the axis' length (its offset is ``a``) or a
+    along every other axis, else None.  The root is a ``Positions`` or an ``Arange`` of the axis' length (its offset or start is ``a``) or a
     constant of consecutive integers, 1-D or already lying along ``axis`` (every other axis 1); each step outwards is a Reshape that keeps every
     other axis 1, a trailing unit axis, or a broadcast (BroadcastTo, or a Repeat off ``axis``) of the same rank."""
     chain = _chain(graph, value)
@@ -63,6 +63,8 @@ def _start_along(graph: Graph, value: str, axis: int, rank: int) -> Dim | None:
     producer = graph.producer(root)
     if producer is not None and isinstance(producer.op, Positions) and graph.types[root].shape == (length,):
         start = producer.op.offset
+    elif producer is not None and isinstance(producer.op, Arange) and graph.types[root].shape == (length,):
+        start = producer.op.start
     elif graph.is_constant(root) and isinstance(length, int):
         flat = np.asarray(graph.initializers[root])
         placed = flat.ndim == 1 or (flat.ndim in (rank, rank + 1) and all(d == 1 for i, d in enumerate(flat.shape) if i != axis))
