@@ -1,4 +1,5 @@
-"""Converters for fused ONNX ops: ``Attention`` (opsets 23-25), RoPE and the norms.
+"""Converters for fused ONNX ops: ``Attention`` (opsets 23-25), RoPE, the norms, and the products and activations
+onnxruntime's graph optimizer fuses in the files it saves (``com.microsoft.FusedMatMul``, ``QuickGelu``).
 
 Each fused op is decomposed into graphc's einsum and elementwise ops with the
 semantics of ONNX's reference implementation (onnx 1.23), so the optimizer can
@@ -32,7 +33,7 @@ from ..ops import (
 from ..rotary import Positions
 from ..tensor_ops import Arange, Gather, Reduce, Slice
 from .context import ONNX_TO_DTYPE, ImportContext, Imported
-from .convert_core import Converter, _positions_grid
+from .convert_core import Converter, _einsum_matmul, _positions_grid
 
 __all__ = ["FUSED_CONVERTERS"]
 
@@ -411,6 +412,31 @@ def _gelu(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [ctx.add(Binary("mul"), [x, half], "gelu")]
 
 
+def _fused_matmul(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``com.microsoft.FusedMatMul``: ``alpha * op(A) @ op(B)``, ``op`` swapping the last two axes where ``transA`` /
+    ``transB`` say (the batch-transposing forms are refused by name)."""
+    if attrs.get("transBatchA", 0) or attrs.get("transBatchB", 0):
+        raise ctx.error("FusedMatMul with transBatchA/transBatchB: graphc reads the forms that transpose only the last two axes")
+    operands = []
+    for v, flag in ((ins[0], "transA"), (ins[1], "transB")):
+        x = ctx.tensor(v)
+        rank = ctx.graph.types[x].rank
+        if attrs.get(flag, 0) and rank >= 2:
+            x = ctx.add(Transpose((*range(rank - 2), rank - 1, rank - 2)), [x], "fused_matmul_t")
+        operands.append(x)
+    y = _einsum_matmul(ctx, *operands)
+    alpha = float(attrs.get("alpha", 1.0))
+    return [y if alpha == 1.0 else ctx.add(Scale(alpha), [y], "fused_matmul_alpha")]
+
+
+def _quick_gelu(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``com.microsoft.QuickGelu``: ``x * sigmoid(alpha * x)`` (``alpha`` 1: the SiLU onnxruntime fuses under this name)."""
+    x = ctx.tensor(ins[0])
+    alpha = float(attrs.get("alpha", 1.702))
+    inner = x if alpha == 1.0 else ctx.add(Scale(alpha), [x], "quick_gelu_alpha")
+    return [ctx.add(Binary("mul"), [x, ctx.add(Unary("sigmoid"), [inner], "quick_gelu_sigmoid")], "quick_gelu")]
+
+
 FUSED_CONVERTERS: dict[tuple[str, str], Converter] = {
     ("", "Attention"): _attention,
     ("", "RMSNormalization"): _rms_norm,
@@ -422,5 +448,7 @@ FUSED_CONVERTERS: dict[tuple[str, str], Converter] = {
     ("com.microsoft", "SimplifiedLayerNormalization"): _rms_norm,
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): _skip_simplified,
     ("com.microsoft", "SkipLayerNormalization"): _skip_layer_norm,
+    ("com.microsoft", "FusedMatMul"): _fused_matmul,
+    ("com.microsoft", "QuickGelu"): _quick_gelu,
 }
 """Fused-op converters by (domain, op type); ``""`` is the standard domain."""
