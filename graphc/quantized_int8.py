@@ -44,6 +44,30 @@ def dynamic_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return q.astype(np.uint8), np.array(scale, np.float32), np.array(zero, np.uint8)
 
 
+def _check_scale_form(kind: str, x: TensorType, scale: TensorType, axis: int, block_size: int) -> None:
+    """ONNX's three forms of ``(De)QuantizeLinear`` scales: one value, one a slice along ``axis``, or block-wise."""
+    if (block_size or scale.rank) and not -x.rank <= axis < x.rank:  # one value for the whole tensor: the axis plays no part
+        raise OpError(f"{kind}: axis {axis} is out of range for rank {x.rank}")
+    if block_size and scale.rank != x.rank:
+        raise ShapeMismatchError(f"{kind}: block-wise scales have x's rank {x.rank}, got {format_shape(scale.shape)}")
+    if not block_size and scale.rank > 1:
+        raise ShapeMismatchError(f"{kind}: scales are one value or one a slice along axis {axis}, got {format_shape(scale.shape)}")
+
+
+def _spread(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, axis: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 scale and zero point broadcastable against ``x``: as given, along ``axis``, or each block's repeated."""
+    zero = np.asarray(zero_point).astype(np.float32) if zero_point is not None else np.zeros(scale.shape, np.float32)
+    if block_size:
+        axis %= x.ndim
+        rows = np.arange(x.shape[axis])
+        return np.repeat(scale, block_size, axis=axis).take(rows, axis=axis), np.repeat(zero, block_size, axis=axis).take(rows, axis=axis)
+    if scale.ndim == 1 and scale.size > 1:
+        shape = [1] * x.ndim
+        shape[axis % x.ndim] = scale.size
+        return scale.reshape(shape), zero.reshape(shape)
+    return scale, zero
+
+
 @register_op
 @dataclass(frozen=True)
 class DynamicQuantize(Op):
@@ -129,26 +153,12 @@ class Dequantize(Op):
             raise DTypeMismatchError(f"Dequantize: the scale must be float, got {scale.dtype}")
         if len(ins) == 3 and (ins[2].dtype != x.dtype or ins[2].shape != scale.shape):
             raise ShapeMismatchError(f"Dequantize: the zero point must be {x.dtype}{format_shape(scale.shape)} like x and the scale")
-        if not -max(x.rank, 1) <= self.axis < max(x.rank, 1):
-            raise OpError(f"Dequantize: axis {self.axis} is out of range for rank {x.rank}")
-        if self.block_size and scale.rank != x.rank:
-            raise ShapeMismatchError(f"Dequantize: block-wise scales have x's rank {x.rank}, got {format_shape(scale.shape)}")
-        if not self.block_size and scale.rank > 1:
-            raise ShapeMismatchError(f"Dequantize: scales are one value or one a slice along axis {self.axis}, got {format_shape(scale.shape)}")
+        _check_scale_form("Dequantize", x, scale, self.axis, self.block_size)
         return TensorType(x.shape, scale.dtype)
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         x, scale = args[0], np.asarray(args[1])
-        zero = np.asarray(args[2]).astype(np.float32) if len(args) == 3 else np.zeros(scale.shape, np.float32)
-        scale32 = scale.astype(np.float32)
-        if self.block_size:
-            axis = self.axis % x.ndim
-            scale32 = np.repeat(scale32, self.block_size, axis=axis).take(np.arange(x.shape[axis]), axis=axis)
-            zero = np.repeat(zero, self.block_size, axis=axis).take(np.arange(x.shape[axis]), axis=axis)
-        elif scale.ndim == 1 and scale.size > 1:
-            shape = [1] * x.ndim
-            shape[self.axis % x.ndim] = scale.size
-            scale32, zero = scale32.reshape(shape), zero.reshape(shape)
+        scale32, zero = _spread(x, scale.astype(np.float32), args[2] if len(args) == 3 else None, self.axis, self.block_size)
         return ((x.astype(np.float32) - zero) * scale32).astype(scale.dtype)
 
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
@@ -160,11 +170,12 @@ class Dequantize(Op):
 @dataclass(frozen=True)
 class Quantize(Op):
     """ONNX ``QuantizeLinear`` to 8 bits: ``saturate(round(x / scale) + zero_point)``, rounding half to even, in
-    ``dtype`` (``int8`` or ``uint8``: the zero point's, else uint8); the scale (and zero point) one value or one a slice
-    along ``axis``."""
+    ``dtype`` (``int8`` or ``uint8``: the zero point's, else uint8); the scale (and zero point) one value, one a slice
+    along ``axis``, or, with ``block_size``, of ``x``'s rank with ``axis`` in blocks of ``block_size`` (opset 21)."""
 
     dtype: str = "uint8"
     axis: int = 1
+    block_size: int = 0
     arity: ClassVar[int | None] = None
 
     def __post_init__(self) -> None:
@@ -181,17 +192,12 @@ class Quantize(Op):
             raise DTypeMismatchError(f"Quantize: x and its scale must be float, got {x.dtype} and {scale.dtype}")
         if len(ins) == 3 and (ins[2].dtype != self.dtype or ins[2].shape != scale.shape):
             raise ShapeMismatchError(f"Quantize: the zero point must be {self.dtype}{format_shape(scale.shape)}, like the scale")
-        if scale.rank > 1:
-            raise ShapeMismatchError(f"Quantize: scales are one value or one a slice along axis {self.axis}, got {format_shape(scale.shape)}")
+        _check_scale_form("Quantize", x, scale, self.axis, self.block_size)
         return TensorType(x.shape, self.dtype)
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
-        x, scale = np.asarray(args[0], np.float32), np.asarray(args[1], np.float32)
-        zero = np.asarray(args[2]).astype(np.float32) if len(args) == 3 else np.zeros(scale.shape, np.float32)
-        if scale.ndim == 1 and scale.size > 1:
-            shape = [1] * x.ndim
-            shape[self.axis % x.ndim] = scale.size
-            scale, zero = scale.reshape(shape), zero.reshape(shape)
+        x = np.asarray(args[0], np.float32)
+        scale, zero = _spread(x, np.asarray(args[1], np.float32), args[2] if len(args) == 3 else None, self.axis, self.block_size)
         info = np.iinfo(self.dtype)
         return np.clip(np.rint(x / scale) + zero, info.min, info.max).astype(self.dtype)
 

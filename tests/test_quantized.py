@@ -5,6 +5,7 @@ with the original's packed bytes (nothing widened); the block layout checked aga
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
@@ -133,6 +134,9 @@ def test_the_standard_export_is_a_blockwise_dequantize_linear_of_the_same_bytes(
     data = next(t for t in out.graph.initializer if t.name == dq.input[0])
     assert data.data_type == TensorProto.UINT4 and list(data.dims) == [8, 64] and data.raw_data == packed.tobytes()
     assert not any(n.domain == "com.microsoft" for n in out.graph.node)
+    again = optimize(from_onnx(out)).graph  # read back: one packed product over the same bytes
+    (node,) = [n for n in again.nodes.values() if isinstance(n.op, QuantizedMatMul)]
+    assert again.initializers[node.inputs[1]].tobytes() == packed.tobytes()
     float_zero, *_ = _matmul_nbits(4, 16, 48, 8, "float")
     with pytest.raises(Exception, match="zero points .* are not packed uint8 constants"):
         export(optimize(from_onnx(float_zero)).graph, quantized="qdq")
@@ -464,3 +468,129 @@ def test_quantize_linear_rounds_half_to_even_and_saturates_as_onnxruntime(zero_d
     np.testing.assert_array_equal(want, np.clip(np.rint(x) + zero.astype(np.float32), info.min, info.max).astype(zero.dtype))
     for backend in installed("numpy", "ort-cpu", "onnx-reference"):
         np.testing.assert_array_equal(run(from_onnx(model), {"x": x}, backend)["y"], want, err_msg=backend)
+
+
+@pytest.mark.parametrize("axis, dtype", [(1, np.int8), (0, np.uint8)])
+def test_blockwise_quantize_linear_equals_the_formula_onnxruntime_and_onnxs_evaluator(axis, dtype):
+    """QuantizeLinear-21 with ``block_size`` (scales and zero points of x's rank, ``axis`` in blocks of 4, the last block
+    short) and its DequantizeLinear: each block its own scale, written out here, and onnxruntime's numbers."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((6, 10)) * 4).astype(np.float32)
+    blocks = list(x.shape)
+    blocks[axis] = -(-x.shape[axis] // 4)
+    scale = rng.uniform(0.02, 0.1, blocks).astype(np.float32)
+    info = np.iinfo(dtype)
+    zero = rng.integers(info.min // 4, info.max // 4, blocks).astype(dtype)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=axis, block_size=4),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=axis, block_size=4)]  # fmt: skip
+    kind = TensorProto.INT8 if dtype == np.int8 else TensorProto.UINT8
+    g = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 10])],
+                          [helper.make_tensor_value_info("q", kind, [6, 10]), helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 10])],
+                          [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])  # fmt: skip
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    spread = lambda v: np.repeat(v, 4, axis=axis).take(np.arange(x.shape[axis]), axis=axis).astype(np.float32)  # noqa: E731
+    q = np.clip(np.rint(x / spread(scale)) + spread(zero), info.min, info.max).astype(dtype)
+    y = (q.astype(np.float32) - spread(zero)) * spread(scale)
+    want = _ort(model, {"x": x})
+    np.testing.assert_array_equal(want[0], q)
+    np.testing.assert_allclose(want[1], y, rtol=1e-6)
+    graph = optimize(from_onnx(model)).graph
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        got = run(graph, {"x": x}, backend)
+        np.testing.assert_array_equal(got["q"], q, err_msg=backend)
+        np.testing.assert_allclose(got["y"], y, rtol=1e-6, err_msg=backend)
+
+
+@pytest.mark.parametrize("shared, per_channel", [(False, False), (False, True), (True, True)])
+def test_onnxruntimes_fused_int8_products_import_equal_to_onnxruntime(shared, per_channel, tmp_path):
+    """The file onnxruntime's optimizer saves from a quantize_dynamic model: one product whose input only it reads becomes
+    DynamicQuantizeMatMul (its bias folded in), products sharing an input MatMulIntegerToFloat after one
+    DynamicQuantizeLinear.  Each equals onnxruntime on that file and the integer product written here in NumPy; the
+    re-export is standard ONNX holding the file's int8 bytes, which ONNX's reference evaluator runs."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(5)
+    weights = [rng.standard_normal((64, 24)).astype(np.float32) for _ in range(2 if shared else 1)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"p{i}"]) for i in range(len(weights))]
+    nodes.append(helper.make_node("Add", ["p0", "p1" if shared else "bias"], ["y"]))
+    inits = [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)]
+    inits.append(numpy_helper.from_array(rng.standard_normal(24).astype(np.float32), "bias"))
+    g = helper.make_graph(nodes, "f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 24])], inits[:-1] if shared else inits)  # fmt: skip
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
+    quantize_dynamic(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), weight_type=QuantType.QInt8, per_channel=per_channel)
+    options = ort.SessionOptions()
+    options.graph_optimization_level, options.optimized_model_filepath = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, str(tmp_path / "fused.onnx")
+    ort.InferenceSession(str(tmp_path / "q.onnx"), options, providers=["CPUExecutionProvider"])
+    model = onnx.load(str(tmp_path / "fused.onnx"))
+    fused = "MatMulIntegerToFloat" if shared else "DynamicQuantizeMatMul"
+    assert [n.op_type for n in model.graph.node].count(fused) == len(weights)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    want = _ort(model, {"x": x})[0]
+    held = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    lo, hi = min(x.min(), 0), max(x.max(), 0)  # DynamicQuantizeLinear and the integer product, written out
+    x_scale = np.float32((hi - lo) / 255)
+    x_zero = np.clip(np.rint(-lo / x_scale), 0, 255)
+    xq = np.clip(np.rint(x / x_scale) + x_zero, 0, 255) - x_zero
+    reference = held.get("bias", 0) * (not shared)
+    for i in range(len(weights)):
+        wq = held[f"w{i}_quantized"].astype(np.int64) - held[f"w{i}_zero_point"].astype(np.int64)
+        reference = reference + (xq @ wq) * (x_scale * held[f"w{i}_scale"])
+    step = 0.01 * float(np.abs(want).max())  # an activation rounded the other way in the last float bit
+    np.testing.assert_allclose(want, reference, atol=step, rtol=0)
+    opt = optimize(from_onnx(model)).graph
+    assert opt.op_counts().get("IntegerMatMul") == len(weights)
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        np.testing.assert_allclose(run(opt, {"x": x}, backend)["y"], want, atol=step, rtol=0, err_msg=backend)
+    kept = {t.raw_data for t in export(opt).graph.initializer if t.data_type == TensorProto.INT8}
+    assert {numpy_helper.from_array(held[f"w{i}_quantized"]).raw_data for i in range(len(weights))} <= kept
+
+
+@pytest.mark.parametrize("symmetric, k", [(True, 64), (False, 80)])
+def test_a_4_bit_qdq_file_imports_kept_4_bit_and_equal_to_onnxruntime(symmetric, k):
+    """matmul_nbits_quantizer's QDQ format: ``DequantizeLinear`` of an INT4 (symmetric) or UINT4 weight ``[K, N]`` with
+    its zero points, in blocks of 32 down the columns (K = 80: a last block of 16), then ``MatMul``.  graphc reads it
+    as one packed product whose values are the file's (each unpacked here and compared), equal to the ONNX reference
+    evaluator and to onnxruntime computing it exactly (left to itself, onnxruntime runs such a file as MatMulNBits at
+    accuracy level 4: int8 activations); the re-export's MatMulNBits holds 4-bit bytes, nothing widened."""
+    from onnx.reference import ReferenceEvaluator
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    rng = np.random.default_rng(7)
+    w = numpy_helper.from_array(rng.standard_normal((k, 24)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 24])], [w])  # fmt: skip
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric, quant_format=QuantFormat.QDQ)
+    quantizer = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), algo_config=config)
+    quantizer.process()
+    model = quantizer.model.model
+    held = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    (data,) = [v for v in held.values() if v.shape == (k, 24)]
+    assert str(data.dtype) == ("int4" if symmetric else "uint4")
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    exact = ort.SessionOptions()
+    exact.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    want = ort.InferenceSession(model.SerializeToString(), exact, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ReferenceEvaluator(model).run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+    opt = optimize(from_onnx(model)).graph
+    (node,) = [n for n in opt.nodes.values() if isinstance(n.op, QuantizedMatMul)]
+    packed = opt.initializers[node.inputs[1]]
+    assert packed.dtype == np.uint8 and packed.shape == (24, -(-k // 32), 16)
+    shift = 8 if symmetric else 0  # a signed value v is held as v + 8, its zero point too
+    values = unpack_bits(packed, 4).reshape(24, -1)[:, :k].astype(np.int16) - shift
+    np.testing.assert_array_equal(values, data.astype(np.int16).T)
+    for backend in installed("numpy", "ort-cpu", "onnx-reference"):
+        np.testing.assert_allclose(run(opt, {"x": x}, backend)["y"], want, rtol=1e-5, atol=1e-5, err_msg=backend)
+    out = export(opt)
+    assert {n.op_type for n in out.graph.node} == {"MatMulNBits"}
+    assert all(t.data_type != TensorProto.FLOAT or np.prod(t.dims) <= 24 * 3 for t in out.graph.initializer)
+
+
+def test_4_bit_data_the_importer_cannot_read_as_a_weight_is_refused_by_name():
+    data = helper.make_tensor("q", TensorProto.INT4, [4, 32], np.zeros(128, np.int8).tolist())
+    node = helper.make_node("DequantizeLinear", ["q", "s"], ["y"], axis=1)
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "s")
+    model = _one_node(node, [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [data, scale])
+    with pytest.raises(OnnxImportError, match="graphc reads a 4-bit weight matrix in blocks along one axis"):
+        from_onnx(model)

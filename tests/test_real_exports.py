@@ -336,19 +336,28 @@ def test_an_int4_export_from_onnxruntimes_quantizer_is_understood_and_equal_to_o
     assert set(packed.values()) <= kept
 
 
-@pytest.mark.parametrize("weight_type", ["int8", "uint8"])
-def test_an_int8_export_from_quantize_dynamic_is_understood_and_equal_to_onnxruntime(weight_type, tmp_path):
+@pytest.mark.parametrize("weight_type, fused", [("int8", False), ("uint8", False), ("int8", True)])
+def test_an_int8_export_from_quantize_dynamic_is_understood_and_equal_to_onnxruntime(weight_type, fused, tmp_path):
     """torch.onnx's cache export through onnxruntime's quantize_dynamic (DynamicQuantizeLinear + MatMulInteger per
-    projection, the embedding table a DequantizeLinear): one causal attention with its cache per layer, onnxruntime's
-    numbers, and the re-export's 8-bit weights the file's."""
+    projection, the embedding table a DequantizeLinear), and (``fused``) the file onnxruntime's optimizer saves from it
+    (DynamicQuantizeMatMul, MatMulIntegerToFloat, FusedMatMul, QuickGelu): one causal attention with its cache per
+    layer, onnxruntime's numbers, and the re-export's 8-bit weights the file's."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     path = export_model("llama", "dynamo", "sdpa", True, tmp_path / "model.onnx")
     quantize_dynamic(str(path), str(tmp_path / "int8.onnx"), weight_type=QuantType.QInt8 if weight_type == "int8" else QuantType.QUInt8)
+    if fused:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(tmp_path / "fused.onnx")
+        ort.InferenceSession(str(tmp_path / "int8.onnx"), options, providers=["CPUExecutionProvider"])
+        (tmp_path / "fused.onnx").replace(tmp_path / "int8.onnx")
     model = onnx.load(str(tmp_path / "int8.onnx"))
     graph = from_onnx(tmp_path / "int8.onnx")
     optimized = optimize(graph).graph
-    assert optimized.op_counts().get("IntegerMatMul") == sum(n.op_type == "MatMulInteger" for n in model.graph.node) >= 15
+    products = sum(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat") for n in model.graph.node)
+    assert optimized.op_counts().get("IntegerMatMul") == products >= 15
+    assert fused == any(n.domain == "com.microsoft" for n in model.graph.node)
     attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
     assert len(attention) == 2 and all(op.kv_cache and op.causal_offset is not None for op in attention)
     # an activation quantized on the fly rounds the other way where graphc's float differs from onnxruntime's in the last

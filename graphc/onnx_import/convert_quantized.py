@@ -10,17 +10,24 @@
   :class:`~graphc.quantized.QuantizedGather`, the table in the same block layout, only the gathered rows read.
 - ``QuantizeLinear`` / ``DequantizeLinear`` pairs of 8-bit data (``quantize_static``'s QDQ files) as
   :class:`~graphc.quantized_int8.Quantize` / :class:`~graphc.quantized_int8.Dequantize`.
+- ``DequantizeLinear`` of a 4-bit (``INT4``/``UINT4``) weight in blocks along either axis (``matmul_nbits_quantizer``'s
+  QDQ format, graphc's own ``quantized="qdq"`` export) as :class:`~graphc.quantized.DequantizeBlocks` of the same
+  values packed in its layout (a signed value ``v`` held as ``v + 8`` with its zero point, so nothing is widened),
+  fused with the product that reads it as the ``MatMulNBits`` case is.
 - ``DynamicQuantizeLinear`` and ``MatMulInteger`` (onnxruntime's ``quantize_dynamic``, optimum's int8 export) as
   :class:`~graphc.quantized_int8.DynamicQuantize` and :class:`~graphc.quantized_int8.IntegerMatMul`, the 8-bit weight
   and its zero point kept as the file holds them.
+- ``com.microsoft.DynamicQuantizeMatMul`` and ``com.microsoft.MatMulIntegerToFloat`` (what onnxruntime's graph
+  optimizer makes of those pairs, in the files it saves): the same two ops, the product's ``Cast`` to float, the
+  scales' product and the bias, so the re-export writes standard ONNX that any runtime reads.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..ops import QUANTIZED_DTYPES, Binary, Einsum
-from ..quantized import DequantizeBlocks, QuantizedGather
+from ..ops import QUANTIZED_DTYPES, Binary, Cast, Einsum, Transpose
+from ..quantized import DequantizeBlocks, QuantizedGather, pack_bits
 from ..quantized_int8 import Dequantize, DynamicQuantize, IntegerMatMul, Quantize
 from .context import ImportContext, simplify
 from .convert_core import Converter
@@ -28,6 +35,8 @@ from .convert_core import Converter
 __all__ = ["QUANTIZED_CONVERTERS"]
 
 LETTERS = "abcdefghij"
+FOUR_BIT_DTYPES = ("int4", "uint4")
+"""ONNX's 4-bit types as NumPy reads them (``ml_dtypes``), one value a byte; graphc holds them packed."""
 
 
 def _matmul_nbits(ctx: ImportContext, ins: list, attrs: dict) -> list:
@@ -91,10 +100,73 @@ def _matmul_integer(ctx: ImportContext, ins: list, attrs: dict) -> list:
     return [ctx.add(IntegerMatMul(), operands, "matmul_integer")]
 
 
+def _integer_product_to_float(ctx: ImportContext, a: str, a_scale: str, a_zero: str | None, ins: list, op_type: str) -> str:
+    """``Cast(MatMulInteger(a, B, a_zero, b_zero), float) * (a_scale * b_scale) + bias``, with ``ins`` holding ``B,
+    b_scale, b_zero_point, bias`` (the last two optional)."""
+    b, b_scale, b_zero, bias = (ins + [None] * 4)[:4]
+    zeros = [a_zero if a_zero is not None else ctx.constant(np.zeros((), ctx.graph.types[a].dtype), "a_zero_point")]
+    zeros += [ctx.tensor(b_zero, f"{op_type} b_zero_point")] if b_zero is not None else []
+    product = ctx.add(IntegerMatMul(), [a, ctx.tensor(b, f"{op_type} B"), *zeros], "matmul_integer")
+    scale = ctx.add(Binary("mul"), [a_scale, ctx.tensor(b_scale, f"{op_type} b_scale")], "product_scale")
+    dtype = ctx.graph.types[scale].dtype
+    y = ctx.add(Binary("mul"), [ctx.add(Cast(dtype), [product], "product_float"), scale], op_type.lower())
+    return y if bias is None else ctx.add(Binary("add"), [y, ctx.tensor(bias, f"{op_type} bias")], f"{op_type.lower()}_bias")
+
+
+def _dynamic_quantize_matmul(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``DynamicQuantizeMatMul(A, B, b_scale, b_zero_point?, bias?)``: ``A`` quantized as ``DynamicQuantizeLinear`` does."""
+    quantized, scale, zero = _dynamic_quantize(ctx, ins[:1], {})
+    return [_integer_product_to_float(ctx, quantized, scale, zero, list(ins[1:]), "DynamicQuantizeMatMul")]
+
+
+def _matmul_integer_to_float(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``MatMulIntegerToFloat(A, B, a_scale, b_scale, a_zero_point?, b_zero_point?, bias?)``."""
+    padded = list(ins) + [None] * (7 - len(ins))
+    a = ctx.tensor(padded[0], "MatMulIntegerToFloat A")
+    a_zero = ctx.tensor(padded[4], "MatMulIntegerToFloat a_zero_point") if padded[4] is not None else None
+    a_scale = ctx.tensor(padded[2], "MatMulIntegerToFloat a_scale")
+    return [_integer_product_to_float(ctx, a, a_scale, a_zero, [padded[1], padded[3], padded[5], padded[6]], "MatMulIntegerToFloat")]
+
+
+def _dequantize_four_bits(ctx: ImportContext, data: np.ndarray, ins: list, attrs: dict) -> str:
+    """A block-wise ``DequantizeLinear`` of a 4-bit ``[rows, cols]`` constant as ``DequantizeBlocks`` over the axis the
+    blocks run along (transposed back where that is axis 0)."""
+    axis, block_size = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
+    if data.ndim != 2 or axis not in (0, 1, -1, -2) or not block_size:
+        raise ctx.error(f"DequantizeLinear of 4-bit data {list(data.shape)} (axis {axis}, block_size {block_size}): graphc reads a 4-bit "
+                        "weight matrix in blocks along one axis")  # fmt: skip
+    along_rows = axis % 2 == 0  # blocks run down the columns: W [K, N] as matmul_nbits_quantizer's QDQ format holds it
+    values = data.astype(np.int16).T if along_rows else data.astype(np.int16)
+    scales = ctx.known(ins[1], "DequantizeLinear x_scale")
+    zero = ctx.known(ins[2], "DequantizeLinear x_zero_point").astype(np.int16) if len(ins) > 2 and ins[2] is not None else None
+    if along_rows:
+        scales, zero = scales.T, (zero.T if zero is not None else None)
+    n, k = values.shape
+    blocks = -(-k // block_size)
+    if scales.shape != (n, blocks) or (zero is not None and zero.shape != (n, blocks)):
+        raise ctx.error(f"DequantizeLinear: 4-bit data {list(data.shape)} in blocks of {block_size} takes scales (and zero points) of "
+                        f"{blocks} block(s) along axis {axis}, got {list(scales.shape)}")  # fmt: skip
+    if str(data.dtype) == "int4":  # signed nibbles as MatMulNBits' unsigned ones: v + 8, the zero point likewise (default 8)
+        values, zero = values + 8, (zero + 8 if zero is not None else None)
+    elif zero is None:
+        zero = np.zeros((n, blocks), np.int16)  # ONNX's default zero point for unsigned data is 0, MatMulNBits' is 8
+    padded = np.zeros((n, blocks * block_size), np.uint8)
+    padded[:, :k] = values
+    operands = [ctx.constant(pack_bits(padded.reshape(n, blocks, block_size), 4), "B")]
+    operands.append(ctx.tensor(np.ascontiguousarray(scales).reshape(-1), "scales"))
+    if zero is not None:
+        operands.append(ctx.constant(pack_bits(zero.astype(np.uint8), 4).reshape(-1), "zero_points"))
+    weight = ctx.add(DequantizeBlocks(4, block_size, k, 0), operands, "dequantized")
+    return ctx.add(Transpose((1, 0)), [weight], "dequantized_t") if along_rows else weight
+
+
 def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    data = simplify(ins[0])
+    if isinstance(data, np.ndarray) and str(data.dtype) in FOUR_BIT_DTYPES:
+        return [_dequantize_four_bits(ctx, data, ins, attrs)]
     x = ctx.tensor(ins[0], "DequantizeLinear input")
     if ctx.graph.types[x].dtype not in QUANTIZED_DTYPES:
-        raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) and MatMulNBits' packed 4-bit weights")
+        raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) data and 4-bit weights")
     operands = [x, ctx.tensor(ins[1], "x_scale")] + ([ctx.tensor(ins[2], "x_zero_point")] if len(ins) > 2 and ins[2] is not None else [])
     return [ctx.add(Dequantize(int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "dequantized")]
 
@@ -103,10 +175,10 @@ def _quantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
     x = ctx.tensor(ins[0], "QuantizeLinear input")
     zero = ctx.tensor(ins[2], "y_zero_point") if len(ins) > 2 and ins[2] is not None else None
     dtype = ctx.graph.types[zero].dtype if zero is not None else {2: "uint8", 3: "int8"}.get(int(attrs.get("output_dtype", 2)))
-    if dtype not in QUANTIZED_DTYPES or int(attrs.get("block_size", 0)):
-        raise ctx.error("QuantizeLinear: graphc quantizes to int8 or uint8, per tensor or per axis")
+    if dtype not in QUANTIZED_DTYPES:
+        raise ctx.error(f"QuantizeLinear to {dtype}: graphc quantizes to int8 or uint8 (per tensor, per axis or in blocks)")
     operands = [x, ctx.tensor(ins[1], "y_scale")] + ([zero] if zero is not None else [])
-    return [ctx.add(Quantize(dtype, int(attrs.get("axis", 1))), operands, "quantized")]
+    return [ctx.add(Quantize(dtype, int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "quantized")]
 
 
 QUANTIZED_CONVERTERS: dict[tuple[str, str], Converter] = {
@@ -116,5 +188,7 @@ QUANTIZED_CONVERTERS: dict[tuple[str, str], Converter] = {
     ("com.microsoft", "MatMulNBits"): _matmul_nbits,
     ("", "DynamicQuantizeLinear"): _dynamic_quantize,
     ("", "MatMulInteger"): _matmul_integer,
+    ("com.microsoft", "DynamicQuantizeMatMul"): _dynamic_quantize_matmul,
+    ("com.microsoft", "MatMulIntegerToFloat"): _matmul_integer_to_float,
 }
 """Quantized-op converters by (domain, op type)."""

@@ -98,11 +98,14 @@ def emit_dequantize(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 def emit_quantize(b: OnnxBuilder, node: Node, mode: str) -> None:
-    """``Quantize`` as ONNX ``QuantizeLinear`` (the zero point gives the output type; without one, ``output_dtype``)."""
+    """``Quantize`` as ONNX ``QuantizeLinear`` (the zero point gives the output type; without one, ``output_dtype``;
+    ``block_size`` where it has one: opset 21)."""
     op = node.op_as(Quantize)
     proto = onnx.helper.make_node("QuantizeLinear", list(node.inputs), [node.name], name=b.fresh(f"n_{node.name}"), axis=op.axis)
     if len(node.inputs) < 3 and op.dtype != "uint8":
         proto.attribute.append(onnx.helper.make_attribute("output_dtype", onnx.TensorProto.INT8))
+    if op.block_size:
+        proto.attribute.append(onnx.helper.make_attribute("block_size", op.block_size))
     b.nodes.append(proto)
 
 
