@@ -1,6 +1,6 @@
 """Legal ONNX that graphc refused, now imported and equal to onnxruntime on the same file (NumPy and onnxruntime on
 graphc's export): Einsum diagonals, Slice with a negative step, opset-11 Softmax (which flattens from its axis),
-Dropout whose ratio is 0 with a run-time training mode, sparse initializers, external data longer than its tensor;
+Dropout whose ratio is 0 with a run-time training mode, sparse initializers, external data longer than its tensor, onnxruntime's FusedMatMul and QuickGelu;
 and the nested tensors' external data held to the model's folder."""
 
 from __future__ import annotations
@@ -145,3 +145,34 @@ def test_a_branch_initializer_inside_the_folder_is_read_into_the_model(tmp_path)
     feeds = {"x": np.arange(3, dtype=np.float32), "c": np.array(True)}
     np.testing.assert_array_equal(run(g, feeds, "numpy")["y"], feeds["x"] + 2.0)
     np.testing.assert_array_equal(run(g, feeds, "ort-cpu")["y"], feeds["x"] + 2.0)
+
+
+@pytest.mark.parametrize("trans_a, trans_b, alpha", [(0, 0, 1.0), (1, 0, 0.5), (0, 1, 0.125), (1, 1, -2.0)])
+def test_onnxruntimes_fused_matmul_is_alpha_times_the_product(trans_a, trans_b, alpha):
+    """``com.microsoft.FusedMatMul`` (what onnxruntime's optimizer makes of a scaled, transposed MatMul): the product
+    written here in NumPy and onnxruntime's numbers; the batch-transposing forms are refused by name."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((2, 3) + ((4, 5) if trans_a else (5, 4))).astype(np.float32)
+    b = rng.standard_normal((2, 3) + ((6, 4) if trans_b else (4, 6))).astype(np.float32)
+    node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft", alpha=alpha, transA=trans_a, transB=trans_b)
+    model = _model([node], [_vi("a", list(a.shape)), _vi("b", list(b.shape))], [_vi("y", None)])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    want = alpha * (np.swapaxes(a, -1, -2) if trans_a else a) @ (np.swapaxes(b, -1, -2) if trans_b else b)
+    np.testing.assert_allclose(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a, "b": b})[0],
+                               want, rtol=1e-5, atol=1e-5)  # fmt: skip
+    _equal_to_onnxruntime(model, {"a": a, "b": b})
+    model.graph.node[0].attribute.append(helper.make_attribute("transBatchA", 1))
+    with pytest.raises(OnnxImportError, match="transBatchA/transBatchB"):
+        from_onnx(model)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.702])
+def test_onnxruntimes_quick_gelu_is_x_times_sigmoid_of_alpha_x(alpha):
+    x = np.linspace(-6, 6, 25, dtype=np.float32).reshape(5, 5)
+    node = helper.make_node("QuickGelu", ["x"], ["y"], domain="com.microsoft", alpha=alpha)
+    model = _model([node], [_vi("x", [5, 5])], [_vi("y", None)])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    want = x / (1 + np.exp(-alpha * x))
+    np.testing.assert_allclose(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0],
+                               want, rtol=1e-5, atol=1e-6)  # fmt: skip
+    _equal_to_onnxruntime(model, {"x": x})
