@@ -1,7 +1,7 @@
 """Legal ONNX that graphc refused, now imported and equal to onnxruntime on the same file (NumPy and onnxruntime on
 graphc's export): Einsum diagonals, Slice with a negative step, opset-11 Softmax (which flattens from its axis),
-Dropout whose ratio is 0 with a run-time training mode, sparse initializers, external data longer than its tensor, onnxruntime's FusedMatMul and QuickGelu;
-and the nested tensors' external data held to the model's folder."""
+Dropout whose ratio is 0 with a run-time training mode, sparse initializers, external data longer than its tensor,
+onnxruntime's FusedMatMul and QuickGelu; and the nested tensors' external data held to the model's folder."""
 
 from __future__ import annotations
 
