@@ -23,6 +23,7 @@ import numpy as np
 from graphc.dims import Dim
 from graphc.errors import WeightError
 from graphc.graph import Graph
+from graphc.prequantized import apply_prequantized, prequantized_layout, read_prequantized
 from graphc.weights import load_weights
 
 from .causal_lm import CausalLMConfig, causal_lm_graph
@@ -98,11 +99,16 @@ def causal_lm_from_hf(
 
     ``weights`` maps the checkpoint's tensor names to arrays (:func:`graphc.load_weights` of a
     folder or ``.safetensors`` file, or a ``state_dict``); ``dtype`` defaults to the embedding's, and
-    another one converts every floating tensor (a copy).  ``cache="static"``: a fixed-capacity cache (see
+    another one converts every floating tensor (a copy).  An AWQ or GPTQ checkpoint's layers are read packed
+    (:mod:`graphc.prequantized`).  ``cache="static"``: a fixed-capacity cache (see
     :func:`~graphc.attention.causal_lm_graph`).
     """
     cfg = read_hf_config(config)
     lm = causal_lm_config_from_hf(cfg, n_layers)
+    layout = prequantized_layout(cfg)
+    if layout is not None:  # AWQ / GPTQ: the builder places stand-ins, then each reads its packed bytes
+        weights, packed = read_prequantized(layout, weights, dtype)
+        stand_ins = {name: weights[name] for name in packed}
     named = causal_lm_weights_from_hf(weights, cfg)
     if lm.tie_word_embeddings and "lm_head.weight" in named:  # both tables present, with other values: not tied (transformers' rule)
         warnings.warn(
@@ -117,4 +123,7 @@ def causal_lm_from_hf(
     dtype = dtype or stored
     wanted = lm.n_layers
     kept = {n: a for n, a in named.items() if _layer_index(n) < wanted}
-    return causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits, cache=cache)
+    graph = causal_lm_graph(lm, kept, batch=batch, seq=seq, past=past, dtype=dtype, logits=logits, cache=cache)
+    if layout is None:
+        return graph
+    return apply_prequantized(graph, packed, {n: a for n, a in stand_ins.items() if _layer_index(n) < wanted})
