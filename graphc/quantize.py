@@ -7,8 +7,9 @@ default) and reads ``DequantizeBlocks(packed, scales[, zero_points])`` instead; 
 each into a :class:`~graphc.quantized.QuantizedMatMul`, and the ONNX export writes ``MatMulNBits`` (onnxruntime's CPU
 and CUDA kernels).  A table tied to such a matrix (the embedding of a model whose LM head shares it) is looked up
 with :class:`~graphc.quantized.QuantizedGather` from the same bytes (``GatherBlockQuantized``, as onnxruntime-genai's
-builder writes a tied table); an untied embedding table stays float.  One weight is quantized at a time and its float
-array dropped from the graph once nothing reads it, so a memory-mapped checkpoint is never copied whole.
+builder writes a tied table); an untied embedding table stays float.  One weight is quantized at a time, a few rows at
+a time, and its float array dropped from the graph once nothing reads it, its pages released from the resident set
+when it is mapped from a checkpoint: the peak memory is near the packed weights', not the float checkpoint's.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import numpy as np
 from .dims import Dim, format_shape, normalize_dim
 from .einsum_spec import EinsumSpec
 from .errors import DTypeMismatchError, OpError, ShapeMismatchError
+from .mapped import release_pages
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, register_op
 
 __all__ = [
@@ -100,6 +101,10 @@ def zero_point_rows(zero_points: np.ndarray, n: int, blocks: int) -> np.ndarray:
     return z.reshape(n, -1) if z.dtype == np.uint8 else z.reshape(n, blocks)
 
 
+QUANTIZE_CHUNK_BYTES = 64 << 20
+"""float32 bytes of weight rows :func:`quantize_blocks` quantizes at a time."""
+
+
 def quantize_blocks(
     w: np.ndarray, bits: int = 4, block_size: int = 32, symmetric: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -108,9 +113,16 @@ def quantize_blocks(
     ``symmetric``: ``scale = w_e / -2**(bits-1)`` per block, ``w_e`` its value of largest size (so it maps to the
     lowest level exactly, as onnxruntime's blockwise quantizer and onnxruntime-genai's builder do: the scale may be
     negative), and the default zero point (none returned); else ``scale = (max - min) / (2**bits - 1)`` and a rounded
-    zero point per block, packed.  Values round half to even."""
-    w = np.asarray(w, np.float32)
-    n, k = w.shape
+    zero point per block, packed.  Values round half to even.  Rows are quantized :data:`QUANTIZE_CHUNK_BYTES` of float32
+    at a time, so the temporaries stay that small whatever the weight's size (a memory-mapped 150k-row table), and the
+    pages of rows read from a mapped checkpoint leave the resident set once quantized."""
+    n, k = np.shape(w)
+    rows = max(1, QUANTIZE_CHUNK_BYTES // (4 * max(k, 1)))
+    if n > rows:
+        parts = [quantize_blocks(w[r : r + rows], bits, block_size, symmetric) for r in range(0, n, rows)]
+        zero_points = None if symmetric else np.concatenate([p[2] for p in parts if p[2] is not None])
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), zero_points
+    held, w = w, np.asarray(w, np.float32)
     blocks = -(-k // block_size)
     padded = np.zeros((n, blocks * block_size), np.float32)
     padded[:, :k] = w
@@ -128,6 +140,7 @@ def quantize_blocks(
     q = np.clip(np.round(grouped / safe + zero[..., None]), 0, top).astype(np.uint8)
     packed = pack_bits(q.reshape(n, blocks, block_size), bits)
     zero_points = None if symmetric else pack_bits(zero.astype(np.uint8), bits).reshape(-1)
+    release_pages(np.asarray(held))  # rows read from a mapped checkpoint leave the resident set (they stay in the page cache)
     return packed, scale.astype(np.float32).reshape(-1), zero_points
 
 

@@ -594,3 +594,18 @@ def test_4_bit_data_the_importer_cannot_read_as_a_weight_is_refused_by_name():
     model = _one_node(node, [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [data, scale])
     with pytest.raises(OnnxImportError, match="graphc reads a 4-bit weight matrix in blocks along one axis"):
         from_onnx(model)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_blocks_in_row_chunks_gives_the_bytes_of_one_pass(symmetric, monkeypatch):
+    """A weight quantized a few rows at a time (as a large table is, to bound the float32 temporaries) gives exactly the
+    bytes, scales and zero points of one pass over it."""
+    import graphc.quantized as quantized
+
+    w = np.random.default_rng(4).standard_normal((37, 80)).astype(np.float32)
+    whole = quantize_blocks(w, 4, 32, symmetric)
+    monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_BYTES", 5 * 80 * 4)  # 5 rows a chunk, the last one 2
+    chunked = quantize_blocks(w, 4, 32, symmetric)
+    for a, b in zip(whole, chunked):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    assert np.array_equal(dequantize_blocks(chunked[0], chunked[1], chunked[2], 4, 32, 80), dequantize_blocks(*whole, 4, 32, 80))
