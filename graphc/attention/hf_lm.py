@@ -23,6 +23,7 @@ import numpy as np
 from graphc.dims import Dim
 from graphc.errors import WeightError
 from graphc.graph import Graph
+from graphc.mapped import release_pages
 from graphc.prequantized import apply_prequantized, prequantized_layout, read_prequantized
 from graphc.weights import load_weights
 
@@ -64,7 +65,17 @@ def _unties(weights: Mapping[str, Any]) -> bool:
     head, table = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
     if head is None or table is None or head is table:
         return False
-    return bool(np.shape(head) != np.shape(table) or not np.array_equal(np.asarray(head), np.asarray(table)))
+    if np.shape(head) != np.shape(table):
+        return True
+    head, table = np.asarray(head).reshape(len(head), -1), np.asarray(table).reshape(len(table), -1)
+    rows = max(1, (64 << 20) // max(1, head[:1].nbytes))
+    for r in range(0, len(head), rows):  # a few rows at a time, each read's pages then leaving the resident set (they stay cached)
+        differ = not np.array_equal(head[r : r + rows], table[r : r + rows])
+        release_pages(head[r : r + rows])
+        release_pages(table[r : r + rows])
+        if differ:
+            return True
+    return False
 
 
 def _checkpoint_dtype(weights: Mapping[str, Any]) -> str:
