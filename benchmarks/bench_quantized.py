@@ -3,14 +3,16 @@
 One random checkpoint (``--shape qwen2.5-0.5b``: Qwen2.5-0.5B's shape, 24 layers, tied embeddings, float32 1.98 GB,
 written by transformers' ``save_pretrained``; ``tiny`` for a quick look), exported by graphc as float32 and with
 ``--quantize int4`` / ``int8`` (MatMulNBits, block 32, symmetric, ``accuracy_level`` 4 as onnxruntime-genai's CPU
-int4 model), and with ``--genai``, onnxruntime-genai 0.18's builder (``-p int4 -e cpu``, in its own venv).  Every
+int4 model), with ``--genai``, onnxruntime-genai 0.18's builder (``-p int4 -e cpu``, in its own venv), and with
+``--optimum``, optimum's int8 model (its ``text-generation-with-past`` export quantized by ``ORTQuantizer`` with
+``AutoQuantizationConfig.avx2(is_static=False)``, what ``optimum-cli onnxruntime quantize --avx2`` writes).  Every
 contender runs in its own process, a worker serving one generation per request: the exports in a plain onnxruntime
 decode loop (the cache kept in onnxruntime's tensors), graphc's int4 graph on the NumPy backend, genai's model in its
 runtime.  Per contender: the seconds to load, the first token after a ``--prompt``-token prompt, the decode ms/token
 (median over ``--blocks`` rounds, the contenders alternating), the peak resident memory of its process, and the
 weight bytes a token reads beside the read bandwidth measured in this process (NumPy sum over 1 GiB).
 
-    python benchmarks/bench_quantized.py [--shape qwen2.5-0.5b] [--work DIR] [--prompt 128] [--new 16] [--blocks 3] [--genai]
+    python benchmarks/bench_quantized.py [--shape qwen2.5-0.5b] [--work DIR] [--prompt 128] [--new 16] [--blocks 3] [--genai] [--optimum]
 
 needs ``pip install ".[parity,fast]"``; writes ``docs/bench_quantized.{md,json}``.  Checkpoints and exports are made
 once under ``--work`` and reused.
@@ -136,6 +138,33 @@ def genai_export(work: Path, hf: Path, out: Path) -> Path:
     return out
 
 
+OPTIMUM = r"""
+import sys
+from optimum.exporters.onnx import main_export
+from optimum.onnxruntime import ORTQuantizer
+from optimum.onnxruntime.configuration import AutoQuantizationConfig
+hf, fp32, out = sys.argv[1:4]
+main_export(hf, fp32, task="text-generation-with-past")
+ORTQuantizer.from_pretrained(fp32).quantize(save_dir=out, quantization_config=AutoQuantizationConfig.avx2(is_static=False, per_channel=False))
+"""
+
+
+def optimum_export(work: Path, hf: Path, out: Path) -> tuple[Path, float]:
+    """optimum's int8 model of the checkpoint (exported, then quantized as ``optimum-cli onnxruntime quantize --avx2``), made
+    in its own venv; the model and the seconds both steps took."""
+    sys.path.insert(0, str(HERE))
+    from real_exports_corpus import tool_python
+
+    model = out / "model_quantized.onnx"
+    if not model.exists():
+        script = work / "optimum_int8.py"
+        script.write_text(OPTIMUM)
+        t0 = time.perf_counter()
+        subprocess.run([str(tool_python(work, "optimum")), str(script), str(hf), str(out.parent / "optimum-fp32"), str(out)], check=True)
+        (out / "export_seconds.txt").write_text(f"{time.perf_counter() - t0:.1f}\n")
+    return model, float((out / "export_seconds.txt").read_text())
+
+
 class Worker:
     """A contender in its own process: ``kind`` (onnx, genai, numpy-int4) over ``path``."""
 
@@ -171,6 +200,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--genai", action="store_true", help="also onnxruntime-genai's int4 model (builds its venv on first use)")
+    parser.add_argument("--optimum", action="store_true", help="also optimum's int8 model (builds its venv on first use)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench_quantized"))
     args = parser.parse_args()
     work = Path(args.work)
@@ -187,6 +217,9 @@ def main() -> None:
 
         genai = genai_export(work, hf, work / args.shape / "genai-int4")
         workers["onnxruntime-genai int4"] = Worker("genai", genai, str(tool_python(work, "genai")))
+    if args.optimum:
+        models["optimum-int8"] = optimum_export(work, hf, work / args.shape / "optimum-int8")
+        workers["optimum int8"] = Worker("onnx", models["optimum-int8"][0], sys.executable)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, SHAPES[args.shape]["vocab_size"], args.prompt)]
     names = list(workers)
     for name in names:
@@ -209,7 +242,7 @@ def main() -> None:
     gbs = (1 << 30) / statistics.median(reads) / 1e9
     rows = {}
     for name in names:
-        export_name = f"graphc-{name.split()[-1]}" if name.startswith("graphc ort") else None
+        export_name = f"graphc-{name.split()[-1]}" if name.startswith("graphc ort") else "optimum-int8" if name == "optimum int8" else None
         size = weight_bytes(models[export_name][0]) if export_name else None
         ms = 1e3 * statistics.median(per_token[name])
         rows[name] = {

@@ -12,7 +12,11 @@ tokenizer), exported by ``graphc export DIR -o OUT``, and then
 The venvs are made once under ``--work`` (by ``real_exports_corpus.tool_python``).  One table row per family, written
 to ``docs/export_loaders.md``::
 
-    python benchmarks/check_export_loaders.py [--work DIR] [--families llama,qwen2,...] [--new 12]
+    python benchmarks/check_export_loaders.py [--work DIR] [--families llama,qwen2,...] [--new 12] [--quantize int4|int8]
+
+``--quantize``: the export is ``graphc export DIR -o OUT --quantize int4`` (MatMulNBits, accuracy level 0) and the
+reference is graphc's quantized graph on the NumPy backend (transformers computes in float: its column is left out);
+the table goes to ``docs/export_loaders_int4.md`` (or ``_int8``).
 """
 
 from __future__ import annotations
@@ -102,13 +106,17 @@ def checkpoint(work: Path, family: str) -> Path:
     return out
 
 
-def graphc_tokens(hf: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """``graphc generate``'s greedy tokens (NumPy backend; no eos: every row runs ``new`` steps)."""
+def graphc_tokens(hf: Path, prompts: list[list[int]], new: int, quantize: str | None = None) -> list[list[int]]:
+    """``graphc generate``'s greedy tokens (NumPy backend; no eos: every row runs ``new`` steps), of the weights
+    ``quantize``d as ``graphc export --quantize`` quantizes them."""
     from graphc.attention.hf_lm import causal_lm_from_hf
+    from graphc.quantize import QUANTIZE_CHOICES, QuantizeOptions, quantize_weights
     from graphc.weights import load_weights
     from lowering import generate
 
     graph = causal_lm_from_hf(hf / "config.json", load_weights(hf), logits="last")
+    if quantize:
+        graph = quantize_weights(graph, QuantizeOptions(QUANTIZE_CHOICES[quantize]))[0]
     return generate(graph, prompts, new, backend="numpy", pad_token_id=PAD).new_tokens.tolist()
 
 
@@ -137,18 +145,19 @@ def tool_tokens(work: Path, tool: str, script: str, args: list[str]) -> list[lis
     return found if isinstance(found[0], list) else [found]
 
 
-def row(work: Path, family: str, new: int) -> dict:
+def row(work: Path, family: str, new: int, quantize: str | None = None) -> dict:
     hf = checkpoint(work, family)
-    out = work / "models" / family / "graphc"
-    r = subprocess.run([sys.executable, "-m", "graphc", "export", str(hf), "-o", str(out), "--quiet"], capture_output=True, text=True)
+    out = work / "models" / family / (f"graphc-{quantize}" if quantize else "graphc")
+    flags = ["--quantize", quantize, "--force"] if quantize else []
+    r = subprocess.run([sys.executable, "-m", "graphc", "export", str(hf), "-o", str(out), "--quiet", *flags], capture_output=True, text=True)
     if r.returncode:
         return {"family": family, "export": r.stderr.strip().splitlines()[-1]}
-    want = graphc_tokens(hf, PROMPTS, new)
+    want = graphc_tokens(hf, PROMPTS, new, quantize)
     return {
         "family": family,
         "export": "ok",
         "graphc": want,
-        "transformers": transformers_tokens(hf, PROMPTS, new) == want,
+        "transformers": None if quantize else transformers_tokens(hf, PROMPTS, new) == want,
         "optimum": _verdict(tool_tokens(work, "optimum", OPTIMUM, [str(out), json.dumps(PROMPTS), str(new), str(PAD)]), want),
         "genai": _verdict(tool_tokens(work, "genai", GENAI, [str(out), json.dumps(PROMPTS[0]), str(new)]), want[:1]),
     }
@@ -160,10 +169,11 @@ def _verdict(got: list[list[int]] | str, want: list[list[int]]) -> str:
     return "same tokens" if got == want else f"DIFFER: {got} vs {want}"
 
 
-def table(rows: list[dict], new: int) -> str:
+def table(rows: list[dict], new: int, quantize: str | None = None) -> str:
+    flag = f" --quantize {quantize}" if quantize else ""
     lines = [
-        f"`graphc export DIR -o OUT` of tiny random-weight checkpoints; greedy, {new} new tokens; prompts {PROMPTS} "
-        "(optimum: both, left-padded; genai: the first).  Reference: `graphc generate` (NumPy backend).",
+        f"`graphc export DIR -o OUT{flag}` of tiny random-weight checkpoints; greedy, {new} new tokens; prompts {PROMPTS} "
+        f"(optimum: both, left-padded; genai: the first).  Reference: `graphc generate{flag}` (NumPy backend).",
         "",
         "| family | export | graphc = transformers | optimum ORTModelForCausalLM | onnxruntime-genai |",
         "| --- | --- | --- | --- | --- |",
@@ -172,7 +182,8 @@ def table(rows: list[dict], new: int) -> str:
         if r["export"] != "ok":
             lines.append(f"| {r['family']} | {r['export']} | | | |")
             continue
-        lines.append(f"| {r['family']} | ok | {'yes' if r['transformers'] else 'NO'} | {r['optimum']} | {r['genai']} |")
+        same = "n/a (quantized)" if r["transformers"] is None else "yes" if r["transformers"] else "NO"
+        lines.append(f"| {r['family']} | ok | {same} | {r['optimum']} | {r['genai']} |")
     return "\n".join(lines + ["", NOTES]) + "\n"
 
 
@@ -181,15 +192,17 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/graphc-loaders", help="checkpoints, exports and the tools' venvs (default /tmp/graphc-loaders)")
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--new", type=int, default=12, help="new tokens per prompt (default 12)")
+    p.add_argument("--quantize", choices=["int4", "int8"], help="export with --quantize (MatMulNBits) and compare against graphc's quantized graph")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     np.seterr(all="ignore")
-    rows = [row(work, f, args.new) for f in args.families.split(",")]
-    text = table(rows, args.new)
+    rows = [row(work, f, args.new, args.quantize) for f in args.families.split(",")]
+    text = table(rows, args.new, args.quantize)
     print(text)
-    (ROOT / "docs" / "export_loaders.md").write_text("# Exports loaded by optimum and onnxruntime-genai\n\n" + text)
-    bad = [r for r in rows if r["export"] != "ok" or not r["transformers"] or "DIFFER" in r["optimum"] + r["genai"]]
+    name = f"export_loaders_{args.quantize}.md" if args.quantize else "export_loaders.md"
+    (ROOT / "docs" / name).write_text("# Exports loaded by optimum and onnxruntime-genai\n\n" + text)
+    bad = [r for r in rows if r["export"] != "ok" or r["transformers"] is False or "DIFFER" in r["optimum"] + r["genai"]]
     return 1 if bad else 0  # a tool that cannot load a family is reported, not a failure of the export
 
 
