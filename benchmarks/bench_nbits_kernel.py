@@ -8,7 +8,7 @@ measures (NumPy sum over 1 GiB).  What it shows: whether the kernel is bound by 
 
     python benchmarks/bench_nbits_kernel.py [--blocks 5] [--repeats 20]
 
-needs ``pip install ".[fast]"`` (numba).
+needs ``pip install ".[fast]"`` (numba); writes ``docs/bench_nbits_kernel.md``.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def main() -> None:
     bandwidth, read = read_probe(1)
     gbs = (1 << 30) / _fastest(lambda: read({}), 3, 1) / 1e9
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    print(f"{os.cpu_count()}-core {cpu}, one thread; read bandwidth {gbs:.1f} GB/s ({bandwidth})")
-    print("| N x K | packed MB | kernel ms | packed GB/s | G weights/s | of read bandwidth | float32 BLAS ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    lines = [f"{os.cpu_count()}-core {cpu} ({memory:.0f} GiB), one thread; read bandwidth {gbs:.1f} GB/s ({bandwidth})", ""]
+    lines.append("| N x K | packed MB | kernel ms | packed GB/s | G weights/s | of read bandwidth | float32 BLAS ms |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, k in SHAPES:
         packed, scales, _ = quantize_blocks(rng.standard_normal((n, k)).astype(np.float32), 4, 32, True)
         blocks = k // 32
@@ -74,8 +75,11 @@ def main() -> None:
         with threadpool_limits(1):
             blas = _fastest(lambda: x @ w.T, args.blocks, args.repeats)  # noqa: B023
         rate = packed.nbytes / kernel / 1e9
-        print(f"| {n} x {k} | {packed.nbytes / 1e6:.2f} | {1e3 * kernel:.3f} | {rate:.2f} | {n * k / kernel / 1e9:.1f} | "
-              f"{100 * rate / gbs:.0f}% | {1e3 * blas:.3f} |")  # fmt: skip
+        lines.append(f"| {n} x {k} | {packed.nbytes / 1e6:.2f} | {1e3 * kernel:.3f} | {rate:.2f} | {n * k / kernel / 1e9:.1f} | "
+                     f"{100 * rate / gbs:.0f}% | {1e3 * blas:.3f} |")  # fmt: skip
+    text = "\n".join(lines)
+    print(text)
+    (HERE.parent / "docs" / "bench_nbits_kernel.md").write_text(f"# `python benchmarks/bench_nbits_kernel.py`\n\n{text}\n")
 
 
 if __name__ == "__main__":
