@@ -176,3 +176,18 @@ def test_onnxruntimes_quick_gelu_is_x_times_sigmoid_of_alpha_x(alpha):
     np.testing.assert_allclose(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0],
                                want, rtol=1e-5, atol=1e-6)  # fmt: skip
     _equal_to_onnxruntime(model, {"x": x})
+
+
+def test_nodes_out_of_order_are_read_in_an_order_that_defines_each_input_first():
+    """onnxruntime runs a file whose nodes are not sorted (its float16 converter appends the input Casts last): the
+    import reads such a graph in dependency order, equal to onnxruntime; a name nothing defines is still named."""
+    nodes = [helper.make_node("Mul", ["xc", "xc"], ["sq"]), helper.make_node("Add", ["sq", "one"], ["y"])]
+    nodes.append(helper.make_node("Cast", ["x"], ["xc"], to=TensorProto.FLOAT))
+    model = _model(nodes, [_vi("x", [3], TensorProto.DOUBLE)], [_vi("y", [3])], [numpy_helper.from_array(np.ones(3, np.float32), "one")])
+    x = np.array([1.5, -2.0, 3.0])
+    np.testing.assert_allclose(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0],
+                               x * x + 1, rtol=1e-6)  # fmt: skip
+    _equal_to_onnxruntime(model, {"x": x})
+    model.graph.node[0].input[1] = "nowhere"
+    with pytest.raises(OnnxImportError, match="'nowhere' is not defined before this node"):
+        from_onnx(model)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -361,7 +361,7 @@ def _import_graph(
         )
         ctx.env[vi.name] = g.add_input(_clean_name(vi.name), shape, ONNX_TO_DTYPE[tt.elem_type]).name
     bound = {v for v in ctx.env.values() if isinstance(v, str)}
-    nodes, index = list(model.graph.node), 0
+    nodes, index = in_topological_order(model.graph.node, set(ctx.env)), 0
     while index < len(nodes):  # one pass; a unification converts the node again (or goes back to a Div it decides)
         node = ctx.node = nodes[index]
         ins = [ctx.get(i) for i in node.input]
@@ -390,6 +390,46 @@ def _import_graph(
             value = want
         outputs.append(value)
     g.output(*outputs)
+
+
+def in_topological_order(nodes: Sequence[onnx.NodeProto], defined: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` in their own order where each input is defined before its reader, else reordered so (stable: a node
+    moves only behind what it reads).  ONNX asks for sorted nodes, but files that onnxruntime runs are not always
+    sorted (its float16 converter appends the input ``Cast``s last).  A node whose input nothing defines keeps its
+    place at the end, and the import then names the missing value.  Values a node's subgraphs read from the enclosing
+    scope count as its inputs."""
+    nodes = list(nodes)
+    needs = [set(node.input) | _outer_names(node) for node in nodes]
+    known = set(defined) | {""}
+    for node, need in zip(nodes, needs):
+        if not need <= known:
+            break
+        known.update(node.output)
+    else:
+        return nodes
+    known = set(defined) | {""}
+    placed: list[onnx.NodeProto] = []
+    waiting = list(range(len(nodes)))
+    while waiting:
+        ready = [i for i in waiting if needs[i] <= known]
+        if not ready:
+            return placed + [nodes[i] for i in waiting]
+        first = ready[0]
+        placed.append(nodes[first])
+        known.update(nodes[first].output)
+        waiting.remove(first)
+    return placed
+
+
+def _outer_names(node: onnx.NodeProto) -> set[str]:
+    """The names a node's subgraphs (``If``, ``Loop``, ``Scan``) read from outside themselves."""
+    found: set[str] = set()
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+            inner = {t.name for t in sub.initializer} | {v.name for v in sub.input} | {o for n in sub.node for o in n.output}
+            for n in sub.node:
+                found |= (set(n.input) | _outer_names(n)) - inner - {""}
+    return found
 
 
 def _convert_node(ctx: ImportContext, node: onnx.NodeProto, ins: list, opsets: Mapping[str, int], bound: set[str]) -> None:
