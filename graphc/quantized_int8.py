@@ -24,7 +24,7 @@ import numpy as np
 from .dims import format_shape, normalize_dim
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .errors import OpError
-from .ops import FLOAT_DTYPES, QUANTIZED_DTYPES, Dims, Op, TensorType, register_op
+from .ops import FLOAT_DTYPES, QUANTIZED_DTYPES, Dims, Op, TensorType, broadcast_shapes, register_op
 
 __all__ = ["DynamicQuantize", "IntegerMatMul", "Dequantize", "Quantize", "dynamic_quantize"]
 
@@ -96,8 +96,9 @@ class DynamicQuantize(Op):
 @register_op
 @dataclass(frozen=True)
 class IntegerMatMul(Op):
-    """ONNX ``MatMulInteger``: ``(a - a_zero) @ (b - b_zero)`` in int32, for 8-bit ``a [..., M, K]`` and ``b [K, N]``;
-    zero points per tensor (``[]`` or ``[1]``), ``b``'s also per column (``[N]``); without them 0."""
+    """ONNX ``MatMulInteger``: ``(a - a_zero) @ (b - b_zero)`` in int32, for 8-bit ``a [..., M, K]`` and ``b [..., K, N]``
+    (batch axes broadcast as ``numpy.matmul``'s: a projection's ``b [K, N]``, or optimum's quantized rotary product of
+    two activations); zero points per tensor (``[]`` or ``[1]``), ``b``'s also per column (``[N]``); without them 0."""
 
     arity: ClassVar[int | None] = None
 
@@ -110,14 +111,17 @@ class IntegerMatMul(Op):
         for name, t in (("a", a), ("b", b), *((f"zero point {i}", z) for i, z in enumerate(ins[2:]))):
             if t.dtype not in QUANTIZED_DTYPES:
                 raise DTypeMismatchError(f"IntegerMatMul: {name} must be int8 or uint8, got {t.dtype}")
-        if b.rank != 2 or a.rank < 1 or normalize_dim(a.shape[-1]) != normalize_dim(b.shape[0]):
-            raise ShapeMismatchError(f"IntegerMatMul: a {format_shape(a.shape)} and b {format_shape(b.shape)} must be [..., K] and [K, N]")
+        if b.rank < 2 or a.rank < 1 or normalize_dim(a.shape[-1]) != normalize_dim(b.shape[-2]):
+            raise ShapeMismatchError(f"IntegerMatMul: a {format_shape(a.shape)} and b {format_shape(b.shape)} must be [..., K] and [..., K, N]")
         for i, z in enumerate(ins[2:]):
-            n = b.shape[1] if i == 1 else None
+            n = b.shape[-1] if i == 1 else None
             if z.rank > 1 or (z.rank == 1 and normalize_dim(z.shape[0]) not in (1, normalize_dim(n) if n is not None else 1)):
                 per = " or one a column" if i else ""
                 raise ShapeMismatchError(f"IntegerMatMul: zero point {i} {format_shape(z.shape)} must be one value{per}")
-        return TensorType((*a.shape[:-1], b.shape[1]), "int32")
+        if a.rank == 1:
+            return TensorType((*b.shape[:-2], b.shape[-1]), "int32")
+        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], "IntegerMatMul")
+        return TensorType((*batch, a.shape[-2], b.shape[-1]), "int32")
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
         a = args[0].astype(np.int32) - (args[2].astype(np.int32) if len(args) > 2 else 0)
@@ -126,7 +130,7 @@ class IntegerMatMul(Op):
 
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """A multiply-add per weight per row."""
-        return 2 * math.prod(out_shapes[0]) * in_shapes[1][0]
+        return 2 * math.prod(out_shapes[0]) * in_shapes[1][-2]
 
 
 @register_op

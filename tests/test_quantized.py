@@ -609,3 +609,20 @@ def test_quantize_blocks_in_row_chunks_gives_the_bytes_of_one_pass(symmetric, mo
     for a, b in zip(whole, chunked):
         assert (a is None and b is None) or np.array_equal(a, b)
     assert np.array_equal(dequantize_blocks(chunked[0], chunked[1], chunked[2], 4, 32, 80), dequantize_blocks(*whole, 4, 32, 80))
+
+
+def test_matmul_integer_of_two_batched_activations_equals_onnxruntime():
+    """optimum's int8 export quantizes the rotary product ``inv_freq [B, D, 1] @ positions [B, 1, S]`` too: a
+    MatMulInteger whose both operands carry batch axes (numpy.matmul's broadcasting), each with its zero point."""
+    rng = np.random.default_rng(6)
+    node = helper.make_node("MatMulInteger", ["a", "b", "az", "bz"], ["y"])
+    ins = [helper.make_tensor_value_info(n, TensorProto.UINT8, s) for n, s in (("a", ["b", 16, 1]), ("b", ["b", 1, "s"]), ("az", []), ("bz", []))]
+    model = _one_node(node, ins, [helper.make_tensor_value_info("y", TensorProto.INT32, None)])
+    feeds = {"a": rng.integers(0, 256, (2, 16, 1)).astype(np.uint8), "b": rng.integers(0, 256, (2, 1, 5)).astype(np.uint8),
+             "az": np.array(3, np.uint8), "bz": np.array(200, np.uint8)}  # fmt: skip
+    want = (feeds["a"].astype(np.int64) - 3) @ (feeds["b"].astype(np.int64) - 200)
+    np.testing.assert_array_equal(_ort(model, feeds)[0], want)
+    graph = from_onnx(model)
+    assert graph.types[graph.outputs[0]].shape[1:] == (16, "s")
+    for backend in installed("numpy", "ort-cpu", "onnx-reference", "torch"):
+        np.testing.assert_array_equal(run(graph, feeds, backend)["y"], want, err_msg=backend)
