@@ -1,7 +1,8 @@
 """Quantized models at a real shape: graphc int4 and int8 against graphc float32 (and onnxruntime-genai's int4 model).
 
-One random checkpoint (``--shape qwen2.5-0.5b``: Qwen2.5-0.5B's shape, 24 layers, tied embeddings, float32 1.98 GB,
-written by transformers' ``save_pretrained``; ``tiny`` for a quick look), exported by graphc as float32 and with
+One random checkpoint (``--shape qwen2.5-0.5b``: Qwen2.5-0.5B's shape, 24 layers, tied embeddings, float32 1.98 GB;
+``tinyllama-1.1b``: TinyLlama-1.1B's, 22 layers, 32 query and 4 KV heads, untied, float32 4.4 GB; each written by
+transformers' ``save_pretrained``; ``tiny`` for a quick look), exported by graphc as float32 and with
 ``--quantize int4`` / ``int8`` (MatMulNBits, block 32, symmetric, ``accuracy_level`` 4 as onnxruntime-genai's CPU
 int4 model), with ``--genai``, onnxruntime-genai 0.18's builder (``-p int4 -e cpu``, in its own venv), and with
 ``--optimum``, optimum's int8 model (its ``text-generation-with-past`` export quantized by ``ORTQuantizer`` with
@@ -34,13 +35,16 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+QWEN2 = {"model_type": "qwen2", "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
 SHAPES = {
-    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "qwen2.5-0.5b": {**QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
                      "num_key_value_heads": 2, "vocab_size": 151936},  # fmt: skip
-    "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "tinyllama-1.1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+                       "rms_norm_eps": 1e-5, "tie_word_embeddings": False},  # fmt: skip
+    "tiny": {**QWEN2, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
              "vocab_size": 1024},  # fmt: skip
 }
-COMMON = {"max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
 
 WORKER = r"""
 import json, sys, time
@@ -88,17 +92,18 @@ for line in sys.stdin:
 
 
 def checkpoint(work: Path, shape: str) -> Path:
-    """A Qwen2 checkpoint of ``shape`` with random weights (unit-scale embeddings, small residual updates), made once."""
+    """A checkpoint of ``shape`` with random weights (unit-scale embeddings, small residual updates), made once."""
     out = work / shape / "hf"
     if (out / "config.json").exists():
         return out
     import torch
     import transformers
 
-    cfg = transformers.Qwen2Config(**SHAPES[shape], **COMMON)
+    fields = dict(SHAPES[shape])
+    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     model = model.to_empty(device="cpu").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -106,11 +111,23 @@ def checkpoint(work: Path, shape: str) -> Path:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 1.0 if "embed" in name else (0.3 if "o_proj" in name or "down_proj" in name else 1.0) * p.shape[-1] ** -0.5)
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)  # tied: to_empty gave the head a table of its own
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)  # tied: to_empty gave the head a table of its own
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out)
+    write_tokenizer(out, cfg.vocab_size)
     return out
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the checkpoint's ids (onnxruntime-genai's builder reads one for a llama checkpoint)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(out)
 
 
 def graphc_export(hf: Path, out: Path, quantize: str | None) -> tuple[Path, float]:
