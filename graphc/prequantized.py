@@ -182,6 +182,13 @@ def _stand_in_rows(arr: np.ndarray, bases: Mapping[int, tuple[str, int, int]]) -
     return None
 
 
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    """``arr`` contiguous and read-only, so the graph keeps it without a copy."""
+    out = np.ascontiguousarray(arr)
+    out.setflags(write=False)
+    return out
+
+
 def apply_prequantized(graph: Graph, packed: Mapping[str, PackedLinear], stand_ins: Mapping[str, np.ndarray]) -> Graph:
     """``graph`` (built from :func:`read_prequantized`'s weights, ``stand_ins`` by layer weight name) with every
     stand-in read as ``DequantizeBlocks`` of its rows' packed bytes (see the module doc)."""
@@ -200,7 +207,7 @@ def apply_prequantized(graph: Graph, packed: Mapping[str, PackedLinear], stand_i
             (linear.scales if full else linear.scales.reshape(linear.packed.shape[0], -1)[rows].reshape(-1)).astype(dtype),
             linear.zero_points if full else linear.zero_points.reshape(linear.packed.shape[0], -1)[rows].reshape(-1),
         ]
-        names = [graph.add_initializer(graph.fresh_name(f"{name}.{part}"), np.ascontiguousarray(v), copy=False).name
+        names = [graph.add_initializer(graph.fresh_name(f"{name}.{part}"), _read_only(v), copy=False).name
                  for part, v in zip((f"q{linear.bits}", "scales", "zero_points"), operands)]  # fmt: skip
         for reader in graph.consumers(name):
             if not (isinstance(reader.op, Einsum) and list(reader.inputs[1:]) == [name] and reads_weight_rows(reader.op_as(Einsum).parsed)):
