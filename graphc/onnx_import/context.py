@@ -32,6 +32,7 @@ from ..einsum_spec import parse_einsum
 from ..errors import EinsumSpecError, OnnxImportError, ShapeMismatchError
 from ..graph import Graph, GraphMark
 from ..ops import QUANTIZED_DTYPES, Binary, Cast, Compare, Concat, Einsum, Reshape, Where
+from ..quantized_int8 import IntegerMatMul
 from ..tensor_ops import Arange, BroadcastTo, ShapeValues
 from .unify import MAX_UNIFICATIONS, DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
 
@@ -284,6 +285,9 @@ class ImportContext:
             axis = op.axis % rank if rank else 0
             pairs = [(s[k], t[k]) for s in shapes for t in shapes if len(s) == len(t) == rank for k in range(rank) if k != axis]
             return conflict_in_pairs(pairs, self.free)
+        if isinstance(op, IntegerMatMul) and len(shapes) >= 2 and shapes[0] and len(shapes[1]) >= 2:  # K, then the batch axes
+            a, b = shapes[0], shapes[1]
+            return conflict_in_pairs([(a[-1], b[-2])], self.free) or (conflict_in_broadcast([a[:-2], b[:-2]], self.free) if len(a) > 1 else None)
         if isinstance(op, Einsum):
             spec = parse_einsum(op.spec)
             seen: dict[str, list[Dim]] = {}
