@@ -191,3 +191,16 @@ def test_nodes_out_of_order_are_read_in_an_order_that_defines_each_input_first()
     model.graph.node[0].input[1] = "nowhere"
     with pytest.raises(OnnxImportError, match="'nowhere' is not defined before this node"):
         from_onnx(model)
+
+
+def test_onnxruntimes_fast_gelu_is_the_tanh_gelu_of_x_plus_bias():
+    x = np.linspace(-5, 5, 24, dtype=np.float32).reshape(4, 6)
+    bias = np.linspace(-0.5, 0.5, 6, dtype=np.float32)
+    node = helper.make_node("FastGelu", ["x", "bias"], ["y"], domain="com.microsoft")
+    model = _model([node], [_vi("x", [4, 6])], [_vi("y", None)], [numpy_helper.from_array(bias, "bias")])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    u = x + bias
+    want = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3)))
+    np.testing.assert_allclose(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0],
+                               want, rtol=1e-4, atol=1e-5)  # fmt: skip
+    _equal_to_onnxruntime(model, {"x": x})

@@ -1,5 +1,5 @@
 """Converters for fused ONNX ops: ``Attention`` (opsets 23-25), RoPE, the norms, and the products and activations
-onnxruntime's graph optimizer fuses in the files it saves (``com.microsoft.FusedMatMul``, ``QuickGelu``).
+onnxruntime's graph optimizer fuses in the files it saves (``com.microsoft.FusedMatMul``, ``QuickGelu``, ``FastGelu``).
 
 Each fused op is decomposed into graphc's einsum and elementwise ops with the
 semantics of ONNX's reference implementation (onnx 1.23), so the optimizer can
@@ -397,9 +397,21 @@ def _rotary_ms(ctx: ImportContext, ins: list, attrs: dict) -> list:
 
 
 def _gelu(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    return [_gelu_of(ctx, ctx.tensor(ins[0]), attrs.get("approximate", "none") == "tanh")]
+
+
+def _fast_gelu(ctx: ImportContext, ins: list, attrs: dict) -> list:
+    """``com.microsoft.FastGelu(X, bias?)``: the tanh approximation of GELU of ``X + bias``."""
     x = ctx.tensor(ins[0])
+    if len(ins) > 1 and ins[1] is not None:
+        x = ctx.add(Binary("add"), [x, ctx.tensor(ins[1], "FastGelu bias")], "fast_gelu_in")
+    return [_gelu_of(ctx, x, True)]
+
+
+def _gelu_of(ctx: ImportContext, x: str, tanh: bool) -> str:
+    """GELU of ``x``: ``x * (1 + erf(x / sqrt 2)) / 2``, or (``tanh``) its tanh approximation."""
     dtype = ctx.graph.types[x].dtype
-    if attrs.get("approximate", "none") == "tanh":
+    if tanh:
         inner = ctx.add(
             Binary("add"),
             [x, ctx.add(Scale(0.044715), [ctx.add(Binary("mul"), [x, ctx.add(Binary("mul"), [x, x], "x2")], "x3")], "gelu_c")],
@@ -409,7 +421,7 @@ def _gelu(ctx: ImportContext, ins: list, attrs: dict) -> list:
     else:
         t = ctx.add(Unary("erf"), [ctx.add(Scale(float(1 / np.sqrt(2))), [x], "gelu_s")], "gelu_t")
     half = ctx.add(Scale(0.5), [ctx.add(Binary("add"), [t, _const(ctx, 1.0, dtype)], "gelu_1p")], "gelu_half")
-    return [ctx.add(Binary("mul"), [x, half], "gelu")]
+    return ctx.add(Binary("mul"), [x, half], "gelu")
 
 
 def _fused_matmul(ctx: ImportContext, ins: list, attrs: dict) -> list:
@@ -450,5 +462,6 @@ FUSED_CONVERTERS: dict[tuple[str, str], Converter] = {
     ("com.microsoft", "SkipLayerNormalization"): _skip_layer_norm,
     ("com.microsoft", "FusedMatMul"): _fused_matmul,
     ("com.microsoft", "QuickGelu"): _quick_gelu,
+    ("com.microsoft", "FastGelu"): _fast_gelu,
 }
 """Fused-op converters by (domain, op type); ``""`` is the standard domain."""
