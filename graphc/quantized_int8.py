@@ -44,9 +44,15 @@ def dynamic_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return q.astype(np.uint8), np.array(scale, np.float32), np.array(zero, np.uint8)
 
 
+def _same_form(zero: TensorType, scale: TensorType) -> bool:
+    """A zero point matches its scale: the same shape, or each one value (``[]`` or ``[1]``, as files mix them)."""
+    return zero.shape == scale.shape or (zero.shape in ((), (1,)) and scale.shape in ((), (1,)))
+
+
 def _check_scale_form(kind: str, x: TensorType, scale: TensorType, axis: int, block_size: int) -> None:
     """ONNX's three forms of ``(De)QuantizeLinear`` scales: one value, one a slice along ``axis``, or block-wise."""
-    if (block_size or scale.rank) and not -x.rank <= axis < x.rank:  # one value for the whole tensor: the axis plays no part
+    per_axis = scale.rank == 1 and scale.shape[0] != 1
+    if (block_size or per_axis) and not -x.rank <= axis < x.rank:  # one value for the whole tensor: the axis plays no part
         raise OpError(f"{kind}: axis {axis} is out of range for rank {x.rank}")
     if block_size and scale.rank != x.rank:
         raise ShapeMismatchError(f"{kind}: block-wise scales have x's rank {x.rank}, got {format_shape(scale.shape)}")
@@ -136,7 +142,8 @@ class IntegerMatMul(Op):
 @register_op
 @dataclass(frozen=True)
 class Dequantize(Op):
-    """ONNX ``DequantizeLinear`` of 8-bit ``x``: ``(x - zero_point) * scale`` in the scale's dtype; the scale (and zero
+    """ONNX ``DequantizeLinear`` of 8-bit ``x`` (or int32: the bias ``quantize_static`` quantizes with its product's
+    scale): ``(x - zero_point) * scale`` in the scale's dtype; the scale (and zero
     point) one value (``[]``/``[1]``), one a slice along ``axis`` (``[x.shape[axis]]``), or, with ``block_size``, of
     ``x``'s rank with ``axis`` in blocks of ``block_size`` (opset 21)."""
 
@@ -151,11 +158,11 @@ class Dequantize(Op):
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         x, scale = ins[0], ins[1]
-        if x.dtype not in QUANTIZED_DTYPES:
-            raise DTypeMismatchError(f"Dequantize: x must be int8 or uint8, got {x.dtype}")
+        if x.dtype not in (*QUANTIZED_DTYPES, "int32"):
+            raise DTypeMismatchError(f"Dequantize: x must be int8, uint8 or int32 (a quantized bias), got {x.dtype}")
         if scale.dtype not in FLOAT_DTYPES:
             raise DTypeMismatchError(f"Dequantize: the scale must be float, got {scale.dtype}")
-        if len(ins) == 3 and (ins[2].dtype != x.dtype or ins[2].shape != scale.shape):
+        if len(ins) == 3 and (ins[2].dtype != x.dtype or not _same_form(ins[2], scale)):
             raise ShapeMismatchError(f"Dequantize: the zero point must be {x.dtype}{format_shape(scale.shape)} like x and the scale")
         _check_scale_form("Dequantize", x, scale, self.axis, self.block_size)
         return TensorType(x.shape, scale.dtype)
@@ -194,7 +201,7 @@ class Quantize(Op):
         x, scale = ins[0], ins[1]
         if x.dtype not in FLOAT_DTYPES or scale.dtype not in FLOAT_DTYPES:
             raise DTypeMismatchError(f"Quantize: x and its scale must be float, got {x.dtype} and {scale.dtype}")
-        if len(ins) == 3 and (ins[2].dtype != self.dtype or ins[2].shape != scale.shape):
+        if len(ins) == 3 and (ins[2].dtype != self.dtype or not _same_form(ins[2], scale)):
             raise ShapeMismatchError(f"Quantize: the zero point must be {self.dtype}{format_shape(scale.shape)}, like the scale")
         _check_scale_form("Quantize", x, scale, self.axis, self.block_size)
         return TensorType(x.shape, self.dtype)

@@ -165,8 +165,8 @@ def _dequantize_linear(ctx: ImportContext, ins: list, attrs: dict) -> list:
     if isinstance(data, np.ndarray) and str(data.dtype) in FOUR_BIT_DTYPES:
         return [_dequantize_four_bits(ctx, data, ins, attrs)]
     x = ctx.tensor(ins[0], "DequantizeLinear input")
-    if ctx.graph.types[x].dtype not in QUANTIZED_DTYPES:
-        raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) data and 4-bit weights")
+    if ctx.graph.types[x].dtype not in (*QUANTIZED_DTYPES, "int32"):
+        raise ctx.error(f"DequantizeLinear of {ctx.graph.types[x].dtype} data: graphc reads 8-bit (int8/uint8) and int32 data and 4-bit weights")
     operands = [x, ctx.tensor(ins[1], "x_scale")] + ([ctx.tensor(ins[2], "x_zero_point")] if len(ins) > 2 and ins[2] is not None else [])
     return [ctx.add(Dequantize(int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))), operands, "dequantized")]
 
