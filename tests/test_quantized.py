@@ -626,3 +626,19 @@ def test_matmul_integer_of_two_batched_activations_equals_onnxruntime():
     assert graph.types[graph.outputs[0]].shape[1:] == (16, "s")
     for backend in installed("numpy", "ort-cpu", "onnx-reference", "torch"):
         np.testing.assert_array_equal(run(graph, feeds, backend)["y"], want, err_msg=backend)
+
+
+def test_a_fused_int8_product_whose_input_size_is_a_free_symbol_takes_the_weights_size():
+    """onnxruntime's saved files name some sizes afresh (``unk__67``): DynamicQuantizeMatMul's input ``[m, unk]`` times
+    a ``[16, 4]`` weight proves ``unk`` is 16, as a float MatMul's would; the product then equals onnxruntime."""
+    rng = np.random.default_rng(8)
+    w = rng.integers(-128, 128, (16, 4)).astype(np.int8)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.05, np.float32), "s")]
+    node = helper.make_node("DynamicQuantizeMatMul", ["x", "w", "s"], ["y"], domain="com.microsoft")
+    ins, outs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", "unk"])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    model = _one_node(node, ins, outs, inits)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    want = _ort(model, {"x": x})[0]
+    for backend in installed("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(from_onnx(model), {"x": x}, backend)["y"], want, atol=0.01 * float(np.abs(want).max()), err_msg=backend)

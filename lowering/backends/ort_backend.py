@@ -112,6 +112,13 @@ class _Sessions:
             self.session(False)
 
     @property
+    def disabled_optimizers(self) -> list[str]:
+        """onnxruntime's QDQ propagation is off for a graph that quantizes activations (``Quantize``): at opset 21 and
+        later it writes a ``QuantizeLinear`` whose ``output_dtype`` contradicts its zero point and then rejects the
+        model (as it rejects ``quantize_static``'s own files converted to opset 21)."""
+        return ["QDQPropagationTransformer"] if "Quantize" in self.graph.op_counts() else []
+
+    @property
     def providers(self) -> list[Any]:
         """The ``providers`` list of the sessions (the CPU provider after CUDA's, for the ops CUDA lacks)."""
         entry = provider_entry(self.provider, self.tf32, self.cuda_graph)
@@ -139,7 +146,7 @@ class _Sessions:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             handed = self.weights.session_options(so)
             try:
-                sess = ort.InferenceSession(self.model, so, providers=self.providers)
+                sess = ort.InferenceSession(self.model, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers)
             except Exception as e:  # noqa: BLE001
                 raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
             del handed  # onnxruntime copied them
