@@ -166,10 +166,10 @@ def _undefined_zeroed(present: np.ndarray, defined: list[int]) -> np.ndarray:
     return out
 
 
-def check(path: Path, head_dim: int, budget: float = 0.0) -> tuple[str, str, str]:
+def check(path: Path, head_dim: int, budget: float = 0.0, opset: int | None = None) -> tuple[str, str, str]:
     """``(attention recognised, worst error / tolerance, status)`` of one exported file.  The tolerance is
     ``1e-4 + 1e-3 |want|``, plus ``budget`` times the output's largest value for a file whose products round their
-    activations (its own quantization error)."""
+    activations (its own quantization error).  ``opset``: the re-export's (default graphc's)."""
     import onnx
     import onnxruntime as ort
 
@@ -200,7 +200,7 @@ def check(path: Path, head_dim: int, budget: float = 0.0) -> tuple[str, str, str
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory() as tmp:
         reexport = Path(tmp) / "graphc.onnx"
-        export_onnx(optimized, reexport)
+        export_onnx(optimized, reexport, **({"opset": opset} if opset else {}))
         mine = ort.InferenceSession(str(reexport), providers=["CPUExecutionProvider"])
         worst, problems, refused = 0.0, [], []
         window = rolling_window(path)
