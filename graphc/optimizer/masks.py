@@ -25,7 +25,7 @@ import numpy as np
 
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph, Node
-from graphc.numerics import FILL_LIMIT
+from graphc.numerics import FILL_LIMIT, hides_keys
 from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Concat, Reshape, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
@@ -186,9 +186,11 @@ def _is_zero(arr: np.ndarray | None) -> bool:
 
 
 def _is_fill(arr: np.ndarray | None) -> TypeGuard[np.ndarray]:
-    """A float scalar that hides a key it is added to in the float32 graphc computes in: ``-inf``, or at most
-    :data:`FILL_LIMIT` (float16's -65504 does not swamp a float32 score: a row it hides whole attends to every key)."""
-    return arr is not None and str(arr.dtype) in FLOAT_DTYPES and float(arr) <= FILL_LIMIT
+    """A float scalar that hides a key it is added to (:func:`graphc.numerics.hides_keys`): ``-inf``, at most
+    :data:`FILL_LIMIT`, or float16's -65504 held as float16 (:func:`_scalar` sees it through the ``Cast`` that widens a
+    float16 model's mask where graphc computes in float32): in the file's float16 arithmetic its sum with any score
+    under 16 in size is the fill again, so a row it hides whole is uniform (``empty_rows="mean"``)."""
+    return arr is not None and hides_keys(arr)
 
 
 def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str], np.ndarray] | None:
