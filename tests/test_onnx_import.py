@@ -291,7 +291,7 @@ def test_strict_import_names_op_domain_and_node() -> None:
 
 
 def test_contrib_op_graphc_does_not_model_runs_on_onnxruntime_only() -> None:
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("FastGelu", ["h"], ["y"], domain="com.microsoft")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Gelu", ["h"], ["y"], domain="com.microsoft")]
     model = _model(
         nodes,
         [helper.make_tensor_value_info("x", F, [2, 6])],
@@ -302,14 +302,14 @@ def test_contrib_op_graphc_does_not_model_runs_on_onnxruntime_only() -> None:
     x = _w(2, 6)
     g = from_onnx(model)
     np.testing.assert_allclose(run(g, {"x": x}, backend="ort-cpu")["y"], _ort(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ExecutionError, match=r"'y'.*com\.microsoft::FastGelu.*no NumPy semantics"):
+    with pytest.raises(ExecutionError, match=r"'y'.*com\.microsoft::Gelu.*no NumPy semantics"):
         run(g, {"x": x}, backend="numpy")
 
 
 def test_opaque_node_without_a_type_asks_for_value_info() -> None:
-    nodes = [helper.make_node("FastGelu", ["x"], ["h"], domain="com.microsoft"), helper.make_node("Relu", ["h"], ["y"])]
+    nodes = [helper.make_node("Gelu", ["x"], ["h"], domain="com.microsoft"), helper.make_node("Relu", ["h"], ["y"])]
     model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 6])], [helper.make_tensor_value_info("y", F, None)], ms=True)
-    with pytest.raises(OnnxImportError, match=r"FastGelu.*no type for its output 'h'.*value_info"):
+    with pytest.raises(OnnxImportError, match=r"Gelu.*no type for its output 'h'.*value_info"):
         from_onnx(model)
 
 
