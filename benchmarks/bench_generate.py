@@ -179,7 +179,10 @@ def ort_loop(path: Path) -> Run:
             if wants_positions:
                 feeds["position_ids"] = value(positions)
             outs = sess.run_with_ort_values(names, feeds)
-            token = int(outs[0].numpy()[0, -1].argmax())
+            last = outs[0].numpy()[0, -1]
+            if not tokens:
+                run.first_logits = last  # type: ignore[attr-defined]  # the prompt's last position: what a quality check reads
+            token = int(last.argmax())
             cache = {n.replace("present", "past_key_values"): v for n, v in zip(names[1:], outs[1:])}
             times.append(time.perf_counter() - t0)
             tokens.append(token)

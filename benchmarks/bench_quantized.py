@@ -11,7 +11,9 @@ contender runs in its own process, a worker serving one generation per request: 
 decode loop (the cache kept in onnxruntime's tensors), graphc's int4 graph on the NumPy backend, genai's model in its
 runtime.  Per contender: the seconds to load, the first token after a ``--prompt``-token prompt, the decode ms/token
 (median over ``--blocks`` rounds, the contenders alternating), the peak resident memory of its process, and the
-weight bytes a token reads beside the read bandwidth measured in this process (NumPy sum over 1 GiB).
+weight bytes a token reads beside the read bandwidth measured in this process (NumPy sum over 1 GiB), and how far its
+logits for the prompt's last position lie from graphc float32's (the largest difference over the largest float32
+logit: what quantization costs).
 
     python benchmarks/bench_quantized.py [--shape qwen2.5-0.5b] [--work DIR] [--prompt 128] [--new 16] [--blocks 3] [--genai] [--optimum]
 
@@ -52,6 +54,7 @@ sys.path.insert(0, sys.argv[3])
 import numpy as np
 kind, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
+vocab = int(sys.argv[4])
 if kind == "genai":
     import onnxruntime_genai as og
     model = og.Model(path)
@@ -61,6 +64,7 @@ if kind == "genai":
         gen = og.Generator(model, params)
         times, tokens, t = [], [], time.perf_counter()
         gen.append_tokens(np.array(prompt, np.int32))
+        run.first_logits = np.asarray(gen.get_output("logits"), np.float32).reshape(-1)[-vocab:]
         while not gen.is_done():
             gen.generate_next_token()
             times.append(time.perf_counter() - t)
@@ -80,14 +84,15 @@ else:  # graphc's quantized graph on the NumPy backend
     g = graphc.optimize(quantize_weights(g, QuantizeOptions(4, 32))[0]).graph
     runner = prepare(g, "numpy")
     def run(prompt, new):
-        r = generate(g, [prompt], new, runner=runner)
+        r = generate(g, [prompt], new, runner=runner, keep_logits=True)
+        run.first_logits = r.logits[0][0]
         return [r.prefill_seconds, *r.step_seconds], r.new_tokens[0].tolist()
 print(json.dumps({"load_s": time.perf_counter() - t0}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
     times, tokens = run(req["prompt"], req["new"])
     peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-    print(json.dumps({"times": times, "tokens": tokens, "peak_rss": peak}), flush=True)
+    print(json.dumps({"times": times, "tokens": tokens, "peak_rss": peak, "logits": [float(v) for v in run.first_logits]}), flush=True)
 """
 
 
@@ -188,10 +193,11 @@ def optimum_export(work: Path, hf: Path, out: Path) -> tuple[Path, float]:
 class Worker:
     """A contender in its own process: ``kind`` (onnx, genai, numpy-int4) over ``path``."""
 
-    def __init__(self, kind: str, path: Path, python: str) -> None:
+    def __init__(self, kind: str, path: Path, python: str, vocab: int) -> None:
         script = Path(path).parent / "worker.py" if kind != "numpy-int4" else Path(path) / "worker.py"
         script.write_text(WORKER)
-        self.proc = subprocess.Popen([python, str(script), kind, str(path), str(HERE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        command = [python, str(script), kind, str(path), str(HERE), str(vocab)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.load_s = json.loads(self.proc.stdout.readline())["load_s"]  # type: ignore[union-attr]
         self.peak = 0
 
@@ -200,6 +206,7 @@ class Worker:
         self.proc.stdin.flush()  # type: ignore[union-attr]
         reply = json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
         self.peak = max(self.peak, reply["peak_rss"])
+        self.logits = np.asarray(reply["logits"], np.float32)  # the prompt's last position, this request's
         return reply["times"], reply["tokens"]
 
     def close(self) -> None:
@@ -230,18 +237,19 @@ def main() -> None:
     hf = checkpoint(work, args.shape)
     exports = (("graphc-f32", None), ("graphc-int4", "int4"), ("graphc-int8", "int8"))
     models = {name: graphc_export(hf, work / args.shape / name, q) for name, q in exports}
-    workers = {f"graphc ort-cpu {name.split('-')[1]}": Worker("onnx", path, sys.executable) for name, (path, _) in models.items()}
-    workers["graphc numpy int4"] = Worker("numpy-int4", hf, sys.executable)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    workers = {f"graphc ort-cpu {name.split('-')[1]}": Worker("onnx", path, sys.executable, vocab) for name, (path, _) in models.items()}
+    workers["graphc numpy int4"] = Worker("numpy-int4", hf, sys.executable, vocab)
     if args.genai:
         from real_exports_corpus import tool_python
 
         genai = genai_export(work, hf, work / args.shape / "genai-int4")
-        workers["onnxruntime-genai int4"] = Worker("genai", genai, str(tool_python(work, "genai")))
+        workers["onnxruntime-genai int4"] = Worker("genai", genai, str(tool_python(work, "genai")), vocab)
     notes = []
     if args.optimum:
         try:
             models["optimum-int8"] = optimum_export(work, hf, work / args.shape / "optimum-int8")
-            workers["optimum int8"] = Worker("onnx", models["optimum-int8"][0], sys.executable)
+            workers["optimum int8"] = Worker("onnx", models["optimum-int8"][0], sys.executable, vocab)
         except subprocess.CalledProcessError as e:  # a quantizer killed for memory is the result at this shape
             why = f"killed by signal {-e.returncode}" if e.returncode < 0 else f"exit status {e.returncode}"
             notes.append(f"optimum int8: not measured, its export and quantization ({OPTIMUM_STEP}) failed: {why}")
@@ -266,6 +274,7 @@ def main() -> None:
         reads.append(time.perf_counter() - t0)
     gbs = (1 << 30) / statistics.median(reads) / 1e9
     rows = {}
+    reference = workers["graphc ort-cpu f32"].logits  # the float32 model's logits for the prompt's last position
     for name in names:
         export_name = f"graphc-{name.split()[-1]}" if name.startswith("graphc ort") else "optimum-int8" if name == "optimum int8" else None
         size = weight_bytes(models[export_name][0]) if export_name else None
@@ -278,6 +287,7 @@ def main() -> None:
             "weights_gb": size / 1e9 if size else None,
             "read_fraction": (size / 1e9) / (ms / 1e3) / gbs if size else None,
             "export_s": models[export_name][1] if export_name else None,
+            "logits_error": float(np.abs(workers[name].logits - reference).max() / np.abs(reference).max()),
             "tokens": tokens[name],
         }
         workers[name].close()
@@ -288,8 +298,9 @@ def main() -> None:
         f"{args.shape} ({os.cpu_count()}-core {cpu.removesuffix(' Processor')}, {memory:.0f} GiB), {args.prompt}-token prompt, "
         f"{args.new} new tokens, {args.blocks} rounds alternating; {platform.machine()}, read bandwidth {gbs:.1f} GB/s ({bandwidth})",
         "",
-        "| contender | export s | load s | first token ms | decode ms/token | vs graphc float32 | weights GB | of read bandwidth | peak RSS GB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| contender | export s | load s | first token ms | decode ms/token | vs graphc float32 | weights GB | of read bandwidth | peak RSS GB "
+        "| logits vs float32 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in rows.items():
         cells = [
@@ -301,6 +312,7 @@ def main() -> None:
             f"{r['weights_gb']:.2f}" if r["weights_gb"] is not None else "-",
             f"{100 * r['read_fraction']:.0f}%" if r["read_fraction"] is not None else "-",
             f"{r['peak_rss_gb']:.2f}",
+            f"{100 * r['logits_error']:.1f}%",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     same = rows["graphc numpy int4"]["tokens"] == rows["graphc ort-cpu int4"]["tokens"]
