@@ -181,7 +181,7 @@ def ort_loop(path: Path) -> Run:
             outs = sess.run_with_ort_values(names, feeds)
             last = outs[0].numpy()[0, -1]
             if not tokens:
-                run.first_logits = last  # type: ignore[attr-defined]  # the prompt's last position: what a quality check reads
+                run.first_logits = last.copy()  # type: ignore[attr-defined]  # the prompt's last position: what a quality check reads
             token = int(last.argmax())
             cache = {n.replace("present", "past_key_values"): v for n, v in zip(names[1:], outs[1:])}
             times.append(time.perf_counter() - t0)

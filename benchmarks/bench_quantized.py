@@ -54,7 +54,7 @@ sys.path.insert(0, sys.argv[3])
 import numpy as np
 kind, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
-vocab = int(sys.argv[4])
+vocab, wants_logits = int(sys.argv[4]), False
 if kind == "genai":
     import onnxruntime_genai as og
     model = og.Model(path)
@@ -64,7 +64,8 @@ if kind == "genai":
         gen = og.Generator(model, params)
         times, tokens, t = [], [], time.perf_counter()
         gen.append_tokens(np.array(prompt, np.int32))
-        run.first_logits = np.asarray(gen.get_output("logits"), np.float32).reshape(-1)[-vocab:]
+        if wants_logits:  # read only when asked: the timed requests allocate nothing more
+            run.first_logits = np.asarray(gen.get_output("logits"), np.float32).reshape(-1)[-vocab:].copy()
         while not gen.is_done():
             gen.generate_next_token()
             times.append(time.perf_counter() - t)
@@ -84,15 +85,18 @@ else:  # graphc's quantized graph on the NumPy backend
     g = graphc.optimize(quantize_weights(g, QuantizeOptions(4, 32))[0]).graph
     runner = prepare(g, "numpy")
     def run(prompt, new):
-        r = generate(g, [prompt], new, runner=runner, keep_logits=True)
-        run.first_logits = r.logits[0][0]
+        r = generate(g, [prompt], new, runner=runner, keep_logits=wants_logits)
+        if wants_logits:
+            run.first_logits = r.logits[0][0]
         return [r.prefill_seconds, *r.step_seconds], r.new_tokens[0].tolist()
 print(json.dumps({"load_s": time.perf_counter() - t0}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
+    wants_logits = req.get("logits", False)
     times, tokens = run(req["prompt"], req["new"])
     peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-    print(json.dumps({"times": times, "tokens": tokens, "peak_rss": peak, "logits": [float(v) for v in run.first_logits]}), flush=True)
+    logits = [float(v) for v in run.first_logits] if wants_logits else None
+    print(json.dumps({"times": times, "tokens": tokens, "peak_rss": peak, "logits": logits}), flush=True)
 """
 
 
@@ -201,12 +205,16 @@ class Worker:
         self.load_s = json.loads(self.proc.stdout.readline())["load_s"]  # type: ignore[union-attr]
         self.peak = 0
 
-    def __call__(self, prompt: list[int], new: int) -> tuple[list[float], list[int]]:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "new": new}) + "\n")  # type: ignore[union-attr]
+    def __call__(self, prompt: list[int], new: int, logits: bool = False) -> tuple[list[float], list[int]]:
+        """One generation; ``logits``: also the prompt's last logits (kept in ``self.logits``; that request's memory is
+        not counted in the peak)."""
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "new": new, "logits": logits}) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         reply = json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
-        self.peak = max(self.peak, reply["peak_rss"])
-        self.logits = np.asarray(reply["logits"], np.float32)  # the prompt's last position, this request's
+        if logits:
+            self.logits = np.asarray(reply["logits"], np.float32)
+        else:
+            self.peak = max(self.peak, reply["peak_rss"])
         return reply["times"], reply["tokens"]
 
     def close(self) -> None:
@@ -266,6 +274,8 @@ def main() -> None:
             first[name].append(times[0])
             per_token[name].append(statistics.median(times[1:]))
             tokens[name] = toks
+    for name in names:  # after the timed rounds: the logits of the prompt's last position
+        workers[name](prompt, 1, logits=True)
     bandwidth, read = read_probe(2)
     reads = []
     for _ in range(5):
