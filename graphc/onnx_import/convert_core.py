@@ -675,14 +675,13 @@ def _length_carrier(ctx: ImportContext, length: Dim) -> tuple[str, int] | None:
     None (an ``Arange`` over the dim) where the inputs' dims give it; else any value's axis of that length.  A value
     computed in the graph is the last choice: reading it would tie the positions to it (a cache ``Concat`` read
     before the attention it feeds)."""
-    inputs = [(name, ctx.graph.types[name]) for name in ctx.graph.inputs]
-    for name, t in inputs + [item for item in ctx.graph.types.items() if item[0] not in ctx.graph.inputs]:
-        if name not in ctx.graph.inputs and dim_symbols(length) <= {str(d) for _, t2 in inputs for d in t2.shape if is_symbol(d)}:
-            return None
-        for axis, d in enumerate(t.shape):
-            if normalize_dim(d) == length:
-                return name, axis
-    return None
+    types, inputs = ctx.graph.types, ctx.graph.inputs
+    found = ((name, axis) for name in inputs for axis, d in enumerate(types[name].shape) if normalize_dim(d) == length)
+    carrier = next(found, None)
+    if carrier is not None or dim_symbols(length) <= {str(d) for name in inputs for d in types[name].shape if is_symbol(d)}:
+        return carrier
+    computed = ((name, axis) for name, t in types.items() for axis, d in enumerate(t.shape) if normalize_dim(d) == length)
+    return next(computed, None)
 
 
 def _trilu(ctx: ImportContext, ins: list, attrs: dict) -> list:
