@@ -10,7 +10,7 @@ that K/V do not stay in cache.  Peak memory is tracemalloc's peak during one
 call (NumPy reports its buffers to tracemalloc).  The unoptimized graph is the
 naive NumPy peer (``np.repeat`` of K/V).  Other runtimes (torch SDPA,
 onnxruntime) are timed against graphc by ``bench_speed.py``, in one run under
-one method.  Prints the Markdown table the README shows.
+one method.  Prints the Markdown table docs/benchmarks-guide.md shows.
 """
 
 from __future__ import annotations

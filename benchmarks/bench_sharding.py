@@ -205,7 +205,7 @@ def _size(n: float) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The README table."""
+    """The Markdown table docs/dask.md shows."""
     out = [
         "| case | variant | median ms (p10-p90) | vs 1 process | sent / received per call | shard ms | weights placed |",
         "|---|---|---|---|---|---|---|",

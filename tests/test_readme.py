@@ -1,4 +1,5 @@
-"""Every Python snippet in the README runs as a script, as written, in an empty folder."""
+"""Every Python snippet in the README and the guides in ``docs/`` runs as a script, as written, in an empty folder; every
+relative link in them points to a file that exists (and to a heading that exists, where it names one)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,44 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SNIPPETS = [(doc, code) for doc in DOCS for code in re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)]
 
 
-def test_the_readme_has_snippets():
+def test_the_docs_have_snippets():
     assert len(SNIPPETS) >= 5
 
 
-@pytest.mark.parametrize("index", range(len(SNIPPETS)))
-def test_readme_snippet_runs_as_a_script(index, tmp_path):
-    if "dask_shards" in SNIPPETS[index]:
+@pytest.mark.parametrize("index", range(len(SNIPPETS)), ids=[f"{doc.name}-{i}" for i, (doc, _) in enumerate(SNIPPETS)])
+def test_snippet_runs_as_a_script(index, tmp_path):
+    doc, code = SNIPPETS[index]
+    if "dask_shards" in code:
         pytest.importorskip("distributed")
     script = tmp_path / f"snippet_{index}.py"
-    script.write_text(SNIPPETS[index], encoding="utf-8")
+    script.write_text(code, encoding="utf-8")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"snippet {index} failed:\n{SNIPPETS[index]}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{doc.name} snippet {index} failed:\n{code}\n--- stderr\n{proc.stderr[-3000:]}"
     assert " - ERROR - " not in proc.stderr, proc.stderr[-3000:]  # Dask logging lost data at exit
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings, as GitHub spells them."""
+    found, fence = set(), False
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        fence ^= line.startswith("```")
+        if not fence and re.match(r"#{1,6} ", line):
+            found.add(re.sub(r"[^a-z0-9 _-]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_relative_link_points_to_what_exists(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        assert dest.exists(), f"{doc.name} links {target}, which does not exist"
+        if anchor and dest.suffix == ".md":
+            assert anchor in _anchors(dest), f"{doc.name} links {target}: {dest.name} has no heading {anchor!r}"
