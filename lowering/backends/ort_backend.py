@@ -33,8 +33,9 @@ from graphc.ops import Einsum
 from graphc.optimizer.precision import widen_interface
 
 from .inputs import check_inputs
-from .ort_weights import DEFAULT_INLINE_MAX_BYTES, SessionWeights, host_ortvalue, plan_session_weights
+from .ort_weights import SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
+from .ort_options import OrtOptions
 from .runner import Runner, StepFn
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER", "bfloat16_cache"]
@@ -87,17 +88,13 @@ class _Sessions:
         model: bytes,
         weights: SessionWeights,
         provider: str,
-        threads: int | None,
-        isolate: bool,
-        spin: bool = False,
-        tf32: bool = False,
-        cuda_graph: bool = False,
+        options: OrtOptions,
         bfloat16_io: bool = False,
     ) -> None:
-        self.name, self.graph, self.model, self.provider, self.threads, self.isolate = name, graph, model, provider, threads, isolate
+        self.name, self.graph, self.model, self.provider = name, graph, model, provider
+        self.threads, self.isolate, self.spin = options.threads, options.isolate, options.spin
         self.weights = weights
-        self.spin = spin
-        self.tf32, self.cuda_graph, self.note = tf32, cuda_graph, ""
+        self.tf32, self.cuda_graph, self.note = options.tf32, options.cuda_graph, ""
         self.bfloat16_io = bfloat16_io
         self.built: dict[bool, Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]] = {}
         self.native: Any = None
@@ -106,7 +103,7 @@ class _Sessions:
         try:
             self.session(False)
         except BackendError as e:
-            if not cuda_graph or "capture" not in str(e).lower():
+            if not options.cuda_graph or "capture" not in str(e).lower():
                 raise
             self.cuda_graph, self.note = False, f"; CUDA graphs off: {str(e).splitlines()[0][-200:]}"  # onnxruntime refused to capture this model
             self.session(False)
@@ -213,15 +210,10 @@ def prepare_ort(
     export: Callable[..., Any],
     opset: int | None = None,
     attention: str = "decomposed",
-    threads: int | None = None,
-    sizes: Mapping[str, int] | None = None,
-    isolate: bool = False,
-    spin: bool = False,
-    inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
-    tf32: bool = False,
-    cuda_graph: bool = False,
+    options: OrtOptions = OrtOptions(),  # noqa: B008 - frozen
 ) -> Runner:
-    """Export ``graph`` and build its session: a :class:`~lowering.backends.runner.Runner`, as every backend returns.
+    """Export ``graph`` and build its session: a :class:`~lowering.backends.runner.Runner`, as every backend returns
+    (``options``: :class:`~lowering.backends.registry.OrtOptions`).
 
     On CUDA the model is exported for CUDA (float16 contractions and attention in float16, onnxruntime's fused
     kernels; :func:`lowering.exporter.targets.onnx_target`), float32 MatMul runs in float32 unless ``tf32=True``,
@@ -238,9 +230,10 @@ def prepare_ort(
     onnxruntime refuses to capture the model, the runner's ``provider`` says so and the steps run uncaptured.
     """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
-    limit = inline_weights_max_bytes
+    isolate, tf32, cuda_graph, sizes = options.isolate, options.tf32, options.cuda_graph, options.sizes
+    limit = options.inline_weights_max_bytes
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {inline_weights_max_bytes!r}")
+        raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {limit!r}")
     kept = frozenset() if isolate else bfloat16_cache(graph)  # a bfloat16 decode cache stays onnxruntime's tensors
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16" and n not in kept]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16" and n not in kept}
@@ -263,7 +256,7 @@ def prepare_ort(
         )
     model = proto.SerializeToString()
     del proto
-    sessions = _Sessions(name, graph, model, weights, provider, threads, isolate, spin, tf32, cuda_graph, bfloat16_io=bool(kept))
+    sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept))
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}
     # a size only the data gives (an imported NonZero's count: the tokens one expert gets) may be zero on any run

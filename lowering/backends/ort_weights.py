@@ -51,10 +51,11 @@ from graphc.memory import format_bytes
 from graphc.numerics import contiguous
 
 from ..exporter.onnx_builder import ONNX_DTYPES
+from .ort_options import DEFAULT_INLINE_MAX_BYTES as _ORT_INLINE_DEFAULT
 
 __all__ = ["DEFAULT_INLINE_MAX_BYTES", "SessionWeights", "plan_session_weights", "host_ortvalue"]
 
-DEFAULT_INLINE_MAX_BYTES = 64 << 20
+DEFAULT_INLINE_MAX_BYTES = _ORT_INLINE_DEFAULT
 """Weights up to this many bytes in all are serialized into the model; above it, :class:`SessionWeights` places them."""
 _SMALL = 1024
 _HANDED = "graphc-handed-initializer"  # the placeholder location of a handed weight: never read (the OrtValue replaces it)

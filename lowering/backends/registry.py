@@ -31,6 +31,7 @@ from ..kernels.softmax import blas_description
 from .inputs import check_inputs
 from ..decode.kv_buffers import numpy_cache
 from .numpy_interpreter import NumpyInterpreter
+from .ort_options import OrtOptions, Sizes
 from .runner import Runner
 from ..exporter.targets import NUMPY_TARGET, REFERENCE_TARGET
 
@@ -46,6 +47,7 @@ __all__ = [
     "run",
     "unavailable_reason",
     "decode_options",
+    "OrtOptions",
 ]
 
 
@@ -61,9 +63,6 @@ class BackendSpec:
     """``prepare`` options a decode loop uses on this backend (onnxruntime: attention forms chosen for the step's sizes)."""
     decode_sizes: bool = False
     """True when a decode loop prepares the backend with the step's sizes (to choose its kernels for them)."""
-
-
-Sizes = Mapping[str, int] | None
 
 
 def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None = None, reference: bool = False, sizes: Sizes = None) -> Runner:
@@ -137,28 +136,26 @@ def _cuda_missing() -> str | None:
 
 
 def _ort(provider: str) -> Callable[..., Runner]:
+    defaults = OrtOptions()
 
     def prepare_ort(
         graph: Graph,
         opset: int | None = None,
         attention: str = "decomposed",
-        threads: int | None = None,
-        sizes: Sizes = None,
-        isolate: bool = False,
-        spin: bool = False,
-        inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES,
-        tf32: bool = False,
-        cuda_graph: bool = False,
+        threads: int | None = defaults.threads,
+        sizes: Sizes = defaults.sizes,
+        isolate: bool = defaults.isolate,
+        spin: bool = defaults.spin,
+        inline_weights_max_bytes: int | None = defaults.inline_weights_max_bytes,
+        tf32: bool = defaults.tf32,
+        cuda_graph: bool = defaults.cuda_graph,
     ) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        options = (threads, sizes, isolate, spin, inline_weights_max_bytes, tf32, cuda_graph)
-        return build(provider, graph, _export, opset, attention, *options)
+        options = OrtOptions(threads, sizes, isolate, spin, inline_weights_max_bytes, tf32, cuda_graph)
+        return build(provider, graph, _export, opset, attention, options)
 
     return prepare_ort
-
-
-DEFAULT_INLINE_MAX_BYTES = 64 << 20  # lowering.backends.ort_weights.DEFAULT_INLINE_MAX_BYTES (not imported: onnx stays a lazy import here)
 
 
 def _torch_missing() -> str | None:
