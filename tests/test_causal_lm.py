@@ -343,3 +343,13 @@ def test_a_tied_config_with_a_different_lm_head_is_untied_as_transformers_does(t
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
     feeds = {k: v for k, v in feeds.items() if k in lm.inputs} | {n: np.zeros((1, 2, 0, 8), np.float32) for n in lm.inputs if n.startswith("past")}
     np.testing.assert_allclose(run(lm, feeds, "numpy")["logits"], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("option, value", [("logits", "every"), ("cache", "paged")])
+def test_a_choice_the_builder_does_not_offer_is_a_config_error_naming_the_choices(option, value):
+    from graphc.errors import AttentionConfigError
+
+    cfg = causal_lm_config_from_hf({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 20})  # fmt: skip
+    with pytest.raises(AttentionConfigError, match=rf"{option} must be one of .*got '{value}'"):
+        graphc.causal_lm_graph(cfg, seed=0, **{option: value})

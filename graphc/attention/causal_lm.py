@@ -195,9 +195,9 @@ def causal_lm_graph(
     fixed-capacity cache (``past`` is then the capacity), as the module doc describes.
     """
     if logits not in LOGITS_KINDS:
-        raise WeightError(f"logits must be one of {LOGITS_KINDS}, got {logits!r}")
+        raise AttentionConfigError(f"logits must be one of {LOGITS_KINDS}, got {logits!r}")
     if cache not in CACHE_KINDS:
-        raise WeightError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
+        raise AttentionConfigError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
     check_dtype(dtype)
     weights = init_causal_lm_weights(cfg, seed, dtype) if weights is None else weights
     _check_weights(cfg, weights, dtype)
