@@ -158,13 +158,13 @@ def _lower_einsum(b: OnnxBuilder, node: Node) -> None:
         raise ExportError(f"node {node.name!r}: einsum {spec} has {len(spec.inputs)} operands; lower the graph first")
 
 
-def _emit_unformed_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _emit_unformed_attention(b: OnnxBuilder, node: Node) -> None:
     raise ExportError(
         f"node {node.name!r}: an Attention op with no ONNX form; lower the graph for an ONNX target (lowering.exporter.targets.onnx_target)"
     )
 
 
-def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _emit_onnx_attention(b: OnnxBuilder, node: Node) -> None:
     """The standard ``Attention`` op (opset 23+)."""
     op = node.op_as(Attention)
     ins = list(node.inputs)
@@ -177,7 +177,7 @@ def _emit_onnx_attention(b: OnnxBuilder, node: Node, mode: str) -> None:
     b.nodes.append(helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), **attrs))
 
 
-def _emit_gqa(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _emit_gqa(b: OnnxBuilder, node: Node) -> None:
     """onnxruntime's ``com.microsoft.GroupQueryAttention`` on packed ``[B, S, H*D]`` Q/K/V.  Without a cache the presents
     are still named (unused): onnxruntime's CUDA kernel refuses to run without them."""
     op = node.op_as(Attention)
@@ -223,20 +223,21 @@ def _range(b: OnnxBuilder, start: Dim, stop: Dim, out: str) -> None:
     b.op("Range", [scalar(start), scalar(stop), b.const(np.array(1, np.int64), "one")], out)
 
 
-Emitter = Callable[[OnnxBuilder, Node, str], object]
+Emitter = Callable[[OnnxBuilder, Node], object]
 ONNX_EMITTERS: dict[type[Op], Emitter] = {}
-"""Each op type's ONNX emitter: ``emit(builder, node, attention_mode)`` writes the node's ONNX nodes."""
+"""Each op type's ONNX emitter: ``emit(builder, node)`` writes the node's ONNX nodes (the attention form was chosen when
+the graph was lowered for the target, so no emitter needs the export's attention mode)."""
 
 
 onnx_emitter = op_registrar(ONNX_EMITTERS)
 """``@onnx_emitter(OpType, ...)`` registers the decorated function as those op types' ONNX emitter."""
 
 
-def _lower_node(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _lower_node(b: OnnxBuilder, node: Node) -> None:
     emit = ONNX_EMITTERS.get(type(node.op))
     if emit is None:
         raise ExportError(f"node {node.name!r}: no ONNX lowering for {node.op.kind}")
-    emit(b, node, mode)
+    emit(b, node)
     b.computed(node.outputs)
 
 
@@ -246,7 +247,7 @@ OpT = TypeVar("OpT", bound=Op)
 def _simple(onnx_op: str, kind: type[OpT], **attrs: Callable[[OpT], Any]) -> Emitter:
     """An emitter writing one ONNX node of type ``onnx_op`` on the node's inputs, attributes read off the op."""
 
-    def emit(b: OnnxBuilder, node: Node, mode: str) -> None:
+    def emit(b: OnnxBuilder, node: Node) -> None:
         b.op(onnx_op, list(node.inputs), node.name, **{k: f(node.op_as(kind)) for k, f in attrs.items()})
 
     return emit
@@ -261,26 +262,26 @@ ONNX_EMITTERS.update(
         IntegerMatMul: emit_integer_matmul,
         Dequantize: emit_dequantize,
         Quantize: emit_quantize,
-        Einsum: lambda b, node, mode: _lower_einsum(b, node),
-        Reshape: lambda b, node, mode: b.reshape(node.inputs[0], node.op_as(Reshape).shape, node.name),
+        Einsum: lambda b, node: _lower_einsum(b, node),
+        Reshape: lambda b, node: b.reshape(node.inputs[0], node.op_as(Reshape).shape, node.name),
         Concat: _simple("Concat", Concat, axis=lambda op: op.axis),
         Cast: _simple("Cast", Cast, to=lambda op: ONNX_DTYPES[op.dtype]),
-        Compare: lambda b, node, mode: b.op(_COMPARE[node.op_as(Compare).fn], list(node.inputs), node.name),
+        Compare: lambda b, node: b.op(_COMPARE[node.op_as(Compare).fn], list(node.inputs), node.name),
         Gather: _simple("Gather", Gather, axis=lambda op: op.axis),
         GatherElements: _simple("GatherElements", GatherElements, axis=lambda op: op.axis),
-        BroadcastTo: lambda b, node, mode: b.op("Expand", [node.inputs[0], b.shape(node.op_as(BroadcastTo).shape)], node.name),
-        Arange: lambda b, node, mode: _range(b, node.op_as(Arange).start, node.op_as(Arange).stop, node.name),
-        Opaque: lambda b, node, mode: b.nodes.append(node.op_as(Opaque).node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),
+        BroadcastTo: lambda b, node: b.op("Expand", [node.inputs[0], b.shape(node.op_as(BroadcastTo).shape)], node.name),
+        Arange: lambda b, node: _range(b, node.op_as(Arange).start, node.op_as(Arange).stop, node.name),
+        Opaque: lambda b, node: b.nodes.append(node.op_as(Opaque).node_proto(list(node.inputs), list(node.outputs), b.fresh(f"n_{node.name}"))),
         Attention: _emit_unformed_attention,
         OnnxAttention: _emit_onnx_attention,
         OrtGroupQueryAttention: _emit_gqa,
-        ChunkedCausalAttention: lambda b, node, mode: emit_chunked_attention(b, node),
+        ChunkedCausalAttention: lambda b, node: emit_chunked_attention(b, node),
     }
 )
 
 
 @onnx_emitter(OrtRMSNorm)
-def _rms_norm(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _rms_norm(b: OnnxBuilder, node: Node) -> None:
     """onnxruntime's ``SimplifiedLayerNormalization`` (default domain, as onnxruntime registers it): float32 statistics."""
     eps = node.op_as(OrtRMSNorm).epsilon
     name = b.fresh(f"n_{node.name}")
@@ -288,7 +289,7 @@ def _rms_norm(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(OnnxLayerNorm)
-def _layer_norm(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _layer_norm(b: OnnxBuilder, node: Node) -> None:
     """ONNX's ``LayerNormalization`` (opset 17) over the last axis: float32 statistics."""
     eps = node.op_as(OnnxLayerNorm).epsilon
     name = b.fresh(f"n_{node.name}")
@@ -296,7 +297,7 @@ def _layer_norm(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Unary)
-def _unary(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _unary(b: OnnxBuilder, node: Node) -> None:
     fn = node.op_as(Unary).function
     if fn.onnx is None:
         raise ExportError(f"node {node.name!r}: unary function {fn.name!r} has no ONNX spelling (register_unary(..., onnx=...))")
@@ -304,7 +305,7 @@ def _unary(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Transpose)
-def _transpose(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _transpose(b: OnnxBuilder, node: Node) -> None:
     perm = node.op_as(Transpose).perm
     if perm:
         b.op("Transpose", list(node.inputs), node.name, perm=list(perm))
@@ -313,7 +314,7 @@ def _transpose(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Repeat)
-def _repeat(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _repeat(b: OnnxBuilder, node: Node) -> None:
     op, x, out = node.op_as(Repeat), node.inputs[0], node.name
     rank = b.graph.types[x].rank
     axis = op.axis % rank
@@ -325,7 +326,7 @@ def _repeat(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Softmax)
-def _softmax(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _softmax(b: OnnxBuilder, node: Node) -> None:
     ins, out, axis = list(node.inputs), node.name, node.op_as(Softmax).axis
     if b.may_carry_neg_inf[ins[0]]:  # a row of -inf: zeros, not NaN
         y = b.op("Softmax", ins, base=f"{out}_raw", axis=axis)
@@ -336,7 +337,7 @@ def _softmax(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Binary)
-def _binary(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _binary(b: OnnxBuilder, node: Node) -> None:
     dtype = b.graph.types[node.name].dtype
     fn = node.op_as(Binary).fn
     if fn == "div" and dtype.startswith("int"):
@@ -346,7 +347,7 @@ def _binary(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Where)
-def _where(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _where(b: OnnxBuilder, node: Node) -> None:
     c, x, y = node.inputs
     out = node.name
     if b.graph.types[out].dtype == "bool":  # onnxruntime has no bool Where: (c and x) or (not c and y)
@@ -360,26 +361,26 @@ def _where(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(Scale)
-def _scale(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _scale(b: OnnxBuilder, node: Node) -> None:
     factor = b.const(np.array(node.op_as(Scale).factor, b.graph.types[node.name].dtype), "scale")
     b.op("Mul", [node.inputs[0], factor], node.name)
 
 
 @onnx_emitter(Positions)
-def _positions(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _positions(b: OnnxBuilder, node: Node) -> None:
     op = node.op_as(Positions)
     _range(b, op.offset, dim_add(op.offset, b.graph.types[node.inputs[0]].shape[op.axis]), node.name)
 
 
 @onnx_emitter(Reduce)
-def _reduce(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _reduce(b: OnnxBuilder, node: Node) -> None:
     op, x = node.op_as(Reduce), node.inputs[0]
     axes = b.const(np.array(op.normalized_axes(b.graph.types[x].rank), np.int64), "axes")
     b.op(_REDUCE[op.fn], [x, axes], node.name, keepdims=int(op.keepdims))
 
 
 @onnx_emitter(Slice)
-def _slice(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _slice(b: OnnxBuilder, node: Node) -> None:
     op, x = node.op_as(Slice), node.inputs[0]
     axis = op.axis % b.graph.types[x].rank
     one = lambda v: b.const(np.array([v], np.int64), "i")  # noqa: E731
@@ -387,7 +388,7 @@ def _slice(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(ShapeValues)
-def _shape_values(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _shape_values(b: OnnxBuilder, node: Node) -> None:
     op = node.op_as(ShapeValues)
     values = b.shape(op.values)
     if op.scalar:
@@ -397,7 +398,7 @@ def _shape_values(b: OnnxBuilder, node: Node, mode: str) -> None:
 
 
 @onnx_emitter(CausalMask)
-def _causal_mask(b: OnnxBuilder, node: Node, mode: str) -> None:
+def _causal_mask(b: OnnxBuilder, node: Node) -> None:
     # x + bias with a [Sq, Sk] bias of 0 / -inf: onnxruntime's broadcasting Add is ~2.5x faster than Where over the scores
     op, x, dtype = node.op_as(CausalMask), node.inputs[0], b.graph.types[node.name].dtype
     hidden = causal_hidden(b, x, b.graph.types[x].shape, op.offset, op.window)
@@ -498,7 +499,7 @@ def export(
         _require_attention(lowered, attention, ctx)
     b = OnnxBuilder(lowered, quantized)
     for node in lowered.topological_order():
-        _lower_node(b, node, attention)
+        _lower_node(b, node)
     b.initializers.extend(_initializers(lowered, path, external_data, place_weights))
     model = _model_proto(b, lowered, graph.name, opset)
     if path is not None:

@@ -39,7 +39,7 @@ __all__ = [
 
 
 
-def emit_quantized_matmul(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_quantized_matmul(b: OnnxBuilder, node: Node) -> None:
     """``QuantizedMatMul`` as ``MatMulNBits``, or as ``DequantizeLinear`` + ``MatMul`` (``b.quantized == "qdq"``)."""
     op = node.op_as(QuantizedMatMul)
     n = normalize_dim(b.graph.types[node.inputs[1]].shape[0])
@@ -53,7 +53,7 @@ def emit_quantized_matmul(b: OnnxBuilder, node: Node, mode: str) -> None:
     b.op("MatMul", [node.inputs[0], b.op("Transpose", [w], base=f"{node.name}_wT", perm=[1, 0])], node.name)
 
 
-def emit_quantized_gather(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_quantized_gather(b: OnnxBuilder, node: Node) -> None:
     """``QuantizedGather`` as ``com.microsoft.GatherBlockQuantized`` over the table's bytes seen as ``[rows, packed
     columns]``, or (``quantized="qdq"``) as the table's ``DequantizeLinear`` and a ``Gather``."""
     op = node.op_as(QuantizedGather)
@@ -73,7 +73,7 @@ def emit_quantized_gather(b: OnnxBuilder, node: Node, mode: str) -> None:
          bits=op.bits, block_size=op.block_size, gather_axis=0, quantize_axis=1)  # fmt: skip
 
 
-def emit_dequantize_blocks(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_dequantize_blocks(b: OnnxBuilder, node: Node) -> None:
     """``DequantizeBlocks`` as a standard block-wise ``DequantizeLinear`` (and a ``Slice`` where ``K`` was padded)."""
     op = node.op_as(DequantizeBlocks)
     n = normalize_dim(b.graph.types[node.inputs[0]].shape[0])
@@ -83,12 +83,12 @@ def emit_dequantize_blocks(b: OnnxBuilder, node: Node, mode: str) -> None:
     b.op("Identity", [w], node.name)
 
 
-def emit_dynamic_quantize(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_dynamic_quantize(b: OnnxBuilder, node: Node) -> None:
     """``DynamicQuantize`` as ONNX ``DynamicQuantizeLinear`` (three outputs)."""
     b.nodes.append(onnx.helper.make_node("DynamicQuantizeLinear", list(node.inputs), list(node.outputs), name=b.fresh(f"n_{node.outputs[0]}")))
 
 
-def emit_dequantize(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_dequantize(b: OnnxBuilder, node: Node) -> None:
     """``Dequantize`` as ONNX ``DequantizeLinear`` (``block_size`` where it has one: opset 21)."""
     op = node.op_as(Dequantize)
     proto = onnx.helper.make_node("DequantizeLinear", list(node.inputs), [node.name], name=b.fresh(f"n_{node.name}"), axis=op.axis)
@@ -97,7 +97,7 @@ def emit_dequantize(b: OnnxBuilder, node: Node, mode: str) -> None:
     b.nodes.append(proto)
 
 
-def emit_quantize(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_quantize(b: OnnxBuilder, node: Node) -> None:
     """``Quantize`` as ONNX ``QuantizeLinear`` (the zero point gives the output type; without one, ``output_dtype``;
     ``block_size`` where it has one: opset 21)."""
     op = node.op_as(Quantize)
@@ -109,7 +109,7 @@ def emit_quantize(b: OnnxBuilder, node: Node, mode: str) -> None:
     b.nodes.append(proto)
 
 
-def emit_integer_matmul(b: OnnxBuilder, node: Node, mode: str) -> None:
+def emit_integer_matmul(b: OnnxBuilder, node: Node) -> None:
     """``IntegerMatMul`` as ONNX ``MatMulInteger``."""
     b.op("MatMulInteger", list(node.inputs), node.name)
 
