@@ -312,7 +312,7 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int, default=None, help="use the first N layers only (default: all)")
     g.add_argument("--prompt-ids", action="append", default=None, metavar="IDS", help="comma-separated token ids; repeat for a batch")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    g.add_argument("--backends", default="numpy,ort-cpu", help="comma-separated (default numpy,ort-cpu)")
+    g.add_argument("--backends", default="ort-cpu", help="comma-separated (default ort-cpu; two or more compare their tokens)")
     g.add_argument("--dtype", default=None, choices=FLOAT_DTYPES, help="compute the model in this storage dtype (default: the checkpoint's)")
     g.add_argument("--pad-token-id", type=int, default=None, help="fills the left of shorter prompts (default: DIR's generation config, else 0)")
     g.add_argument("--eos-token-id", type=int, action="append", default=None,
