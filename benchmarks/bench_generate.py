@@ -3,7 +3,7 @@
 For each model (a tiny Mistral and a Mistral-7B-shaped 2-layer model, random weights,
 float32) the script makes one checkpoint folder and from it:
 
-- **graphc numpy**: ``causal_lm_from_hf`` + ``optimize``, run by ``lowering.decode.generate`` (NumPy backend);
+- **graphc numpy**: ``causal_lm_from_hf`` + ``optimize``, run by ``lowering.generate`` (NumPy backend);
 - **graphc ort-cpu**: the same graph exported to ONNX (attention forms chosen for the decode step),
   run by onnxruntime in the decode loop below;
 - **optimum ort-cpu**: ``optimum-cli export onnx --task text-generation-with-past`` of the folder
@@ -194,7 +194,7 @@ def ort_loop(path: Path) -> Run:
 
 
 def graphc_runs(hf: Path, sizes: dict[str, int], work: Path, model: str) -> dict[str, Run]:
-    """graphc's model of the checkpoint on NumPy (``lowering.decode.generate``) and its ONNX export in :func:`ort_loop`."""
+    """graphc's model of the checkpoint on NumPy (``lowering.generate``) and its ONNX export in :func:`ort_loop`."""
     import graphc
     from graphc.weights import load_weights
     from lowering import export, generate, prepare

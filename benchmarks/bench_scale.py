@@ -15,7 +15,7 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
 
 - ``graphc numpy`` / ``graphc ort-cpu``: what ``graphc generate DIR`` runs: ``causal_lm_from_hf`` over the
   memory-mapped folder, ``optimize`` for the decode step, ``lowering.prepare`` (ort-cpu: weights read by
-  onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.decode.generate``;
+  onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.generate``;
 - ``transformers sdpa``: ``from_pretrained`` in the checkpoint's dtype, ``generate(do_sample=False)``;
 - ``optimum ort-cpu``: optimum's ``text-generation-with-past`` export (in its own venv; float32 checkpoints
   only: its export of a bfloat16 one is float32 weights on onnxruntime's CPU kernels anyway), run by the

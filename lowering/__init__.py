@@ -19,7 +19,7 @@ from .backends.registry import (
 )
 from .compare import BackendResult, ComparisonReport, compare
 from .kernels.contraction import contract, contract_pair, plan_matmul
-from .decode.generate import Generation, generate, left_pad
+from .generate import Generation, generate, left_pad
 from .backends.inputs import check_inputs, random_inputs
 from .decode.kv_cache import ArrayKVCache, KVCache, LMInterface
 from .backends.numpy_interpreter import NumpyInterpreter, run_numpy

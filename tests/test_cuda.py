@@ -28,7 +28,7 @@ from lowering import export, generate, prepare, random_inputs, run
 from lowering.backends.ort_backend import OrtKVCache, provider_entry
 from lowering.backends.registry import decode_options
 from lowering.compare import TF32_TOLERANCE, TOLERANCES, compare
-from lowering.decode.generate import lm_interface
+from lowering.generate import lm_interface
 from lowering.exporter.cuda_kernels import cuda_lacks_kernel, element_types, kernel_gaps
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()

@@ -122,7 +122,7 @@ def test_the_cache_is_closed_when_a_step_fails(toy_backend):
 
 def test_every_builtin_backend_makes_a_cache_that_meets_the_protocol():
     g = graphc.causal_lm_graph(causal_lm_config_from_hf(CONFIG), seed=0)
-    from lowering.decode.generate import lm_interface
+    from lowering.generate import lm_interface
     from conftest import installed
 
     lm = lm_interface(g)

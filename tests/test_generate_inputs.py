@@ -49,7 +49,7 @@ def test_the_cache_grows_as_tokens_come_not_as_asked(lm):
 
 
 def test_a_cache_past_its_first_room_gives_the_same_tokens(lm, monkeypatch):
-    gen = sys.modules["lowering.decode.generate"]  # the package's `generate` names the function
+    gen = sys.modules["lowering.generate"]  # the package's `generate` names the function
     want = generate(lm, PROMPTS, 12).new_tokens  # room for every token from the start
     monkeypatch.setattr(gen, "_FIRST_ROOM", 2)  # the buffers move to larger ones several times
     np.testing.assert_array_equal(generate(lm, PROMPTS, 12).new_tokens, want)

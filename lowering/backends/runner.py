@@ -32,7 +32,7 @@ StepFn = Callable[[Mapping[str, Any], Sequence[str] | Mapping[str, Any]], dict[s
 
 
 class DecodeRunner(Protocol):
-    """What :func:`lowering.decode.generate` needs of a runner: a name, a description, a cache, a step, and the model it was made for."""
+    """What :func:`lowering.generate` needs of a runner: a name, a description, a cache, a step, and the model it was made for."""
 
     backend: str
 

@@ -1,2 +1,3 @@
-"""Decoding: the generate loop and the KV-cache contract, with the NumPy backend's growable buffers.
+"""The KV-cache contract (:mod:`lowering.decode.kv_cache`) and the NumPy backend's growable buffers; the greedy loop
+that drives them over any backend stands above the backends, in :mod:`lowering.generate`.
 """

@@ -12,7 +12,7 @@ own cache (:meth:`lowering.Runner.new_cache`):
   shard keeps (an :class:`ArrayKVCache` fed back as the step returned it);
 - any other backend: the plain arrays a step returns (:class:`ArrayKVCache`, the default).
 
-The decode loop (:func:`lowering.decode.generate`) knows only the :class:`KVCache` protocol and
+The decode loop (:func:`lowering.generate`) knows only the :class:`KVCache` protocol and
 :meth:`~lowering.Runner.step`: ``runner.step({**feeds, **cache.feeds()}, keep=cache.outputs)``,
 then ``cache.advance(outputs)``.  A new backend brings its cache in its own module
 (``tests/test_extending_decode.py`` adds one in one file).

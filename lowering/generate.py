@@ -34,9 +34,9 @@ import numpy as np
 from graphc.errors import ExecutionError, InputError
 from graphc.graph import Graph
 
-from ..backends.registry import prepare
-from .kv_cache import LMInterface
-from ..backends.runner import DecodeRunner
+from .backends.registry import prepare
+from .backends.runner import DecodeRunner
+from .decode.kv_cache import LMInterface
 
 __all__ = ["Generation", "generate", "left_pad", "lm_interface", "LMInterface"]
 
@@ -187,7 +187,7 @@ def generate(
     if runner is not None:
         _check_runner(graph, runner)
     if runner is None and shards is not None:
-        from ..distributed.dask_shards import sharded_runner
+        from .distributed.dask_shards import sharded_runner
 
         with sharded_runner(graph, shards, backend, client, **prepare_options) as own:
             return _generate(lm, ids, mask, max_new_tokens, own, pad_token_id, eos, keep_logits, progress, capacity)
