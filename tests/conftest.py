@@ -1,4 +1,10 @@
-"""Shared test helpers: which optional backends this machine has."""
+"""Shared test helpers: which optional backends this machine has, a ``backend`` fixture over them, and markers for what a
+test module needs, so a developer runs the part they touch::
+
+    python -m pytest -m core               # graphc alone: NumPy, onnxruntime, ONNX's reference evaluator
+    python -m pytest -m "not corpus"       # everything but the torch.onnx exports of whole transformers models
+    python -m pytest -m gpu                # onnxruntime's CUDA provider (skipped without a GPU)
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,36 @@ from lowering import unavailable_reason
 def installed(*backends: str) -> list[str]:
     """The given backends that can run here (optional ones such as ``torch`` drop out when not installed)."""
     return [b for b in backends if unavailable_reason(b) is None]
+
+
+BACKENDS = ("numpy", "ort-cpu", "onnx-reference", "torch")
+"""The CPU backends a differential test runs on (those installed here: :func:`installed`)."""
+
+
+@pytest.fixture(params=installed(*BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each CPU backend installed here, one test case each."""
+    return str(request.param)
+
+
+NEEDS = {
+    "transformers": {"test_hf_parity", "test_causal_lm", "test_generate_text", "test_chat_templates", "test_prequantized",
+                     "test_rotary", "test_attention_features", "test_examples", "test_sharding", "test_onnx_torch_export"},
+    "corpus": {"test_real_exports", "test_latent_attention", "test_sharding"},
+    "real_size": {"test_real_size"},
+    "gpu": {"test_cuda"},
+}  # fmt: skip
+"""What each test module needs beyond graphc's own dependencies (torch and transformers, the torch.onnx exports of whole
+models, a checkpoint at a real shape, a GPU); every other module is ``core``."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with what its module needs (:data:`NEEDS`), or ``core``."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        needs = [need for need, modules in NEEDS.items() if module in modules]
+        for need in needs or ["core"]:
+            item.add_marker(getattr(pytest.mark, need))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -148,3 +148,11 @@ def test_no_two_folders_import_each_other():
             between.add_edge(fa, fb)
     cycles = sorted(nx.simple_cycles(between), key=len)
     assert cycles == [], "\n".join(" -> ".join(c + c[:1]) for c in cycles[:10])
+
+
+def test_every_module_the_needs_table_names_exists():
+    """``conftest.NEEDS`` marks modules by name: a renamed module would silently fall back to ``core``."""
+    from conftest import NEEDS
+
+    named = set().union(*NEEDS.values())
+    assert sorted(m for m in named if not (ROOT / "tests" / f"{m}.py").exists()) == []

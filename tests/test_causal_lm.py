@@ -188,7 +188,21 @@ def test_eos_finishes_a_sequence_and_pads_it():
     np.testing.assert_array_equal(stopped.new_tokens, hf[:, ids.shape[1] :].numpy()[:, : stopped.new_tokens.shape[1]])
 
 
-@pytest.mark.parametrize("family", ["mistral", "phi3", "gpt_neox", "gpt2", "falcon-40b"])
+PARITY_CASES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+    "falcon": "falcon-40b", "phi3": "phi3", "gpt_neox": "gpt_neox", "gpt2": "gpt2",
+}  # fmt: skip
+"""Each registered family's case in :func:`test_checkpoint_folder_builds_the_same_model` (transformers' tokens from
+``save_pretrained``'s files): a family registered without one fails :func:`test_every_registered_family_has_a_parity_case`."""
+
+
+def test_every_registered_family_has_a_parity_case():
+    from graphc.attention.families import family_names
+
+    assert sorted(family_names()) == sorted(PARITY_CASES)
+
+
+@pytest.mark.parametrize("family", sorted(PARITY_CASES.values()))
 def test_checkpoint_folder_builds_the_same_model(tmp_path, family):
     """save_pretrained's files (tied heads left out, fused tensors, GPT-2's Conv1D layout) give transformers' tokens."""
     config, model = _model(family)
