@@ -142,7 +142,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 def graphc_export(hf: Path, out: Path, quantize: str | None) -> tuple[Path, float]:
     """graphc's export of the checkpoint (``quantize``: int4 / int8 at accuracy level 4); the model and the seconds it took."""
     from graphc.quantize import QUANTIZE_CHOICES, QuantizeOptions
-    from lowering.exporter.checkpoint_export import export_checkpoint
+    from lowering.checkpoint_export import export_checkpoint
 
     if not (out / "model.onnx").exists():
         options = QuantizeOptions(QUANTIZE_CHOICES[quantize], 32, True, 4) if quantize else None

@@ -352,7 +352,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_checkpoint(args: argparse.Namespace, folder: str) -> int:
-    from lowering.exporter.checkpoint_export import export_checkpoint
+    from lowering.checkpoint_export import export_checkpoint
 
     if args.no_optimize or args.decode or args.core or args.graph:
         raise UsageError(

@@ -15,7 +15,7 @@ from graphc.checkpoint import Checkpoint
 from graphc.cli import main
 from graphc.errors import ExportError, SerializationError
 from graphc.folders import confined, replacing, write_replacing
-from lowering.exporter.checkpoint_export import export_checkpoint
+from lowering.checkpoint_export import export_checkpoint
 
 from checkpoints import write_checkpoint, write_tokenizer
 

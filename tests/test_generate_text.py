@@ -192,7 +192,7 @@ def test_export_of_a_folder_is_the_whole_lm_as_optimum_and_genai_load_it(folder,
 
 def test_export_of_a_folder_into_a_file_is_refused(folder, tmp_path):
     from graphc.errors import ExportError
-    from lowering.exporter.checkpoint_export import export_checkpoint
+    from lowering.checkpoint_export import export_checkpoint
 
     with pytest.raises(ExportError, match="writes a folder"):
         export_checkpoint(folder, tmp_path / "model.onnx")

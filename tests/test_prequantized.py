@@ -132,7 +132,7 @@ def test_the_export_of_an_awq_checkpoint_writes_its_values_as_matmulnbits(tmp_pa
     import onnx
     import onnxruntime as ort
 
-    from lowering.exporter.checkpoint_export import export_checkpoint
+    from lowering.checkpoint_export import export_checkpoint
 
     folder, _, values = _write(tmp_path, "awq")
     out = export_checkpoint(folder, tmp_path / "out")

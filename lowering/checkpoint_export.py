@@ -32,7 +32,7 @@ from graphc.folders import copy_replacing, write_replacing
 from graphc.quantize import QuantizeOptions, quantize_weights
 from graphc.weights import load_weights, read_json_object, require_regular_file
 
-from .onnx_export import DEFAULT_OPSET, export
+from .exporter.onnx_export import DEFAULT_OPSET, export
 
 __all__ = ["export_checkpoint", "ExportedCheckpoint", "LOADER_FILES", "OUTPUT_FILES"]
 
