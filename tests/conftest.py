@@ -24,10 +24,12 @@ def installed(*backends: str) -> list[str]:
 
 
 BACKENDS = ("numpy", "ort-cpu", "onnx-reference", "torch")
-"""The CPU backends a differential test runs on (those installed here: :func:`installed`)."""
+"""The CPU backends a differential test runs on."""
+INSTALLED = installed(*BACKENDS)
+"""Those of :data:`BACKENDS` installed here: the list a test module runs over (``from conftest import INSTALLED``)."""
 
 
-@pytest.fixture(params=installed(*BACKENDS))
+@pytest.fixture(params=INSTALLED)
 def backend(request: pytest.FixtureRequest) -> str:
     """Each CPU backend installed here, one test case each."""
     return str(request.param)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import installed
+from conftest import INSTALLED
 from onnx import TensorProto, helper
 
 from graphc import Graph, optimize
@@ -21,7 +21,7 @@ from graphc.optimizer.cleanup import remove_if_dead
 from graphc.optimizer.patterns import Pat, pattern_rule
 from lowering import run
 
-BACKENDS = installed("numpy", "onnx-reference", "ort-cpu", "torch")
+BACKENDS = INSTALLED
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import installed
+from conftest import INSTALLED
 from onnx import TensorProto, helper, numpy_helper
 
 from graphc import Graph, optimize
@@ -18,7 +18,7 @@ from graphc.tensor_ops import Arange, BroadcastTo
 from lowering import run
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
-BACKENDS = installed("numpy", "onnx-reference", "ort-cpu", "torch")
+BACKENDS = INSTALLED
 
 
 def _model(nodes, inputs, outputs, inits=()):

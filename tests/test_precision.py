@@ -11,11 +11,12 @@ from graphc import AttentionConfig, Graph
 from graphc.optimizer import lower
 from graphc.optimizer.precision import promote_low_precision, widen_interface
 from lowering import compare, prepare, random_inputs
-from lowering.backends.registry import unavailable_reason
 from lowering.compare import default_tolerance
 from lowering.exporter.targets import NUMPY_TARGET
 
-BACKENDS = [b for b in ("numpy", "onnx-reference", "ort-cpu", "torch") if unavailable_reason(b) is None]
+from conftest import INSTALLED
+
+BACKENDS = INSTALLED
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -12,10 +12,11 @@ from graphc.errors import OpError, ShapeMismatchError
 from graphc.optimizer import lower
 from graphc.rotary import rope_inv_freq
 from lowering import prepare
-from lowering.backends.registry import unavailable_reason
 from lowering.exporter.targets import NUMPY_TARGET
 
-BACKENDS = [b for b in ("numpy", "onnx-reference", "ort-cpu", "torch") if unavailable_reason(b) is None]
+from conftest import INSTALLED
+
+BACKENDS = INSTALLED
 
 
 def _plain_rope(x, positions, style, rotary_dim, base):
