@@ -29,8 +29,6 @@ writes ``docs/quantized_corpus.md``.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -41,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from real_exports_corpus import GENERATOR, check, feeds, tool_python  # noqa: E402
+from real_exports_corpus import check, export, feeds, head_dim  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen2+tied", "mistral", "phi3", "gpt2")
 ROUTES = ("genai-int4", "optimum-int8", "nbits-int4", "qdq-int4", "dynamic-int8", "fused-int8", "static-qdq", "fp16")
@@ -50,26 +48,17 @@ BUDGET = {"genai-int4": 0.02, "optimum-int8": 0.02, "qdq-int4": 0.02, "dynamic-i
 
 
 def _tool_export(work: Path, tool: str, family: str) -> Path:
-    """``family`` (``+tied``: its table tied to the LM head) exported by ``tool`` in its venv; the model file."""
-    from real_exports import config_kwargs
-
-    out = work / "models" / f"{family}-{tool}"
-    model = out / "onnx" / "model.onnx"
-    if not model.exists():
-        name, kwargs = config_kwargs(family.split("+")[0], hidden=256)
-        if family.endswith("+tied"):
-            kwargs["tie_word_embeddings"] = True
-        script = work / "generate.py"
-        script.write_text(GENERATOR)
-        r = subprocess.run([str(tool_python(work, tool)), str(script), tool, str(out), name, json.dumps(kwargs)], capture_output=True, text=True)
-        if r.returncode or not model.exists():
-            lines = (r.stderr or r.stdout).strip().splitlines()
-            raise RuntimeError((lines[-1] if lines else "no model written").replace(str(work), "WORK")[:160])
+    """``family`` exported by ``tool`` in its venv (:func:`real_exports_corpus.export`); the model file, or the tool's
+    error raised."""
+    model, why = export(work, tool, family)
+    if model is None:
+        raise RuntimeError(why)
     return model
 
 
-def _derived(work: Path, route: str, family: str, head_dim: int) -> Path:
-    """optimum's float export of ``family`` through onnxruntime's tool for ``route``; the model file."""
+def _derived(work: Path, route: str, family: str, size: int) -> Path:
+    """optimum's float export of ``family`` through onnxruntime's tool for ``route`` (``size``: its head size, for the
+    calibration prompts); the model file."""
     import onnx
     import onnxruntime as ort
 
@@ -99,7 +88,7 @@ def _derived(work: Path, route: str, family: str, head_dim: int) -> Path:
         from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
         model = onnx.load(str(source))
-        prompts = iter([feeds(model, 1, n, 0, 0, head_dim) for n in (5, 9, 3)])
+        prompts = iter([feeds(model, 1, n, 0, 0, size) for n in (5, 9, 3)])
 
         class Prompts(CalibrationDataReader):
             def get_next(self) -> dict | None:
@@ -155,18 +144,15 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     import onnx
     import onnxruntime as ort
-    from real_exports import config_kwargs
 
     lines = ["| family | route | Attention ops (per file) | worst err / tol | kept quantized | result |", "|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for route in args.routes.split(","):
         for family in args.families.split(","):
-            _, kw = config_kwargs(family.split("+")[0], hidden=256)
-            heads = kw.get("num_attention_heads") or kw.get("n_head") or kw.get("n_heads")
-            head_dim = kw.get("head_dim") or 256 // heads
+            size = head_dim(family)
             try:
                 tool_made = route in ("genai-int4", "optimum-int8")
-                path = _tool_export(args.work, route, family) if tool_made else _derived(args.work, route, family, head_dim)
+                path = _tool_export(args.work, route, family) if tool_made else _derived(args.work, route, family, size)
             except Exception as e:  # noqa: BLE001 - the tool's failure is that file's row
                 lines.append(f"| {family} | {route} | - | - | - | the tool fails: {str(e)[:160]} |")
                 print(lines[-1], flush=True)
@@ -179,7 +165,7 @@ def main() -> int:
                 continue
             try:
                 opset = next(o.version for o in onnx.load(str(path), load_external_data=False).opset_import if o.domain in ("", "ai.onnx"))
-                recognised, worst, result = check(path, head_dim, BUDGET.get(route, 0.0), opset=max(opset, 18))
+                recognised, worst, result = check(path, size, BUDGET.get(route, 0.0), opset=max(opset, 18))
                 kept = kept_quantized(path) if not result.startswith("import refused") else "-"
             except Exception as e:  # noqa: BLE001 - graphc's failure on one file is that file's row
                 recognised, worst, kept, result = "-", "-", "-", f"FAILED: {type(e).__name__}: {str(e)[:160]}"

@@ -95,15 +95,30 @@ def tool_python(work: Path, tool: str) -> Path:
     return python
 
 
-def export(work: Path, tool: str, family: str) -> tuple[Path | None, str]:
-    """Export ``family`` with ``tool``; ``(model.onnx or None, why not)``."""
+def _config(family: str) -> tuple[str, dict]:
+    """The transformers config class and arguments of ``family`` at hidden 256 (``NAME+tied``: its embedding tied to the
+    LM head)."""
     from real_exports import config_kwargs
 
+    name, kwargs = config_kwargs(family.split("+")[0], hidden=256)
+    if family.endswith("+tied"):
+        kwargs["tie_word_embeddings"] = True
+    return name, kwargs
+
+
+def head_dim(family: str) -> int:
+    """The attention head size of ``family``'s model (see :func:`_config`)."""
+    kw = _config(family)[1]
+    return kw.get("head_dim") or 256 // (kw.get("num_attention_heads") or kw.get("n_head") or kw.get("n_heads"))
+
+
+def export(work: Path, tool: str, family: str) -> tuple[Path | None, str]:
+    """Export ``family`` (see :func:`_config`) with ``tool``; ``(model.onnx or None, why not)``."""
     out = work / "models" / f"{family}-{tool}"
     model = out / "onnx" / "model.onnx"
     if model.exists():
         return model, ""
-    name, kwargs = config_kwargs(family, hidden=256)
+    name, kwargs = _config(family)
     script = work / "generate.py"
     script.write_text(GENERATOR)
     r = subprocess.run([str(tool_python(work, tool)), str(script), tool, str(out), name, json.dumps(kwargs)], capture_output=True, text=True)
@@ -256,13 +271,8 @@ def main() -> None:
             if path is None:
                 print(f"| {family} | {tool} | - | - | the exporter fails: {why} |", flush=True)
                 continue
-            from real_exports import config_kwargs
-
-            _, kw = config_kwargs(family, hidden=256)
-            heads = kw.get("num_attention_heads") or kw.get("n_head") or kw.get("n_heads")
-            head_dim = kw.get("head_dim") or 256 // heads
             try:
-                row = check(path, head_dim)
+                row = check(path, head_dim(family))
             except Exception as e:  # noqa: BLE001 - graphc's failure on one file is that file's row
                 row = ("-", "-", f"FAILED: {type(e).__name__}: {str(e)[:160]}")
             print(f"| {family} | {tool} | " + " | ".join(row) + " |", flush=True)
