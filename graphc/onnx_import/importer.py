@@ -13,6 +13,7 @@ outputs their names, and every value that maps one-to-one keeps its ONNX name.
 from __future__ import annotations
 
 import base64
+import heapq
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -407,18 +408,25 @@ def in_topological_order(nodes: Sequence[onnx.NodeProto], defined: set[str]) -> 
         known.update(node.output)
     else:
         return nodes
-    known = set(defined) | {""}
-    placed: list[onnx.NodeProto] = []
-    waiting = list(range(len(nodes)))
-    while waiting:
-        ready = [i for i in waiting if needs[i] <= known]
-        if not ready:
-            return placed + [nodes[i] for i in waiting]
-        first = ready[0]
-        placed.append(nodes[first])
-        known.update(nodes[first].output)
-        waiting.remove(first)
-    return placed
+    start = set(defined) | {""}
+    missing = [need - start for need in needs]  # what each node still waits for
+    waiters: dict[str, list[int]] = {}
+    for i, names in enumerate(missing):
+        for name in names:
+            waiters.setdefault(name, []).append(i)
+    ready = [i for i, names in enumerate(missing) if not names]  # the earliest ready node goes next: a stable order
+    heapq.heapify(ready)
+    placed: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        placed.append(i)
+        for name in nodes[i].output:
+            for j in waiters.pop(name, ()):
+                missing[j].discard(name)
+                if not missing[j]:
+                    heapq.heappush(ready, j)
+    left = sorted(set(range(len(nodes))) - set(placed))
+    return [nodes[i] for i in placed + left]
 
 
 def _outer_names(node: onnx.NodeProto) -> set[str]:
