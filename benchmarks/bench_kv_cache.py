@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import time_blocks  # noqa: E402
 
 from graphc.attention_op import Attention  # noqa: E402
+from graphc.visibility import Visibility  # noqa: E402
 from lowering.kernels import compiled  # noqa: E402
 from lowering.kernels.attention_kernel import attention_kernel  # noqa: E402
 from lowering.decode.kv_buffers import allocate, append  # noqa: E402
@@ -37,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
     rng = np.random.default_rng(0)
     heads, kv, dim, past = 32, 8, 128, args.past
-    op = Attention(dim**-0.5, "past", kv_cache=True)
+    op = Attention(dim**-0.5, Visibility.causal("past"), kv_cache=True)
     q = rng.standard_normal((1, heads, 1, dim), dtype=np.float32)
     new = rng.standard_normal((1, kv, 1, dim), dtype=np.float32)
     plain_k, plain_v = (rng.standard_normal((1, kv, past, dim), dtype=np.float32) for _ in range(2))

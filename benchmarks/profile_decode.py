@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import graphc
+from graphc.visibility import Visibility
 import numpy as np
 
 from lowering.kernels import compiled
@@ -77,9 +78,9 @@ def profile(config: str, batch: int, threads: int, blocks: int) -> dict[str, flo
     q1, k1, v1 = q[:1], kv[0][0][:1, :RESIDENT_KEYS].copy(), kv[0][1][:1, :RESIDENT_KEYS].copy()
     probe_name, probe = read_probe(threads)
     runs = {
-        "kernel, cold": lambda f: compiled.decode_attention(q, kv[f["i"]][0], kv[f["i"]][1], 1, None, None, threads),
+        "kernel, cold": lambda f: compiled.decode_attention(q, kv[f["i"]][0], kv[f["i"]][1], 1, Visibility(), threads),
         "read alone": lambda f: run_blocks(lambda part: read_heads(kv[f["i"]][0], kv[f["i"]][1], part), shares, threads),
-        "compute alone (1 MiB, 1 thread)": lambda f: compiled.decode_attention(q1, k1, v1, 1, None, None, 1),
+        "compute alone (1 MiB, 1 thread)": lambda f: compiled.decode_attention(q1, k1, v1, 1, Visibility(), 1),
         f"read bandwidth ({probe_name}, 1 GiB)": probe,
     }
     times = time_blocks(runs, feeds, blocks)

@@ -22,7 +22,7 @@ from pathlib import Path
 import graphc
 import numpy as np
 
-from graphc.numerics import hidden_keys
+from graphc.visibility import Visibility
 from lowering.kernels import compiled
 from lowering.kernels.attention_kernel import GEMM_ROWS, _tasks, blocked_attention
 from lowering.kernels.softmax import blas_description, exp_rows_, run_blocks
@@ -51,7 +51,7 @@ def profiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offset: int |
         t1 = time.perf_counter()
         if offset is not None:
             lo = max(0, min(c, i0 + offset + 1))
-            hidden = hidden_keys(i0, i1, c - lo, offset - lo)
+            hidden = Visibility.causal(offset).hidden(range(i0, i1), range(lo, c))
             if hidden.any():
                 np.copyto(s.reshape(b1 - b0, groups, r, c)[..., lo:], np.float32(-np.inf), where=hidden)
         t2 = time.perf_counter()
@@ -101,7 +101,8 @@ def main() -> None:
             if name in med:
                 print(f"| {label} | {name} | {1e3 * med[name]:.1f} | {100 * med[name] / total:.0f}% |")
         feeds = {"q_BHSD": q / np.float32(cfg.softmax_scale), "k_BHkvTD": k, "v_BHkvTD": v}
-        runs = {"graphc kernel": lambda f, o=offset: blocked_attention(qf, k[0], v[0], s, o, None, args.threads), "GEMM probe": peak_probe}
+        vis = Visibility() if offset is None else Visibility.causal(offset)
+        runs = {"graphc kernel": lambda f, o=vis: blocked_attention(qf, k[0], v[0], s, o, None, args.threads), "GEMM probe": peak_probe}
         sdpa = torch_sdpa([feeds], args.threads, causal)
         if sdpa is not None:
             runs["torch SDPA"] = sdpa

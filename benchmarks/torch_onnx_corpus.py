@@ -28,7 +28,7 @@ SIZES = {False: [(1, 5, 0, 0), (3, 130, 0, 9)], True: [(1, 1, 100, 0), (2, 1, 26
 
 
 def _describe(op) -> str:  # noqa: ANN001 - graphc.attention_op.Attention
-    parts = ["causal" if op.causal_offset is not None else "not causal"]
+    parts = ["causal" if op.visibility.is_causal else "not causal"]
     parts += ["cache"] if op.kv_cache else []
     parts += [f"{op.mask} mask"] if op.has_mask else []
     return ", ".join(parts)

@@ -7,6 +7,7 @@ and run them on NumPy, the ONNX reference evaluator or onnxruntime.
 
 from . import errors, memory, quantized, quantized_int8, weights  # noqa: F401 - the quantized modules register their ops
 from .attention_op import Attention
+from .visibility import KeyBound, Visibility, VisibilityError
 from .attention import (
     PRESETS,
     AttentionConfig,
@@ -47,6 +48,9 @@ __all__ = [
     "Value",
     "TensorType",
     "Attention",
+    "Visibility",
+    "KeyBound",
+    "VisibilityError",
     "decompose_attention",
     "Positions",
     "Rotary",

@@ -22,15 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dims import Dim, dim_add, dim_div, dim_is_nonnegative, eval_dim, format_shape, normalize_dim
+from .dims import Dim, dim_add, dim_div, format_shape, normalize_dim
 from .errors import DTypeMismatchError, OpError, ShapeMismatchError
-from .numerics import hidden_keys, safe_softmax, softcap
+from .numerics import safe_softmax, softcap
 from .ops import FLOAT_DTYPES, Dims, Op, TensorType, broadcast_shapes, register_op
+from .visibility import Visibility
 
-__all__ = ["Attention", "MASK_KINDS", "EMPTY_ROWS", "attention_group_size"]
-
-MASK_KINDS = ("none", "bool", "additive")
-EMPTY_ROWS = ("zero", "mean")
+__all__ = ["Attention", "Visibility", "attention_group_size"]
 
 
 @register_op
@@ -38,51 +36,37 @@ EMPTY_ROWS = ("zero", "mean")
 class Attention(Op):
     """``softmax(masks(softcap(scale * q k^T))) v`` over grouped heads.
 
-    ``causal_offset``: ``None`` for no causal mask, else key ``j`` (counted over
-    past and new keys) is hidden from query ``i`` when ``j > i + offset``; with a
-    KV cache of past length P the offset is P.  ``window`` (with a causal mask):
-    a sliding window that also hides ``j <= i + offset - window``.  ``softcap``:
-    ``c * tanh(s / c)`` on the scaled scores, before any mask (Gemma 2's order,
-    and ONNX's since opset 23).  ``mask``: ``"none"``, ``"bool"``
-    (True keeps a key) or ``"additive"`` (added to the scores).  ``kv_cache``:
-    the op appends ``k``/``v`` to ``past_key``/``past_value`` and also returns
-    the results.  ``empty_rows``: what a query row with no visible key gives:
-    ``"zero"`` (ONNX's convention) or ``"mean"``, the mean of V over every key,
-    which is what an additive mask filled with a huge finite negative
-    (transformers' ``finfo(dtype).min``) gives: every score of such a row
-    becomes the fill, so its softmax is uniform.
+    ``visibility``: which keys each query sees (:class:`~graphc.visibility.Visibility`: the causal offset and
+    window, the kind of user mask the op takes, and what a row with no visible key gives).  ``softcap``: ``c * tanh(s
+    / c)`` on the scaled scores, before any mask (Gemma 2's order, and ONNX's since opset 23).  ``kv_cache``: the op
+    appends ``k``/``v`` to ``past_key``/``past_value`` and also returns the results (the causal offset then counts
+    the past keys: it is the past length for a cache that precedes the new tokens).
     """
 
     scale: float
-    causal_offset: Dim | None = None
-    mask: str = "none"
+    visibility: Visibility = Visibility()
     kv_cache: bool = False
-    window: int | None = None
     softcap: float | None = None
-    empty_rows: str = "zero"
 
     def __post_init__(self) -> None:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not np.isfinite(self.scale):
             raise OpError(f"Attention: scale must be a finite float, got {self.scale!r}")
         object.__setattr__(self, "scale", float(self.scale))
-        if self.causal_offset is not None:
-            object.__setattr__(self, "causal_offset", normalize_dim(self.causal_offset))
-        if self.mask not in MASK_KINDS:
-            raise OpError(f"Attention: mask must be one of {MASK_KINDS}, got {self.mask!r}")
+        if isinstance(self.visibility, dict):  # read back from a serialized graph
+            object.__setattr__(self, "visibility", Visibility(**self.visibility))
+        if not isinstance(self.visibility, Visibility):
+            raise OpError(f"Attention: visibility must be a Visibility, got {self.visibility!r}")
         if not isinstance(self.kv_cache, bool):
             raise OpError(f"Attention: kv_cache must be a bool, got {self.kv_cache!r}")
-        if self.window is not None:
-            if isinstance(self.window, bool) or not isinstance(self.window, (int, np.integer)) or self.window < 1:
-                raise OpError(f"Attention: window must be an int >= 1 or None, got {self.window!r}")
-            if self.causal_offset is None:
-                raise OpError("Attention: a sliding window needs a causal mask (causal_offset)")
-            object.__setattr__(self, "window", int(self.window))
         if self.softcap is not None:
             if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or not 0 < self.softcap < float("inf"):
                 raise OpError(f"Attention: softcap must be a finite number > 0 or None, got {self.softcap!r}")
             object.__setattr__(self, "softcap", float(self.softcap))
-        if self.empty_rows not in EMPTY_ROWS:
-            raise OpError(f"Attention: empty_rows must be one of {EMPTY_ROWS}, got {self.empty_rows!r}")
+
+    def features(self, mask_shape: Sequence[Dim] | None = None, queries: Dim | None = None, keys: Dim | None = None) -> frozenset[str]:
+        """What this attention uses (:data:`graphc.visibility.FEATURES`): its visibility's features (see
+        :meth:`Visibility.features` for the arguments), and ``softcap``."""
+        return self.visibility.features(mask_shape, queries, keys) | ({"softcap"} if self.softcap is not None else set())
 
     @property
     def num_outputs(self) -> int:  # type: ignore[override]
@@ -92,12 +76,17 @@ class Attention(Op):
     @property
     def has_mask(self) -> bool:
         """True when a user mask is an input."""
-        return self.mask != "none"
+        return self.visibility.has_mask
+
+    @property
+    def mask(self) -> str:
+        """The kind of user mask the op takes (:data:`graphc.visibility.MASK_KINDS`)."""
+        return self.visibility.mask
 
     def check_arity(self, n: int) -> None:
         want = 3 + self.has_mask + 2 * self.kv_cache
         if n != want:
-            raise OpError(f"Attention(mask={self.mask!r}, kv_cache={self.kv_cache}) takes {want} inputs, got {n}")
+            raise OpError(f"Attention({self.visibility.describe()}, kv_cache={self.kv_cache}) takes {want} inputs, got {n}")
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         return self.infer_all(ins)[0]
@@ -153,20 +142,12 @@ class Attention(Op):
         s = np.einsum("bhqd,bhkd->bhqk", q, kr) * np.array(self.scale, q.dtype)
         if self.softcap is not None:
             s = softcap(s, self.softcap)
-        hidden = np.zeros(s.shape, bool)
-        if self.causal_offset is not None:
-            hidden |= hidden_keys(0, s.shape[2], s.shape[3], eval_dim(self.causal_offset, dims), self.window)
-        if mask is None:
-            pass
-        elif self.mask == "bool":
-            hidden |= ~mask
-        elif self.mask == "additive":
+        hidden = self.visibility.hidden(s.shape[2], s.shape[3], dims, mask)
+        if self.mask == "additive" and mask is not None:
             s = s + mask
-            hidden |= np.isneginf(mask)
         s = np.where(hidden, np.array(-np.inf, s.dtype), s)
         out = np.einsum("bhqk,bhkd->bhqd", safe_softmax(s, -1), vr).astype(q.dtype)
-        if self.empty_rows == "mean" and s.shape[3]:
-            out = np.where(hidden.all(axis=-1, keepdims=True), vr.mean(axis=2, keepdims=True, dtype=np.float64).astype(q.dtype), out)
+        out = self.visibility.rows_with_no_key(out, np.broadcast_to(hidden, s.shape), vr)
         return (out, k, v) if self.kv_cache else (out,)
 
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
@@ -180,10 +161,6 @@ class Attention(Op):
         """The op's result never holds a row of ``-inf`` (zeros or the mean of V)."""
         return "clear"
 
-    @property
-    def may_mask_whole_rows(self) -> bool:
-        """True when some query row can see no key (a user mask, or a causal offset that may be negative)."""
-        return self.empty_rows != "zero" or self.has_mask or (self.causal_offset is not None and not dim_is_nonnegative(self.causal_offset))
 
 
 def attention_group_size(n_heads: Dim, n_kv_heads: Dim) -> int | None:

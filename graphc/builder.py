@@ -19,6 +19,7 @@ from .dims import Dim
 from .errors import GraphError
 from .ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from .values import Value, ValueLike
+from .visibility import Visibility
 
 __all__ = ["GraphBuilder"]
 
@@ -148,17 +149,17 @@ class GraphBuilder:
         k: ValueLike,
         v: ValueLike,
         scale: float,
-        causal_offset: Dim | None = None,
+        visibility: Visibility | None = None,
         mask: ValueLike | None = None,
-        mask_kind: str = "bool",
         past_key: ValueLike | None = None,
         past_value: ValueLike | None = None,
         names: Sequence[str] | None = None,
-        empty_rows: str = "zero",
     ) -> Value | tuple[Value, Value, Value]:
         """One :class:`~graphc.attention_op.Attention` node; with ``past_key``/``past_value`` returns ``(out, present_key, present_value)``.
 
-        ``empty_rows``: what a query row with no visible key gives, ``"zero"`` or ``"mean"`` (see the op).
+        ``visibility``: which keys each query sees (:class:`~graphc.visibility.Visibility`; default: every key, and a
+        bool ``mask`` when one is given).  A ``mask`` goes with a visibility whose ``mask`` kind is ``"bool"`` or
+        ``"additive"``.
 
         Builders emit attention decomposed; this is for graphs that want the op itself
         (imports, tests, hand-written graphs).
@@ -167,7 +168,12 @@ class GraphBuilder:
 
         if (past_key is None) != (past_value is None):
             raise GraphError("attention: past_key and past_value come together (a KV cache has both), got only one")
-        op = Attention(scale, causal_offset, mask_kind if mask is not None else "none", past_key is not None, empty_rows=empty_rows)
+        if visibility is None:
+            visibility = Visibility(mask="bool" if mask is not None else "none")
+        if visibility.has_mask != (mask is not None):
+            given = "a mask" if mask is not None else "no mask"
+            raise GraphError(f"attention: the visibility ({visibility.describe()}) and {given} given disagree on whether a mask is an input")
+        op = Attention(scale, visibility, past_key is not None)
         inputs = [q, k, v] + ([mask] if mask is not None else [])
         if past_key is None or past_value is None:
             return self.add_multi_node(op, inputs, names)[0]

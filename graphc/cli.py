@@ -521,18 +521,8 @@ def _describe_graph(g: Graph, source: str) -> str:
 
 
 def _attention_kind(op: Attention) -> str:
-    """One line of what an ``Attention`` op computes: causal structure, cache, masks, window, softcap."""
-    parts = [f"causal (offset {op.causal_offset})" if op.causal_offset is not None else "not causal"]
-    if op.kv_cache:
-        parts.append("KV cache")
-    if op.window is not None:
-        parts.append(f"window {op.window}")
-    if op.has_mask:
-        parts.append(f"{op.mask} mask")
-    if op.softcap is not None:
-        parts.append(f"softcap {op.softcap:g}")
-    if op.empty_rows != "zero":
-        parts.append(f"rows with no visible key: the {op.empty_rows} of V")
+    """One line of what an ``Attention`` op computes: what the queries see, cache, softcap."""
+    parts = [op.visibility.describe()] + (["KV cache"] if op.kv_cache else []) + ([f"softcap {op.softcap:g}"] if op.softcap is not None else [])
     return ", ".join(parts)
 
 

@@ -42,6 +42,7 @@ from .errors import (
 from .mapped import check_mapped_files
 from .ops import Op, TensorType, check_dtype, payload_fields
 from .values import Node, Value, ValueLike
+from .visibility import Visibility
 
 __all__ = ["Value", "Node", "Graph", "GraphMark", "ValueLike", "map_op_dims", "op_dims"]
 
@@ -60,7 +61,7 @@ class GraphMark:
 
 def _dim_fields(op: Op) -> list[str]:
     """The attributes of ``op`` typed as a dim or a shape (``Dim``, ``Dim | None``, ``Shape``, tuples of them)."""
-    return [f.name for f in payload_fields(op) if "Dim" in str(f.type) or "Shape" in str(f.type)]
+    return [f.name for f in payload_fields(op) if any(t in str(f.type) for t in ("Dim", "Shape", "Visibility"))]
 
 
 def map_op_dims(op: Op, fn: Callable[[Dim], Dim]) -> Op:
@@ -81,6 +82,8 @@ def _flatten(value: Any) -> list[Dim]:
         return []
     if isinstance(value, tuple):
         return [d for v in value for d in _flatten(v)]
+    if isinstance(value, Visibility):
+        return list(value.dims())
     return [value]
 
 
@@ -89,6 +92,8 @@ def _map_nested(value: Any, fn: Callable[[Dim], Dim]) -> Any:
         return None
     if isinstance(value, tuple):
         return tuple(_map_nested(x, fn) for x in value)
+    if isinstance(value, Visibility):
+        return value.map_dims(fn)
     return fn(value)
 
 

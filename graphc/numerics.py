@@ -1,7 +1,7 @@
 """Reference numerics shared by the ops' semantics and the backends' kernels.
 
-These are the definitions, written for clarity: a causal mask offset by the
-KV-cache length, and a softmax whose fully masked rows are zeros (not NaN).
+These are the definitions, written for clarity: a softmax whose fully masked rows are zeros (not NaN), softcapping,
+and which additive fills hide a key.  Which keys a query sees is :class:`graphc.visibility.Visibility`.
 """
 
 from __future__ import annotations
@@ -9,27 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["hidden_keys", "causal_mask", "softcap", "safe_softmax", "contiguous", "lowest", "hides_keys", "FILL_LIMIT"]
-
-
-def hidden_keys(row_start: int, row_stop: int, keys: int, offset: int, window: int | None = None) -> np.ndarray:
-    """Bool ``[rows, keys]``: True where key ``j`` is hidden from query ``i``, for queries row_start..row_stop-1.
-
-    Hidden: ``j > i + offset`` (causal), and with a sliding ``window`` also
-    ``j <= i + offset - window``, so each query sees its last ``window`` keys.
-    """
-    j = np.arange(keys)[None, :]
-    last = np.arange(row_start, row_stop)[:, None] + offset
-    hidden = j > last
-    if window is not None:
-        hidden |= j <= last - window
-    return hidden
-
-
-def causal_mask(x: np.ndarray, offset: int, window: int | None = None) -> np.ndarray:
-    """Return ``x`` with ``x[..., i, j] = -inf`` where key ``j`` is hidden from query ``i`` (see :func:`hidden_keys`)."""
-    sq, sk = x.shape[-2:]
-    return np.where(hidden_keys(0, sq, sk, offset, window), np.array(-np.inf, x.dtype), x)
+__all__ = ["softcap", "safe_softmax", "contiguous", "lowest", "hides_keys", "FILL_LIMIT"]
 
 
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:

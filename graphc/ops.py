@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import Field, dataclass, fields, is_dataclass
+from dataclasses import Field, asdict, dataclass, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar
 
 import ml_dtypes  # noqa: F401 - registers the bfloat16 dtype with NumPy
@@ -20,7 +20,8 @@ import numpy as np
 from .dims import Dim, Shape, dim_add, dim_is_nonnegative, dim_prod, eval_dim, eval_shape, format_shape, normalize_dim, normalize_shape
 from .einsum_spec import EinsumSpec, einsum_flops, infer_einsum_shape, parse_einsum
 from .errors import DimError, DTypeMismatchError, OpError, ShapeMismatchError, UnknownNameError
-from .numerics import causal_mask, safe_softmax
+from .visibility import Visibility
+from .numerics import safe_softmax
 
 __all__ = [
     "payload_fields",
@@ -228,7 +229,7 @@ class Op:
         out = {}
         for f in payload_fields(self):
             v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
+            out[f.name] = list(v) if isinstance(v, tuple) else asdict(v) if is_dataclass(v) and not isinstance(v, type) else v
         return out
 
     def __str__(self) -> str:
@@ -616,12 +617,13 @@ class Scale(Op):
 
 @dataclass(frozen=True)
 class CausalMask(Op):
-    """Set ``x[..., i, j]`` to ``-inf`` where ``j > i + offset`` (axes -2: queries, -1: keys).
+    """Set ``x[..., i, j]`` to ``-inf`` where key ``j`` is hidden from query ``i`` by position (axes -2: queries, -1: keys).
 
-    With a KV cache of past length P the offset is P, so query i (the (P+i)-th
+    Hidden: ``j > i + offset``.  With a KV cache of past length P the offset is P, so query i (the (P+i)-th
     token) sees keys 0..P+i.  ``offset`` may be symbolic (``"past_seq"``).
     A sliding ``window`` also hides ``j <= i + offset - window``: each query
-    sees its last ``window`` keys (Mistral, Gemma 2).
+    sees its last ``window`` keys (Mistral, Gemma 2).  :attr:`visibility` is the same as a
+    :class:`~graphc.visibility.Visibility`.
     """
 
     offset: Dim = 0
@@ -633,10 +635,21 @@ class CausalMask(Op):
         if self.window is not None:
             object.__setattr__(self, "window", _int_attr("CausalMask", "window", self.window, least=1))
 
+    @classmethod
+    def of(cls, visibility: Visibility) -> CausalMask:
+        """The positional part of a causal ``visibility`` as an op on the scores."""
+        if visibility.causal_offset is None:
+            raise OpError(f"CausalMask.of: {visibility.describe()} has no causal mask")
+        return cls(visibility.causal_offset, visibility.window)
+
     @property
-    def offset_is_nonnegative(self) -> bool:
-        """True when the offset is provably >= 0, so no row is ever fully masked."""
-        return dim_is_nonnegative(self.offset)
+    def visibility(self) -> Visibility:
+        """What the mask lets each query see."""
+        return Visibility.causal(self.offset, self.window)
+
+    def may_hide_whole_rows(self, shape: Sequence[Dim]) -> bool:
+        """True when some row of scores of ``shape`` may see no key (a negative offset, or a window past the last key)."""
+        return self.visibility.may_hide_whole_rows(shape[-2], shape[-1])
 
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         (x,) = ins
@@ -646,15 +659,17 @@ class CausalMask(Op):
         return x
 
     def evaluate(self, args: Sequence[np.ndarray], dims: Dims) -> np.ndarray:
-        return causal_mask(args[0], eval_dim(self.offset, dims), self.window)
+        x = args[0]
+        return np.where(self.visibility.hidden(x.shape[-2], x.shape[-1], dims), np.array(-np.inf, x.dtype), x)
 
     def flops(self, in_shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]) -> int:
         """One per element of the result."""
         return math.prod(out_shapes[0])
 
     def neg_inf_rows(self, n_inputs: int) -> str:
-        """A negative offset can hide every key of a row."""
-        return "propagate" if self.offset_is_nonnegative else "introduce"
+        """A negative offset can hide every key of a row (a window past the last key too: see :meth:`may_hide_whole_rows`,
+        which knows the shape)."""
+        return "introduce" if self.visibility.may_hide_whole_rows() else "propagate"
 
 
 def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -72,7 +72,7 @@ def test_the_optimizer_recognises_window_and_softcap_as_one_attention():
     g = graphc.sdpa_graph(_cfg(window=3, softcap=2.0))
     lowered = lower(optimize(g).graph, NUMPY_TARGET)
     [node] = [n for n in lowered.nodes.values() if n.op.kind == "Attention"]
-    assert node.op.window == 3 and node.op.softcap == 2.0 and node.op.scale == pytest.approx(8**-0.5)
+    assert node.op.visibility.window == 3 and node.op.softcap == 2.0 and node.op.scale == pytest.approx(8**-0.5)
 
 
 def test_a_mask_before_the_softcap_is_not_fused_as_softcap_then_mask():
@@ -120,9 +120,9 @@ def test_window_and_softcap_are_validated():
     with pytest.raises(AttentionConfigError, match="causal"):
         AttentionConfig(32, 4, 2, head_dim=8, causal=False, sliding_window=4)
     with pytest.raises(OpError, match="window"):
-        graphc.Attention(0.1, None, window=3)
+        graphc.Visibility(None, window=3)
     with pytest.raises(OpError, match="softcap"):
-        graphc.Attention(0.1, 0, softcap=0.0)
+        graphc.Attention(0.1, graphc.Visibility.causal(0), softcap=0.0)
 
 
 @settings(max_examples=25, deadline=None)
@@ -240,7 +240,7 @@ def test_masks_broadcast_from_batch_and_head_axes(mask_shape, kind):
     g = graphc.Graph("masked")
     q, k, v = g.input("q", [2, 6, 4, 8]), g.input("k", [2, 2, 5, 8]), g.input("v", [2, 2, 5, 8])
     m = g.input("m", list(mask_shape), "bool" if kind == "bool" else "float32")
-    g.output(g.attention(q, k, v, 0.25, None, m, kind, names=["o"]))
+    g.output(g.attention(q, k, v, 0.25, graphc.Visibility(mask=kind), m, names=["o"]))
     rng = np.random.default_rng(4)
     feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in (("q", (2, 6, 4, 8)), ("k", (2, 2, 5, 8)), ("v", (2, 2, 5, 8)))}
     keep = rng.random(mask_shape) < 0.6

@@ -55,7 +55,7 @@ def test_attention_over_batch_times_heads_is_read_with_its_heads_and_cache(heads
     lowered = lower(g, KEEP_ALL, ctx=ctx)
     [node] = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
     assert lowered.types[node.inputs[0]].shape[:2] == ("b", heads), node
-    assert node.op.kv_cache and node.op.causal_offset == "p", node
+    assert node.op.kv_cache and node.op.visibility.causal_offset == "p", node
     fired = {f.rule for f in ctx.trace.fired}
     assert {"unflatten_heads", "absorb_kv_cache"} <= fired, ctx.trace.explain()
     rng = np.random.default_rng(seed)

@@ -11,6 +11,8 @@ from graphc import AttentionConfig, optimize
 from graphc.optimizer import REFERENCE_TARGET, lower
 from lowering import NUMPY_TARGET, NumpyInterpreter, random_inputs, run
 from lowering.kernels.attention_kernel import blocked_attention
+from graphc import Visibility
+from graphc.attention_op import Attention
 
 CFG = AttentionConfig(48, 6, 2, bias=True)
 F64 = dict(rtol=1e-11, atol=1e-13)
@@ -71,7 +73,8 @@ def test_blocked_kernel_equals_reference(batch, kv_heads, groups, sq, extra, cau
     k = rng.standard_normal((batch, kv_heads, t_len, 4))
     v = rng.standard_normal((batch, kv_heads, t_len, 3))
     offset = t_len - sq if causal else None  # bottom-right; negative when there are fewer keys than queries
-    got = blocked_attention(q.reshape(batch, kv_heads, groups * sq, 4), k, v, sq, offset, 0.5, threads)
+    vis = Visibility() if offset is None else Visibility.causal(offset)
+    got = blocked_attention(q.reshape(batch, kv_heads, groups * sq, 4), k, v, sq, vis, 0.5, threads)
     want = ref_sdpa(q.reshape(batch, kv_heads * groups, sq, 4), k, v, causal=causal, offset=offset, scale=0.5)
     np.testing.assert_allclose(got.reshape(batch, kv_heads * groups, sq, 3), want, rtol=1e-12, atol=1e-13)
 
@@ -90,7 +93,6 @@ KEY_MASKS = {
 def test_padding_masks_run_in_the_kernel_and_match_the_reference(kind, sq, past, window, softcap):
     """A bool key mask [B, 1, 1, T] stays one Attention for NumPy: each row's run of kept keys, the causal offset shifted; holes
     take the reference semantics.  Left-padded prompts put whole query rows out of sight (zeros)."""
-    from graphc.attention_op import Attention
     from lowering.kernels.attention_kernel import attention_kernel, key_runs
 
     rng = np.random.default_rng(7)
@@ -99,7 +101,7 @@ def test_padding_masks_run_in_the_kernel_and_match_the_reference(kind, sq, past,
     k_new, v_new = (rng.standard_normal((b, hkv, sq, d)).astype(np.float32) for _ in range(2))
     past_k, past_v = (rng.standard_normal((b, hkv, past, d)).astype(np.float32) for _ in range(2))
     mask = KEY_MASKS[kind](t)[:, None, None, :]
-    op = Attention(d**-0.5, "past", mask="bool", kv_cache=True, window=window, softcap=softcap)
+    op = Attention(d**-0.5, Visibility.causal("past", window, mask="bool"), kv_cache=True, softcap=softcap)
     out, k, v = attention_kernel(op, [q, k_new, v_new, mask, past_k, past_v], {"past": past}, threads=2)
     np.testing.assert_array_equal(k, np.concatenate([past_k, k_new], axis=2))
     want = ref_sdpa(q, k, v, causal=True, offset=past, mask=mask, window=window, softcap=softcap)

@@ -1,5 +1,7 @@
 """The Attention op: its semantics, its one decomposition, its recognition, and every backend's kernel for it."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -31,7 +33,8 @@ def _attention_graph(hq=4, hkv=2, causal_offset=None, mask=None, kv_cache=False,
     v = g.input("v", ["b", hkv, "t", 6], dtype)
     m = g.input("m", ["b", 1, "s", "p+t" if kv_cache else "t"], "bool" if mask == "bool" else dtype) if mask else None
     past = (g.input("pk", ["b", hkv, "p", 8], dtype), g.input("pv", ["b", hkv, "p", 6], dtype)) if kv_cache else (None, None)
-    outs = g.attention(q, k, v, 0.3, causal_offset, m, mask or "bool", *past, names=["o", "pres_k", "pres_v"] if kv_cache else ["o"])
+    vis = graphc.Visibility(causal_offset, mask=mask or "none")
+    outs = g.attention(q, k, v, 0.3, vis, m, *past, names=["o", "pres_k", "pres_v"] if kv_cache else ["o"])
     g.output(*(outs if kv_cache else [outs]))
     return g
 
@@ -104,7 +107,7 @@ def test_query_head_h_reads_kv_head_h_over_group_not_the_tile_order():
 
 def test_op_attributes_and_shapes_are_checked():
     with pytest.raises(OpError, match="mask must be one of"):
-        graphc.Attention(0.5, mask="float")
+        graphc.Attention(0.5, graphc.Visibility(mask="float"))
     with pytest.raises(OpError, match="scale must be a finite float"):
         graphc.Attention(float("nan"))
     g = Graph("bad")
@@ -294,7 +297,7 @@ def _padded_rows_agree(hkv, group, s, past, pad, seed, alibi):  # noqa: ANN001, 
     m = g.input("m", ["b", heads, 1, "p+s"]) if alibi else g.input("m", ["b", 1, 1, "p+s"], "bool")
     pk, pv = g.input("pk", ["b", hkv, "p", 8]), g.input("pv", ["b", hkv, "p", 6])
     kind = "additive" if alibi else "bool"
-    g.output(*g.attention(q, k, v, 0.3, "p", m, kind, pk, pv, names=["o", "pres_k", "pres_v"], empty_rows="mean"))
+    g.output(*g.attention(q, k, v, 0.3, graphc.Visibility.causal("p", mask=kind, empty_rows="mean"), m, pk, pv, names=["o", "pres_k", "pres_v"]))
     feeds = random_inputs(g, seed=seed, b=2, s=s, p=past)
     keep = np.ones((2, 1, 1, past + s), bool)
     keep[0, ..., :pad] = False  # row 0 left-padded: its first queries see no key
@@ -354,10 +357,10 @@ def test_empty_rows_zero_and_mean_differ_only_on_rows_with_no_visible_key():
     feeds["m"] = np.array([False, False, True, True]).reshape(1, 1, 1, 4) & np.ones((1, 1, 4, 4), bool)
     zero = run(g, feeds, reference=True)["o"]
     node = g.nodes["o"]
-    mean_op = type(node.op)(**{**node.op.attributes(), "empty_rows": "mean"})
+    mean_op = replace(node.op, visibility=replace(node.op.visibility, empty_rows="mean"))
     got = mean_op.evaluate([feeds[n] for n in ("q", "k", "v", "m")], {"b": 1, "s": 4, "t": 4})
     np.testing.assert_array_equal(zero[:, :, :2], 0.0)  # queries 0, 1 see only hidden keys
     np.testing.assert_allclose(got[:, :, :2], np.repeat(feeds["v"].mean(2, keepdims=True), 2, 1).repeat(2, 2), rtol=1e-6)
     np.testing.assert_allclose(got[:, :, 2:], zero[:, :, 2:], rtol=1e-5, atol=1e-6)
     with pytest.raises(OpError, match="empty_rows must be one of"):
-        graphc.Attention(0.5, empty_rows="nan")
+        graphc.Attention(0.5, graphc.Visibility(empty_rows="nan"))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from reference import ref_sdpa
 
-from graphc import Graph
+from graphc import Graph, Visibility
 from graphc.errors import ExportError
 from lowering import export, random_inputs, run
 
@@ -29,7 +29,8 @@ def _two_layers(hkv: int, group: int, kind: str, per_row: bool) -> Graph:
     for layer, scale in ((1, 0.3), (2, 0.5)):
         k, v = g.input(f"k{layer}", ["b", hkv, "s", 8]), g.input(f"v{layer}", ["b", hkv, "s", 8])
         pk, pv = g.input(f"pk{layer}", ["b", hkv, "p", 8]), g.input(f"pv{layer}", ["b", hkv, "p", 8])
-        out, *cache = g.attention(out, k, v, scale, "p", m, kind, pk, pv, names=[f"o{layer}", f"pres_k{layer}", f"pres_v{layer}"])
+        names = [f"o{layer}", f"pres_k{layer}", f"pres_v{layer}"]
+        out, *cache = g.attention(out, k, v, scale, Visibility.causal("p", mask=kind), m, pk, pv, names=names)
         g.output(*cache)
     g.output(out)
     return g
@@ -98,8 +99,8 @@ def test_chunks_refuse_keys_that_are_not_the_queries_plus_the_offset():
     """The chunk bounds take the past as keys - queries: an offset that is not that is refused, never mis-masked."""
     g = Graph("offset")
     q, k, v = g.input("q", ["b", 2, "s", 8]), g.input("k", ["b", 2, "t", 8]), g.input("v", ["b", 2, "t", 8])
-    g.output(g.attention(q, k, v, 0.3, 0, names=["o"]))
-    with pytest.raises(ExportError, match="not the queries plus the causal offset"):
+    g.output(g.attention(q, k, v, 0.3, Visibility.causal(0), names=["o"]))
+    with pytest.raises(ExportError, match=r"are not the queries \(s\) plus the causal offset"):
         export(g, attention="chunked")
 
 
@@ -109,7 +110,7 @@ def test_auto_chunks_an_additive_key_mask_of_any_rank():
     g = Graph("key_bias")
     q, k, v = (g.input(n, [1, 4, "s", 8]) for n in "qkv")
     m = g.input("m", ["s"])
-    g.output(g.attention(q, k, v, 0.3, 0, m, "additive", names=["o"]))
+    g.output(g.attention(q, k, v, 0.3, Visibility.causal(0, mask="additive"), m, names=["o"]))
     model = export(g, attention="auto", sizes={"s": 512})
     assert [n.op_type for n in model.graph.node].count("Softmax") == 8
     feeds = random_inputs(g, seed=4, s=70)

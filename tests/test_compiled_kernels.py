@@ -12,6 +12,11 @@ from graphc.optimizer import REFERENCE_TARGET, lower
 from lowering import NumpyInterpreter, prepare, random_inputs, run
 from lowering.kernels import compiled
 from lowering.kernels.attention_kernel import blocked_attention
+from graphc import Visibility
+
+
+def _visibility(offset, window=None):  # noqa: ANN001, ANN202
+    return Visibility() if offset is None else Visibility.causal(offset, window)
 
 needs_numba = pytest.mark.skipif(not compiled.use_compiled(), reason=f"compiled kernels off: {compiled.compiled_reason()}")
 F32 = dict(rtol=1e-4, atol=1e-5)  # float32 scores over up to 700 keys against float64
@@ -69,7 +74,7 @@ def test_decode_kernel_equals_numpy_reference(lead, groups, sq, t_len, dim, caus
     k = rng.standard_normal((1, lead, t_len, dim), dtype=np.float32)
     v = rng.standard_normal((1, lead, t_len, value_dim or dim + 1), dtype=np.float32)  # 64 and 128: the register-blocked P V
     offset = t_len - sq + past_shift if causal else None
-    got = compiled.decode_attention(q.reshape(lead, groups * sq, dim), k[0], v[0], sq, offset, window if causal else None, threads)
+    got = compiled.decode_attention(q.reshape(lead, groups * sq, dim), k[0], v[0], sq, _visibility(offset, window if causal else None), threads)
     want = ref_sdpa(q, k, v, causal=causal, offset=offset, scale=1.0, window=window if causal else None)
     np.testing.assert_allclose(got.reshape(want.shape), want, **F32)
 
@@ -95,7 +100,7 @@ def test_decode_kernel_over_several_key_blocks(t_len, sq, causal, window, thread
     k[0, :, ::700] *= 4  # a few keys dominate, in different blocks
     v = rng.standard_normal((1, 2, t_len, 64), dtype=np.float32)
     offset = t_len - sq if causal else None
-    got = compiled.decode_attention(q.reshape(2, 3 * sq, 16), k[0], v[0], sq, offset, window if causal else None, threads)
+    got = compiled.decode_attention(q.reshape(2, 3 * sq, 16), k[0], v[0], sq, _visibility(offset, window if causal else None), threads)
     want = ref_sdpa(q, k, v, causal=causal, offset=offset, scale=1.0, window=window if causal else None)
     np.testing.assert_allclose(got.reshape(want.shape), want, **F32)
 
@@ -107,7 +112,7 @@ def test_query_head_uses_its_consecutive_kv_head_not_the_tiled_one():
     q = rng.standard_normal((2, 4, 8), dtype=np.float32)  # [KV heads, group rows, D]
     k = rng.standard_normal((2, 300, 8), dtype=np.float32)
     v = np.stack([np.ones((300, 5), np.float32), np.zeros((300, 5), np.float32)])
-    out = compiled.decode_attention(q, k, v, 1, None, None, 2).reshape(8, 5)
+    out = compiled.decode_attention(q, k, v, 1, Visibility(), 2).reshape(8, 5)
     np.testing.assert_allclose(out[:4], 1.0, rtol=1e-6)
     np.testing.assert_allclose(out[4:], 0.0, atol=0)
 
@@ -121,7 +126,7 @@ def test_a_nan_score_gives_nan_as_the_reference_does(threads):
     k = rng.standard_normal((1, 1, 2600, 16), dtype=np.float32)
     v = rng.standard_normal((1, 1, 2600, 16), dtype=np.float32)
     k[0, 0, 2123, 5] = np.nan  # in the third key block
-    got = compiled.decode_attention(q.reshape(1, 2, 16), k[0], v[0], 1, None, None, threads)
+    got = compiled.decode_attention(q.reshape(1, 2, 16), k[0], v[0], 1, Visibility(), threads)
     want = ref_sdpa(q, k, v, causal=False, offset=None, scale=1.0)
     assert np.isnan(want).all() and np.isnan(got).all()
     s = np.float32([[0.0, np.nan, -1.0], [0.0, -1.0, -2.0]])
@@ -140,9 +145,9 @@ def test_blocked_attention_takes_the_compiled_path_for_decode_and_prefill(thread
         k = rng.standard_normal((2, 3, t_len, 16), dtype=np.float32)
         v = rng.standard_normal((2, 3, t_len, 16), dtype=np.float32)
         offset = t_len - sq
-        fast = blocked_attention(q, k, v, sq, offset, None, threads)
+        fast = blocked_attention(q, k, v, sq, Visibility.causal(offset), None, threads)
         monkeypatch.setenv("GRAPHC_KERNELS", "numpy")
-        plain = blocked_attention(q, k, v, sq, offset, None, threads)
+        plain = blocked_attention(q, k, v, sq, Visibility.causal(offset), None, threads)
         monkeypatch.delenv("GRAPHC_KERNELS")
         want = ref_sdpa(q.reshape(2, 12, sq, 16), k, v, causal=True, offset=offset, scale=1.0).reshape(fast.shape)
         np.testing.assert_allclose(fast, want, **F32)

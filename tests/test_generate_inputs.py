@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import graphc
+from graphc import Visibility
 from graphc.attention.hf_lm import causal_lm_config_from_hf
 from graphc.errors import InputError, SerializationError
 from graphc.weights import load_weights
@@ -172,7 +173,7 @@ def test_the_compiled_decode_kernel_refuses_operands_outside_its_contract(change
         pytest.skip("numba is not installed")
     q, k, v = np.ones((2, 4, 16), np.float32), np.ones((2, 8, 16), np.float32), np.ones((2, 8, 8), np.float32)
     with pytest.raises(ExecutionError, match=words):
-        compiled.decode_attention(*change(q, k, v), 1, 0, None, 1)
+        compiled.decode_attention(*change(q, k, v), 1, Visibility.causal(0), 1)
 
 
 def test_a_sharded_runner_refuses_an_unknown_backend_at_once_and_runs_no_more_after_its_client_closed(lm):

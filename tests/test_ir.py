@@ -377,7 +377,7 @@ def test_multi_output_nodes_print_save_and_load():
     g = Graph("kv")
     q, k, v = (g.input(n, [1, 4, "s", 8]) for n in ("q", "k", "v"))
     pk, pv = g.input("pk", [1, 4, "p", 8]), g.input("pv", [1, 4, "p", 8])
-    out, kk, vv = g.attention(q, k, v, 0.5, "p", past_key=pk, past_value=pv, names=["o", "present_key", "present_value"])
+    out, kk, vv = g.attention(q, k, v, 0.5, graphc.Visibility.causal("p"), past_key=pk, past_value=pv, names=["o", "present_key", "present_value"])
     g.output(out, kk, vv)
     g.verify()
     line = [ln for ln in str(g).splitlines() if "Attention" in ln][0]

@@ -171,7 +171,7 @@ def test_deepseek_v3_decode_reads_its_latent_cache_as_one_kv_head(exporter, tmp_
     attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
     assert len(attention) == 2
     for node in attention:
-        assert (node.op.causal_offset is not None, node.op.mask) == (True, "bool")
+        assert (node.op.visibility.causal_offset is not None, node.op.mask) == (True, "bool")
         assert lowered.types[node.inputs[1]].shape[1] == 1  # one KV head: the latent
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for batch, new, past, pad in [(2, 1, 11, 3), (1, 1, 40, 0), (3, 4, 6, 2)]:

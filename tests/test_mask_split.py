@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphc import Graph, optimize
+from graphc import Graph, Visibility, optimize
 from graphc.ops import Binary, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
 from graphc.optimizer import Target, lower
 from graphc.rotary import Positions
@@ -78,7 +78,7 @@ def test_transformers_mask_becomes_one_causal_attention_with_a_padding_mask(cach
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
     assert len(attention) == 1
     op = attention[0]
-    assert (op.causal_offset, op.window, op.mask, op.empty_rows, op.kv_cache) == ("p" if cache else 0, window, "bool", "mean", cache)
+    assert (op.visibility, op.kv_cache) == (Visibility.causal("p" if cache else 0, window, mask="bool", empty_rows="mean"), cache)
     for seq, past, pad in ((5, 3, 0), (6, 2, 4), (1, 7, 7)):
         if not cache and past:
             past = 0
@@ -105,17 +105,17 @@ def test_padded_rows_match_the_graph_as_written(seq, pad, window, seed):
 
 def test_an_infinite_fill_keeps_zero_rows_and_a_small_fill_is_left_alone():
     op = next(n.op for n in lower(optimize(_masked_attention(fill=-np.inf)).graph, KEEP_ALL).nodes.values() if n.op.kind == "Attention")
-    assert (op.causal_offset, op.empty_rows) == (0, "zero")
+    assert (op.visibility.causal_offset, op.visibility.empty_rows) == (0, "zero")
     small = lower(optimize(_masked_attention(fill=-1e4)).graph, KEEP_ALL)  # -1e4 does not swamp every score: not a mask
     op = next(n.op for n in small.nodes.values() if n.op.kind == "Attention")
-    assert (op.causal_offset, op.mask) == (None, "additive")
+    assert (op.visibility.causal_offset, op.mask) == (None, "additive")
 
 
 def _attention_ops(g):
     from graphc.attention_op import Attention
 
     kept = lower(optimize(g).graph, KEEP_ALL)
-    return [(n.op.causal_offset, n.op.window, n.op.mask) for n in kept.nodes.values() if isinstance(n.op, Attention)]
+    return [(n.op.visibility.causal_offset, n.op.visibility.window, n.op.mask) for n in kept.nodes.values() if isinstance(n.op, Attention)]
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -148,7 +148,7 @@ def test_a_scale_after_the_mask_is_read_as_the_attention_scale(fill, window):
     optimized = optimize(g).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
     assert len(attention) == 1
-    assert (attention[0].scale, attention[0].causal_offset, attention[0].window) == (pytest.approx(D**-0.5), 0, window)
+    assert (attention[0].scale, attention[0].visibility.causal_offset, attention[0].visibility.window) == (pytest.approx(D**-0.5), 0, window)
     for seq, pad in ((5, 0), (6, 4)):
         feeds = _feeds(g, seq, 0, pad, seed=seq)
         want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
@@ -162,7 +162,7 @@ def test_a_mask_expanded_to_the_scores_shape_is_told_from_the_scores(cache):
     g = _masked_attention(cache=cache, expanded=True)
     optimized = optimize(g).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
-    assert len(attention) == 1 and attention[0].causal_offset == ("p" if cache else 0)
+    assert len(attention) == 1 and attention[0].visibility.causal_offset == ("p" if cache else 0)
     feeds = _feeds(g, 5, 3 if cache else 0, 2, seed=1)
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
@@ -196,7 +196,7 @@ def test_an_alibi_bias_and_a_causal_mask_are_one_attention(alibi_last):
     g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"))
     optimized = optimize(g).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
-    assert len(attention) == 1 and (attention[0].causal_offset, attention[0].mask) == (0, "additive")
+    assert len(attention) == 1 and (attention[0].visibility.causal_offset, attention[0].mask) == (0, "additive")
     feeds = random_inputs(g, seed=3, b=2, s=6)
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     np.testing.assert_allclose(run(optimized, feeds)["out"], want, rtol=2e-4, atol=2e-5)
@@ -219,7 +219,7 @@ def test_a_masked_fill_of_the_scores_is_one_causal_attention(fill, padding):
     g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"))
     optimized = optimize(g).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
-    assert len(attention) == 1 and attention[0].causal_offset == 0
+    assert len(attention) == 1 and attention[0].visibility.causal_offset == 0
     assert attention[0].mask == ("bool" if padding else "none")
     feeds = random_inputs(g, seed=4, b=2, s=6)
     if padding:
@@ -289,7 +289,7 @@ def test_the_converter_mask_of_transformers_4_is_causal_at_the_past_offset(pad):
     g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"), k, v)
     optimized = optimize(g).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
-    assert [(op.causal_offset, op.kv_cache, op.mask, op.empty_rows) for op in attention] == [("p", True, "additive", "mean")], attention
+    assert [(op.visibility, op.kv_cache) for op in attention] == [(Visibility.causal("p", mask="additive", empty_rows="mean"), True)], attention
     feeds = random_inputs(g, seed=6, b=2, s=5, p=3)
     feeds["attention_mask"] = np.ones((2, 8), np.int64)
     feeds["attention_mask"][0, :pad] = 0
@@ -315,7 +315,7 @@ def test_a_finite_fill_over_a_bool_of_an_infinite_mask_gives_padded_rows_the_mea
     inner = add(Where(), [keep, const("zero", np.float32(0)), const("neg_inf", np.float32(-np.inf))], "inner")
     mask = add(Where(), [add(Cast("bool"), [inner], "hidden"), const("fill", np.float32(MIN32)), const("zero2", np.float32(0))], "mask")
     split = split_additive_mask(g, mask)
-    assert split is not None and (split.offset, split.empty_rows) == (0, "mean"), split
+    assert split is not None and (split.visibility.causal_offset, split.visibility.empty_rows) == (0, "mean"), split
     s = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
     g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [add(Binary("add"), [s, mask], "masked")], "probs"), v], "out"))
     optimized = optimize(g).graph

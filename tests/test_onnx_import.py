@@ -538,7 +538,7 @@ def test_group_query_attention_is_one_causal_attention_with_its_cache() -> None:
     model = _model([node], inputs, [helper.make_tensor_value_info(n, F, None) for n in ("y", "present_key", "present_value")], ms=True)
     lowered = lower(optimize(from_onnx(model)).graph, Target("keep", lambda graph, n, ctx: None))
     (op,) = [n.op for n in lowered.topological_order() if n.op.kind == "Attention"]
-    assert (op.causal_offset, op.kv_cache, op.mask) == ("p", True, "bool")
+    assert (op.visibility.causal_offset, op.kv_cache, op.mask) == ("p", True, "bool")
 
 
 ROLLING_CASES = {  # (new tokens, each row's past tokens, rotary): a rolling cache of W = 4 slots

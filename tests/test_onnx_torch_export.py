@@ -131,7 +131,7 @@ def test_torch_export_imports_groups_and_round_trips(tmp_path: Path, exporter: s
 
     _, report = optimize(g, target=target_named("numpy"))  # recognised as one attention: causal, window, cache
     (fused,) = [f.detail for f in report.trace.fired if f.rule == "fuse_attention"]
-    assert "group=4" in fused and ("causal offset past" if cache else "causal offset 0") in fused
+    assert "group=4" in fused and ("causal (offset past" if cache else "causal (offset 0)") in fused
     assert ("window 3" in fused) == (arch == "mistral") and ("KV cache past_key, past_value" in fused) == cache
     if arch == "llama":
         exported = export(optimized, tmp_path / "fused.onnx", attention="onnx-attention")
@@ -207,7 +207,7 @@ def test_transformers_llama_attention_export(tmp_path: Path) -> None:
 
     _, report = optimize(imported, target=target_named("numpy"))  # the mask input has its own name; attention is still recognised
     assert [f.detail for f in report.trace.fired if f.rule == "fuse_attention"] == [
-        "attention recognised: scale=0.353553, group=4, additive mask 'causal_bias'"
+        "attention recognised: scale=0.353553, group=4, not causal, additive mask 'causal_bias'"
     ]
     hidden, cos, sin = torch.randn(3, 7, HIDDEN), torch.randn(3, 7, HEAD_DIM), torch.randn(3, 7, HEAD_DIM)
     bias = torch.triu(torch.full((7, 7), float("-inf")), 1).expand(3, 1, 7, 7).contiguous()
@@ -289,7 +289,7 @@ def test_transformers_old_causal_mask_is_one_causal_attention_with_its_cache_and
     g = from_onnx(path)
     optimized = optimize(g).graph
     ops = [n.op for n in lower(optimized, Target("keep", lambda graph, node, ctx: None)).topological_order() if n.op.kind == "Attention"]
-    assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("p", True, "bool")], ops
+    assert [(op.visibility.causal_offset, op.kv_cache, op.mask) for op in ops] == [("p", True, "bool")], ops
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(1)
     for batch, seq, past in ((3, 1, 9), (2, 4, 6), (1, 6, 0)):

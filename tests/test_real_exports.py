@@ -68,8 +68,8 @@ def test_export_imports_with_outputs_equal_to_onnxruntime(case, tmp_path):
         op = node.op
         past_len = lowered.types[node.inputs[-2]].shape[2] if cache else 0  # the op's past keys (a sliding cache cut to 15)
         causal = None if family == "bert" else past_len  # BERT: a padding mask alone
-        assert (op.causal_offset, op.kv_cache, op.mask) == (causal, cache, "bool"), (layer, op)
-        assert op.window == (16 if layer in WINDOWED.get(family, ()) else None), (layer, op)
+        assert (op.visibility.causal_offset, op.kv_cache, op.mask) == (causal, cache, "bool"), (layer, op)
+        assert op.visibility.window == (16 if layer in WINDOWED.get(family, ()) else None), (layer, op)
         assert "Repeat" not in {lowered.producer(i).op.kind for i in node.inputs if lowered.producer(i) is not None}  # no K/V copy
     sizes = SLIDING_SIZES if cache and family in SLIDING else SIZES[cache]
     _equals_onnxruntime(path, model, graph, optimized, sizes, ("numpy", "ort-cpu", "torch"))
@@ -112,12 +112,12 @@ def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tm
     optimized = optimize(graph).graph
     lowered = lower(optimized, KEEP_ALL)
     attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
-    assert [(n.op.mask, n.op.empty_rows, n.op.kv_cache) for n in attention] == [("additive", "mean", cache)] * 2, attention
+    assert [(n.op.mask, n.op.visibility.empty_rows, n.op.kv_cache) for n in attention] == [("additive", "mean", cache)] * 2, attention
     assert all(lowered.types[n.inputs[0]].shape[1] == 4 for n in attention)  # Bloom's [batch*heads] view read as [batch, 4 heads]
     for n in attention:  # causal at the past's offset (keys minus queries); a key mask: the bias and the padding, no triangle
         keys, queries = lowered.types[n.inputs[1]].shape[2], lowered.types[n.inputs[0]].shape[2]
         past = lowered.types[n.inputs[4]].shape[2] if n.op.kv_cache else normalize_dim(dim_sub(keys, queries))
-        assert n.op.causal_offset == past and lowered.types[n.inputs[3]].shape[-2] == 1, n
+        assert n.op.visibility.causal_offset == past and lowered.types[n.inputs[3]].shape[-2] == 1, n
     _equals_onnxruntime(path, model, graph, optimized, SIZES[cache], ("numpy", "ort-cpu"))
     _chunked_equals_onnxruntime(path, model, graph, optimized, SIZES[cache])
 
@@ -148,7 +148,7 @@ def test_more_families_cache_exports_are_one_causal_attention_per_layer_equal_to
     lowered = lower(optimized, KEEP_ALL)
     ops = [n.op for n in lowered.topological_order() if n.op.kind == "Attention"]
     latent = family == "deepseek_v3"
-    assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
+    assert [(op.visibility.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
     _equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3], ("numpy", "ort-cpu"))
     _chunked_equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3])
 
@@ -168,7 +168,7 @@ def test_mixture_of_experts_exports_import_their_routing_as_written(family, tmp_
     assert "TopK" in routing, routing
     ops = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
     latent = family == "deepseek_v3_moe"
-    assert [(op.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
+    assert [(op.visibility.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops
     _equals_onnxruntime(path, model, graph, optimized, SIZES[True][:3], ("numpy", "ort-cpu"))
 
 
@@ -197,11 +197,11 @@ def test_optimize_cli_reexports_a_real_export(tmp_path, capsys):
     assert main(["optimize", str(path), "--target", "ort-cpu", "--explain", "-o", str(tmp_path / "opt.onnx")]) == 0
     explained = capsys.readouterr().out
     assert (
-        explained.count("attention recognised: scale=") == 2 and "causal offset past_seq" in explained and "KV cache past_key_values.0" in explained
+        explained.count("attention recognised: scale=") == 2 and "causal (offset past_seq)" in explained and "KV cache past_key_values.0" in explained
     )
     assert explained.count("legalize_attention on") + explained.count("Attention kept for") == 2  # the form chosen for each
     assert main(["info", str(path)]) == 0
-    assert "attention recognised: 2\n    2 x causal (offset past_seq), KV cache, bool mask" in capsys.readouterr().out
+    assert "attention recognised: 2\n    2 x causal (offset past_seq), bool mask, KV cache" in capsys.readouterr().out
     model = onnx.load(str(path), load_external_data=False)
     f = feeds(model, 2, 3, 9, 1)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, f)
@@ -289,7 +289,7 @@ def test_causal_attention_forms_import_with_outputs_equal_to_onnxruntime(form, e
     graph = from_onnx(path)
     optimized = optimize(graph).graph
     attention = [n.op for n in lower(optimized, NUMPY_TARGET).nodes.values() if n.op.kind == "Attention"]
-    assert len(attention) == 1 and attention[0].causal_offset == 0 and attention[0].mask == "none", attention  # causal, no mask tensor
+    assert len(attention) == 1 and attention[0].visibility.causal_offset == 0 and attention[0].mask == "none", attention  # causal, no mask tensor
     for batch, seq in ((1, 1), (3, 7), (2, 33)):
         xs = np.random.default_rng(seq).standard_normal((batch, seq, 32)).astype(np.float32)
         want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": xs})[0]
@@ -328,7 +328,7 @@ def test_an_int4_export_from_onnxruntimes_quantizer_is_understood_and_equal_to_o
     products = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert optimized.op_counts().get("QuantizedMatMul") == len(products) >= 15 and "DequantizeBlocks" not in optimized.op_counts()
     attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
-    assert len(attention) == 2 and all(op.kv_cache and op.causal_offset is not None for op in attention)
+    assert len(attention) == 2 and all(op.kv_cache and op.visibility.causal_offset is not None for op in attention)
     _equals_onnxruntime(tmp_path / "int4.onnx", model, graph, optimized, SIZES[True][:2], ("numpy", "ort-cpu"))
     packed = {t.name: t.raw_data for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8}
     out = export(optimized)
@@ -359,7 +359,7 @@ def test_an_int8_export_from_quantize_dynamic_is_understood_and_equal_to_onnxrun
     assert optimized.op_counts().get("IntegerMatMul") == products >= 15
     assert fused == any(n.domain == "com.microsoft" for n in model.graph.node)
     attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
-    assert len(attention) == 2 and all(op.kv_cache and op.causal_offset is not None for op in attention)
+    assert len(attention) == 2 and all(op.kv_cache and op.visibility.causal_offset is not None for op in attention)
     # an activation quantized on the fly rounds the other way where graphc's float differs from onnxruntime's in the last
     # bit: one int8 step of that activation, times its weights, on the outputs it reaches; 1% of the output's range
     within_a_step = lambda want: 0.01 * float(np.abs(want).max())  # noqa: E731
@@ -388,7 +388,7 @@ def test_a_float16_export_equals_onnxruntime_and_its_causal_masks_are_read(expor
     graph = from_onnx(tmp_path / "f16.onnx")
     optimized = optimize(graph).graph
     attention = [n.op for n in lower(optimized, KEEP_ALL).topological_order() if n.op.kind == "Attention"]
-    assert len(attention) == 2 and all(op.kv_cache and op.causal_offset is not None for op in attention)
+    assert len(attention) == 2 and all(op.kv_cache and op.visibility.causal_offset is not None for op in attention)
     session = ort.InferenceSession(str(tmp_path / "f16.onnx"), providers=["CPUExecutionProvider"])
     reference = ReferenceEvaluator(model)
     runners = {backend: prepare(optimized, backend) for backend in ("numpy", "ort-cpu")}

@@ -27,13 +27,14 @@ from typing import Any, Union
 import numpy as np
 import onnx
 
-from ..dims import Dim, dim_symbols, format_shape, is_static, is_symbol, normalize_dim
+from ..dims import Dim, dim_add, dim_sub, dim_symbols, format_shape, is_static, is_symbol, normalize_dim
 from ..einsum_spec import parse_einsum
 from ..errors import EinsumSpecError, OnnxImportError, ShapeMismatchError
 from ..graph import Graph, GraphMark
 from ..ops import QUANTIZED_DTYPES, Binary, Cast, Compare, Concat, Einsum, Reshape, Where
 from ..quantized_int8 import IntegerMatMul
 from ..tensor_ops import Arange, BroadcastTo, ShapeValues
+from ..visibility import KeyBound
 from .unify import MAX_UNIFICATIONS, DimConflict, conflict_in_broadcast, conflict_in_pairs, substitute
 
 __all__ = ["SymInts", "Filled", "Triangle", "MaskSum", "Broadcast", "Imported", "ImportContext", "ONNX_TO_DTYPE"]
@@ -81,6 +82,11 @@ class Triangle:
     shape: tuple[Dim, ...]
     k: Dim
     upper: bool
+
+    def kept(self) -> KeyBound:
+        """The keys where the triangle is 0 (the ones a triangle of a fill added to scores keeps): ``j <= i + k - 1``
+        for an upper triangle, ``j >= i + k + 1`` for a lower one."""
+        return KeyBound(True, dim_sub(self.k, 1)) if self.upper else KeyBound(False, dim_add(self.k, 1))
 
 
 @dataclass(frozen=True)

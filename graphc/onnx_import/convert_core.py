@@ -38,6 +38,7 @@ from ..ops import (
 )
 from ..rotary import Positions
 from ..tensor_ops import Arange, BroadcastTo, Gather, GatherElements, Reduce, Slice
+from ..visibility import Visibility
 from .context import Broadcast, Filled, Imported, ImportContext, MaskSum, ONNX_TO_DTYPE, SymInts, Triangle, simplify
 from .shapes import as_dims, reshape_target, sym_binary, sym_layout, sym_where
 from ..numerics import hides_keys
@@ -72,23 +73,21 @@ def _triangle_against(ctx: ImportContext, tri: Triangle, x: str, fn: str) -> str
     xs = ctx.graph.types[x].shape
     if len(xs) < 2 or broadcast_shapes(xs, tri.shape) != xs:
         raise ctx.error(f"a Trilu mask of shape {format_shape(tri.shape)} must broadcast into {x!r} {format_shape(xs)}")
-    if fn == "add" and tri.upper and hides_keys(tri.value):
-        return ctx.add(CausalMask(dim_sub(tri.k, 1)), [x], "causal")
+    visible = Visibility.from_bounds([tri.kept()]) if fn == "add" and hides_keys(tri.value) else None
+    if visible is not None:
+        return ctx.add(CausalMask.of(visible), [x], "causal")
     mask = ctx.tensor(Triangle(np.asarray(tri.value).astype(ctx.graph.types[x].dtype), tri.shape, tri.k, tri.upper))
     return ctx.add(Binary(fn), [x, mask], "t")
 
 
-def _causal_window(m: MaskSum) -> tuple[Dim, int] | None:
-    """``(k_upper, window)`` when ``m`` is ``triu(-inf, k1) + tril(-inf, k2)``: keys ``j > i + k1 - 1`` or ``j <= i + k2`` hidden, window ``k1 -
-    1 - k2``."""
+def _causal_window(m: MaskSum) -> Visibility | None:
+    """What ``m`` lets a query see when it is ``triu(-inf, k1) + tril(-inf, k2)`` (Mistral): keys ``j > i + k1 - 1`` or ``j <= i + k2``
+    hidden, a causal mask with a window of ``k1 - 1 - k2``."""
     tris = [p for p in m.parts if isinstance(p, Triangle) and hides_keys(p.value)]
-    if len(m.parts) != 2 or len(tris) != 2:
+    if len(m.parts) != 2 or len(tris) != 2 or tris[0].upper == tris[1].upper or tris[0].shape != tris[1].shape:
         return None
-    up, low = sorted(tris, key=lambda p: not p.upper)
-    if not up.upper or low.upper or up.shape != low.shape:
-        return None
-    window = normalize_dim(dim_sub(dim_sub(up.k, 1), low.k))
-    return (up.k, window) if isinstance(window, int) and window >= 1 else None
+    visible = Visibility.from_bounds([p.kept() for p in tris])
+    return visible if visible is not None and "window" in visible.features() else None
 
 
 def _terms(v: Imported) -> tuple:
@@ -120,7 +119,7 @@ def _operands(ctx: ImportContext, a: Imported, b: Imported, fn: str) -> tuple[st
     if fn == "add" and isinstance(a, MaskSum) and isinstance(b, str):
         window = _causal_window(a)
         if window is not None:  # triu(-inf, k1) + tril(-inf, k2): a causal mask with a sliding window (Mistral)
-            return ctx.add(CausalMask(dim_sub(window[0], 1), window[1]), [b], "causal_window")
+            return ctx.add(CausalMask.of(window), [b], "causal_window")
         out = b
         for part in a.parts:
             out = _add_mask(ctx, out, part)

@@ -24,11 +24,12 @@ Near misses say why (``--explain``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from graphc.attention_op import Attention
+from graphc.visibility import Visibility, VisibilityError
 from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import FILL_LIMIT
@@ -43,43 +44,49 @@ __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
 
 
 @dataclass
+class MaskInputs:
+    """The values that make the op's user mask, read on the scores (the op's :class:`Visibility` says their kind)."""
+
+    first: str | None = None  # the mask, when one is read (None: only ``more`` or ``hiding`` ones, or none)
+    more: tuple[str, ...] = ()  # further masks: ANDed (bool), added (additive)
+    negate: bool = False  # ``first`` is bool and hides where True (transformers' padding before 4.58)
+    hiding: tuple[tuple[str, bool], ...] = ()  # bool masks added to an additive one as -inf: (value, True hides)
+    views: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # masks to view as [batch, heads, ...] first
+    view: tuple[tuple[Dim, ...], tuple[Dim, ...]] | None = None  # the masks' view and the op's, when they differ
+    split_from: str | None = None  # the additive position mask ``first`` was read from
+
+    def values(self) -> list[str]:
+        """Every mask value, the first one first."""
+        return [x for x in (self.first, *(h for h, _ in self.hiding), *self.more) if x is not None]
+
+
+@dataclass
 class AttentionMatch:
     """A recognised attention chain and how to rebuild it as one op."""
 
     softmax: Node
-    pv: Node
+    roles: _Roles  # the QK^T einsum's labels
+    values: _Values  # the PV einsum's labels, in QK label names
     q: str
     k: str
     v: str
-    q_term: str  # Q's labels in the order of ``q``
-    k_term: str
-    v_term: str  # V's labels, in QK label names (t for the key axis, e for the value dim)
-    batch: str  # batch labels (last: KV heads)
-    rows: str  # query-row labels (group x queries)
-    t: str
-    d: str
-    e: str
-    sizes: dict[str, Dim]
     q_shape: tuple[Dim, ...]  # Q as the op takes it: [batch, query heads, queries, head dim]
     group: int
     scale: float
-    offset: Dim | None
-    mask: str | None
-    mask_kind: str
-    past: tuple[str, str] | None
-    presents: tuple[str, str] | None
-    out_term: str  # PV output labels, in QK label names
+    softcap: float | None
+    visibility: Visibility
+    masks: MaskInputs
+    cache: KVCache | None
     chain: list[str] = field(default_factory=list)  # values of the chain, softmax first (removed when dead)
-    window: int | None = None
-    softcap: float | None = None
-    pv_rows: str = ""  # the query-row labels of the PV output (``rows``, or group and queries when P is a split view)
-    empty_rows: str = "zero"  # what a row with no visible key gives (see Attention)
-    mask_views: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # masks to view as [batch, heads, ...] first
-    mask_view: tuple[tuple[Dim, ...], tuple[Dim, ...]] | None = None  # the masks' view and the op's, when they differ
-    more_masks: tuple[str, ...] = ()  # further masks on ``mask``: ANDed (bool), added (additive)
-    negate_mask: bool = False  # ``mask`` is bool and hides where True (transformers' padding before 4.58)
-    hiding_masks: tuple[tuple[str, bool], ...] = ()  # bool masks added to an additive one as -inf: (value, True hides)
-    moved: tuple[str, ...] = ()  # readers of the cache Concats before the PV einsum (a present cut to a window), moved after the op
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """A cache read in the chain: K and V concatenated from a past of the causal offset's length."""
+
+    past: tuple[str, str]  # past key, past value
+    presents: tuple[str, str]  # the Concats, whose names the op's present outputs take
+    moved: tuple[str, ...] = ()  # readers of the Concats before the PV einsum (a present cut to a window), moved after the op
 
 
 def _fill_rows(graph: Graph, name: str) -> str | None:
@@ -123,19 +130,11 @@ class _Scores:
 
     chain: list[str]  # values passed, softmax first
     scale: float = 1.0
-    offset: Dim | None = None
-    window: int | None = None
     cap: float | None = None  # the softcap c of c * tanh(s / c), once its tanh is passed
-    mask: str | None = None
-    mask_kind: str = "none"
-    more_masks: tuple[str, ...] = ()
-    negate_mask: bool = False
-    hiding_masks: tuple[tuple[str, bool], ...] = ()
-    empty_rows: str = "zero"
+    vis: Visibility = Visibility()
+    masks: MaskInputs = field(default_factory=MaskInputs)
     view_for_rows: tuple[Dim, ...] | None = None  # the shape the masks act on
-    split_from: str | None = None  # the additive position mask ``mask`` and ``offset`` were read from
     views: list[tuple[tuple[Dim, ...], tuple[Dim, ...]]] = field(default_factory=list)  # reshapes passed: (input, output)
-    mask_views: dict[str, tuple[Dim, ...]] = field(default_factory=dict)  # a mask added below a view: the shape it takes above
     qk: Node | None = None  # the QK^T einsum the walk ends at
     qk_reader: str = ""  # the chain's node that reads the QK^T output
 
@@ -182,7 +181,7 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
     assert sc.qk is not None
     if not only_reader(graph, sc.qk.name, sc.qk_reader):
         return Miss(f"scores {sc.qk.name!r} are read outside the attention chain")
-    roles = _qk_roles(graph, sc.qk, sc.view_for_rows or graph.types[softmax.inputs[0]].shape, sc.offset)
+    roles = _qk_roles(graph, sc.qk, sc.view_for_rows or graph.types[softmax.inputs[0]].shape, sc.vis.is_causal)
     if isinstance(roles, Miss):
         return roles
     values = _pv_roles(graph, softmax, sc, roles)
@@ -233,12 +232,10 @@ def _absorb(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
     elif isinstance(op, CausalMask):
         if sc.scale <= 0:
             return Miss(f"a non-positive scale acts after causal mask {node.name!r}")
-        if sc.empty_rows != "zero":
-            return Miss(f"causal mask {node.name!r} hides with -inf, a mask nearer the softmax with a finite fill")
-        if sc.offset is not None:
-            return Miss("two causal masks on one softmax")
-        sc.offset, sc.window = op.offset, op.window
-        sc.view_for_rows = graph.types[node.name].shape
+        both = _conjunction(sc.vis, op.visibility, f"causal mask {node.name!r} hides with -inf, a mask nearer the softmax with a finite fill")
+        if isinstance(both, Miss):
+            return both
+        sc.vis, sc.view_for_rows = both, graph.types[node.name].shape
     elif isinstance(op, Where):
         return _absorb_bool_mask(graph, node, sc)
     else:
@@ -254,17 +251,26 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
     rows = _fill_rows(graph, b)
     if rows is None or graph.types[cond].dtype != "bool":
         return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf or a fill that swamps every score)")
-    if sc.mask is not None and sc.mask_kind != "bool":
+    if sc.vis.mask == "additive":
         return Miss("a bool mask and an additive mask on one softmax")
-    if (sc.mask is not None or sc.offset is not None) and rows != sc.empty_rows:
-        return Miss(f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax otherwise")
-    sc.empty_rows = rows
-    if sc.mask is None:
-        sc.mask, sc.mask_kind = cond, "bool"
+    why = f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax otherwise"
+    both = _conjunction(sc.vis, Visibility(mask="bool", empty_rows=rows), why)
+    if isinstance(both, Miss):
+        return both
+    if sc.masks.first is None:
+        sc.masks.first = cond
     else:
-        sc.more_masks = (*sc.more_masks, cond)
-    sc.view_for_rows = sc.view_for_rows or graph.types[node.name].shape
+        sc.masks.more = (*sc.masks.more, cond)
+    sc.vis, sc.view_for_rows = both, sc.view_for_rows or graph.types[node.name].shape
     return a
+
+
+def _conjunction(a: Visibility, b: Visibility, why: str) -> Visibility | Miss:
+    """What a query sees under both, or a Miss saying ``why`` they cannot be one visibility."""
+    try:
+        return a & b
+    except VisibilityError:
+        return Miss(why)
 
 
 _MIN_SCALE_THROUGH_MASK = 1e-6
@@ -277,23 +283,24 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
         return None
     full = graph.types[node.name].shape
     cands = [i for i, v in enumerate(node.inputs) if graph.types[v].shape == full and graph.producer(v) is not None]
-    if len(cands) == 2 and sc.offset is None:  # a mask expanded to the scores' shape: the one that reads as a position mask
+    if len(cands) == 2 and not sc.vis.is_causal:  # a mask expanded to the scores' shape: the one that reads as a position mask
         masks = [i for i in cands if split_additive_mask(graph, node.inputs[i]) is not None]
         cands = [1 - masks[0]] if len(masks) == 1 else cands
     if len(cands) != 1:
         return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
     pos = cands[0]
-    split = split_additive_mask(graph, node.inputs[1 - pos]) if sc.offset is None else None
-    if sc.mask is not None and sc.split_from is not None and sc.scale == 1.0 and sc.mask_kind == "bool":
+    split = None if sc.vis.is_causal else split_additive_mask(graph, node.inputs[1 - pos])
+    m = sc.masks
+    if m.first is not None and m.split_from is not None and sc.scale == 1.0 and sc.vis.mask == "bool":
         return _bias_beside_position_mask(graph, node, pos, sc)
-    if sc.mask is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
-        if sc.mask_kind != "additive" or sc.scale != 1.0:
+    if m.first is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
+        if sc.vis.mask != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
         if split is None:  # not a position mask: the op's mask is the two added
             seen = _through_views(graph, node.inputs[1 - pos], sc)
             if isinstance(seen, Miss):
                 return seen
-            sc.more_masks = (*sc.more_masks, node.inputs[1 - pos])
+            m.more = (*m.more, node.inputs[1 - pos])
             return node.inputs[pos]
         _positions_beside_bias(sc, split)  # MPT: masked_fill(causal | padding, finfo.min) after the bias
         return node.inputs[pos]
@@ -301,14 +308,15 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
         # c * (s + Where(keep, 0, fill)) hides the same keys as (c * s) + Where(keep, 0, fill) for c > 0 (fill * c still
         # swamps every score); any other mask would be scaled too
         return Miss(f"a scale acts after additive mask {node.name!r}, so it would scale the mask too")
-    sc.mask, sc.mask_kind = node.inputs[1 - pos], "additive"
     sc.view_for_rows = sc.view_for_rows or full
-    if split is not None:
-        sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
-        sc.mask, sc.mask_kind, sc.more_masks = (split.keep[0], "bool", split.keep[1:]) if split.keep else (None, "none", ())
-        if split.hide is not None:
-            sc.mask, sc.mask_kind, sc.negate_mask = split.hide, "bool", True
-        sc.split_from = node.inputs[1 - pos] if split.keep or split.hide else None
+    if split is None:
+        m.first, sc.vis = node.inputs[1 - pos], replace(sc.vis, mask="additive")
+        return node.inputs[pos]
+    sc.vis = split.visibility
+    m.first, m.more = (split.keep[0], split.keep[1:]) if split.keep else (None, ())
+    if split.hide is not None:
+        m.first, m.negate = split.hide, True
+    m.split_from = node.inputs[1 - pos] if split.keep or split.hide else None
     return node.inputs[pos]
 
 
@@ -321,27 +329,28 @@ def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) 
     seen = _through_views(graph, bias, sc)
     if isinstance(seen, Miss):
         return seen
-    keep = (sc.mask, *sc.more_masks) if sc.mask is not None else ()
-    hiding = tuple((m, sc.negate_mask) for m in keep)
-    sc.mask, sc.mask_kind, sc.more_masks, sc.negate_mask, sc.split_from = None, "additive", (bias,), False, None
-    sc.hiding_masks = hiding
+    m = sc.masks
+    keep = (m.first, *m.more) if m.first is not None else ()
+    m.hiding = tuple((x, m.negate) for x in keep)
+    m.first, m.more, m.negate, m.split_from = None, (bias,), False, None
+    sc.vis = replace(sc.vis, mask="additive")
     return node.inputs[pos]
 
 
 def _positions_beside_bias(sc: _Scores, split: MaskSplit) -> None:
     """A position mask on the scores beside a bias (ALiBi): its causal offset and window become the op's, its other
     conjuncts (padding) are added to the bias as ``-inf``.  A row whose every key is hidden then gives what the written
-    graph gives with a finite fill (the mean of V over every key: ``split.empty_rows``), and every other row its
+    graph gives with a finite fill (the mean of V over every key: the split's ``empty_rows``), and every other row its
     softmax over the visible keys."""
-    sc.offset, sc.window, sc.empty_rows = split.offset, split.window, split.empty_rows
+    sc.vis = replace(split.visibility, mask="additive")
     if split.hide is not None:
-        sc.hiding_masks = (*sc.hiding_masks, (split.hide, True))
-    sc.hiding_masks = (*sc.hiding_masks, *((k, False) for k in split.keep))
+        sc.masks.hiding = (*sc.masks.hiding, (split.hide, True))
+    sc.masks.hiding = (*sc.masks.hiding, *((k, False) for k in split.keep))
 
 
 def _through_views(graph: Graph, bias: str, sc: _Scores) -> tuple[Dim, ...] | Miss:
     """The shape ``bias``, added below the views passed so far (Bloom's ALiBi on the ``[batch*heads]`` scores), takes
-    above them (recorded in ``sc.mask_views`` when it differs); a Miss where a view cannot be followed."""
+    above them (recorded in ``sc.masks.views`` when it differs); a Miss where a view cannot be followed."""
     shape = graph.types[bias].shape
     for before, after in reversed(sc.views):
         if len(before) == len(shape) and shape[0] == before[0] and len(after) == len(before) + 1 and after[0] != before[0]:
@@ -351,11 +360,11 @@ def _through_views(graph: Graph, bias: str, sc: _Scores) -> tuple[Dim, ...] | Mi
         else:
             return Miss(f"bias {bias!r} is added in a view the masks cannot follow")
     if shape != graph.types[bias].shape:
-        sc.mask_views[bias] = shape
+        sc.masks.views[bias] = shape
     return shape
 
 
-def _qk_roles(graph: Graph, qk: Node, view: tuple[Dim, ...], offset: Dim | None) -> _Roles | Miss:
+def _qk_roles(graph: Graph, qk: Node, view: tuple[Dim, ...], causal: bool) -> _Roles | Miss:
     """Q, K, batch, query-row, key and head-dim labels of the QK^T einsum, and how the rows split into group x queries."""
     spec = qk.op_as(Einsum).parsed
     if len(spec.inputs) != 2:
@@ -384,7 +393,7 @@ def _qk_roles(graph: Graph, qk: Node, view: tuple[Dim, ...], offset: Dim | None)
     sq = view[-2] if len(view) >= 2 else 1
     group = dim_div(n_rows, sq) if rows else (1 if sq == 1 else None)
     if group is None:
-        if offset is not None:
+        if causal:
             return Miss(f"the causal mask's query axis ({sq!r}) does not divide the query rows ({n_rows!r})")
         sq, group = n_rows, 1
     return _Roles(qk, qpos, out, q_term, k_term, batch, rows, t, d, sizes, n_rows, sq, group)
@@ -458,60 +467,40 @@ def _with_operands(graph: Graph, softmax: Node, sc: _Scores, r: _Roles, pv: _Val
         return Miss(f"K is repeated {rk}x but V {rv}x")
     s = r.sizes
     q_shape = (dim_prod(s[c] for c in r.batch[:-1]), dim_prod([s[r.batch[-1]] if r.batch else 1, r.group]), r.sq, s[r.d])
-    target = (*q_shape[:3], s[r.t])
-    mask_view = None
-    first_mask = sc.mask or next(iter([m for m, _ in sc.hiding_masks] + list(sc.more_masks)), None)
-    if first_mask is not None and graph.types[first_mask].rank > 2 and sc.view_for_rows != target:
-        view = sc.view_for_rows or ()
-        same_rows = len(view) == 4 and view[2:] == target[2:] and normalize_dim(dim_prod(view[:2])) == normalize_dim(dim_prod(target[:2]))
-        if not (same_rows and sc.mask_kind == "additive"):
-            return Miss(f"the mask is applied to a {list(view)} view, not [batch, heads, queries, keys]")
-        mask_view = (tuple(view), target)  # Bloom: [batch, heads] masks on [batch*heads] scores, the same rows in order
-    past = presents = None
-    moved: tuple[str, ...] = ()
-    if sc.offset is not None and len(r.batch) == 2 and r.k_term == r.batch + r.t + r.d and pv.v_term == r.batch + r.t + pv.e:
-        kc, vc = graph.producer(k), graph.producer(v)
-        if kc is not None and vc is not None and all(isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
-            early = _early_readers(graph, (kc, vc), pv.pv)
-            if graph.types[kc.inputs[0]].shape[2] == sc.offset and early is not None:
-                past, presents = (kc.inputs[0], vc.inputs[0]), (kc.name, vc.name)
-                k, v, moved = kc.inputs[1], vc.inputs[1], early
+    view = _mask_view(graph, sc, (*q_shape[:3], s[r.t]))
+    if isinstance(view, Miss):
+        return view
+    sc.masks.view = view
+    cache, k, v = _cache_of(graph, sc, r, pv, k, v)
     return AttentionMatch(
-        softmax,
-        pv.pv,
-        q,
-        k,
-        v,
-        r.q_term,
-        r.k_term,
-        pv.v_term,
-        r.batch,
-        r.rows,
-        r.t,
-        r.d,
-        pv.e,
-        s,
-        q_shape,
-        r.group * rk,
-        sc.scale * f * fk,
-        sc.offset,
-        sc.mask,
-        sc.mask_kind,
-        past,
-        presents,
-        pv.out_term,
-        sc.chain + [r.qk.name],
-        window=sc.window,
-        moved=moved,
-        softcap=sc.cap,
-        pv_rows=pv.pv_rows,
-        empty_rows=sc.empty_rows,
-        more_masks=sc.more_masks,
-        negate_mask=sc.negate_mask,
-        hiding_masks=sc.hiding_masks,
-        mask_views=sc.mask_views,
-        mask_view=mask_view,
+        softmax, r, pv, q, k, v, q_shape, r.group * rk, sc.scale * f * fk, sc.cap, sc.vis, sc.masks, cache, sc.chain + [r.qk.name]
     )
+
+
+def _mask_view(graph: Graph, sc: _Scores, target: tuple[Dim, ...]) -> tuple[tuple[Dim, ...], tuple[Dim, ...]] | None | Miss:
+    """The masks' view and the op's ``[batch, heads, queries, keys]`` when they differ (Bloom: ``[batch, heads]`` masks
+    on ``[batch*heads]`` scores, the same rows in order), ``None`` when they do not, a Miss when they cannot be lined up."""
+    first_mask = next(iter(sc.masks.values()), None)
+    if first_mask is None or graph.types[first_mask].rank <= 2 or sc.view_for_rows == target:
+        return None
+    view = sc.view_for_rows or ()
+    same_rows = len(view) == 4 and view[2:] == target[2:] and normalize_dim(dim_prod(view[:2])) == normalize_dim(dim_prod(target[:2]))
+    if not (same_rows and sc.vis.mask == "additive"):
+        return Miss(f"the mask is applied to a {list(view)} view, not [batch, heads, queries, keys]")
+    return tuple(view), target
+
+
+def _cache_of(graph: Graph, sc: _Scores, r: _Roles, pv: _Values, k: str, v: str) -> tuple[KVCache | None, str, str]:
+    """A KV cache read in the chain (K and V ``Concat``s of a past as long as the causal offset), and the new K and V."""
+    if not (sc.vis.is_causal and len(r.batch) == 2 and r.k_term == r.batch + r.t + r.d and pv.v_term == r.batch + r.t + pv.e):
+        return None, k, v
+    kc, vc = graph.producer(k), graph.producer(v)
+    if kc is None or vc is None or not all(isinstance(c.op, Concat) and c.op.axis % 4 == 2 and len(c.inputs) == 2 for c in (kc, vc)):
+        return None, k, v
+    early = _early_readers(graph, (kc, vc), pv.pv)
+    if not sc.vis.aligned_to(graph.types[kc.inputs[0]].shape[2]) or early is None:
+        return None, k, v
+    return KVCache((kc.inputs[0], vc.inputs[0]), (kc.name, vc.name), early), kc.inputs[1], vc.inputs[1]
 
 
 def _rows_split(
@@ -586,75 +575,85 @@ def _to_canonical(graph: Graph, value: str, term: str, order: str, shape: tuple[
 
 
 def _rewrite(graph: Graph, m: AttentionMatch, ctx: PassContext) -> str:
-    s, anchor, base = m.sizes, m.pv.name, m.pv.name
+    r, pv, anchor = m.roles, m.values, m.values.pv.name
+    s = r.sizes
     b, _, _, d = m.q_shape
-    hkv = graph.types[m.k].shape[m.k_term.index(m.batch[-1])] if m.batch else 1
-    q = _to_canonical(graph, m.q, m.q_term, m.batch + m.rows + m.d, m.q_shape, anchor, "BHSD")
+    hkv = graph.types[m.k].shape[r.k_term.index(r.batch[-1])] if r.batch else 1
+    q = _to_canonical(graph, m.q, r.q_term, r.batch + r.rows + r.d, m.q_shape, anchor, "BHSD")
     k_shape, v_shape = graph.types[m.k].shape, graph.types[m.v].shape
-    k = _to_canonical(graph, m.k, m.k_term, m.batch + m.t + m.d, (b, hkv, k_shape[m.k_term.index(m.t)], d), anchor, "BHkvTD")
-    v = _to_canonical(graph, m.v, m.v_term, m.batch + m.t + m.e, (b, hkv, v_shape[m.v_term.index(m.t)], s[m.e]), anchor, "BHkvTD")
-    mask = m.mask
-    if m.negate_mask and mask is not None:  # True hides: the op's mask keeps where it is False
-        no, yes = graph.shared_initializer("attention_false", np.array(False)), graph.shared_initializer("attention_true", np.array(True))
-        mask = graph.insert_before(anchor, Where(), [mask, no, yes], f"{base}_keep").name
-    for hider, hides in m.hiding_masks:  # bool masks on an additive one: -inf where they hide
-        dtype = graph.types[m.q].dtype
-        neg_inf, zero = (graph.shared_initializer(f"attention_{n}_{dtype}", np.array(x, dtype)) for n, x in (("neg_inf", -np.inf), ("zero", 0)))
-        hidden = graph.insert_before(anchor, Where(), [hider, *((neg_inf, zero) if hides else (zero, neg_inf))], f"{base}_hidden_keys").name
-        mask = hidden if mask is None else graph.insert_before(anchor, Binary("add"), [mask, hidden], f"{base}_mask_sum").name
-    for extra in m.more_masks:  # bool masks ANDed, additive ones added
-        if extra in m.mask_views:
-            extra = graph.insert_before(anchor, Reshape(m.mask_views[extra]), [extra], f"{base}_bias_view").name
-        if mask is None:
-            mask = extra
-        elif m.mask_kind == "additive":
-            mask = graph.insert_before(anchor, Binary("add"), [mask, extra], f"{base}_mask_sum").name
-        else:
-            false = graph.shared_initializer("attention_false", np.array(False))
-            mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{base}_mask_and").name
-    if mask is not None and m.mask_view is not None:  # a [batch, heads, S, T] mask for [batch*heads, 1, S, T] scores
-        full, target = m.mask_view
-        mshape = graph.types[mask].shape
-        if len(mshape) >= 2 and mshape[-2] == 1:  # a key mask stays one row
-            full, target = (*full[:-2], 1, full[-1]), (*target[:-2], 1, target[-1])
-        if mshape != full:
-            mask = graph.insert_before(anchor, BroadcastTo(full), [mask], f"{base}_mask_full").name
-        mask = graph.insert_before(anchor, Reshape(target), [mask], f"{base}_mask_rows").name
-    inputs = [q, k, v] + ([mask] if mask else []) + (list(m.past) if m.past else [])
+    k = _to_canonical(graph, m.k, r.k_term, r.batch + r.t + r.d, (b, hkv, k_shape[r.k_term.index(r.t)], d), anchor, "BHkvTD")
+    v = _to_canonical(graph, m.v, pv.v_term, r.batch + r.t + pv.e, (b, hkv, v_shape[pv.v_term.index(r.t)], s[pv.e]), anchor, "BHkvTD")
+    mask = _op_mask(graph, m, anchor)
+    inputs = [q, k, v] + ([mask] if mask else []) + (list(m.cache.past) if m.cache else [])
     scale = m.scale * m.softcap if m.softcap is not None else m.scale  # c * tanh(scale * s / c)
-    op = Attention(scale, m.offset, m.mask_kind, m.past is not None, m.window, m.softcap, m.empty_rows)
-    stem = base.split("_B")[0] if "_B" in base else base
-    names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.presents] if m.presents else [])
+    op = Attention(scale, m.visibility, m.cache is not None, m.softcap)
+    stem = anchor.split("_B")[0] if "_B" in anchor else anchor
+    names = [graph.fresh_name(f"{stem}_BHSD")] + ([graph.fresh_name(f"{p}_fused") for p in m.cache.presents] if m.cache else [])
     outs = graph.add_multi_node(op, inputs, names, before=anchor)
-    for name in m.moved:
+    for name in m.cache.moved if m.cache else ():
         graph.move_before(name, anchor)
-    # back to the PV einsum's layout: [B, Hq, Sq, E] -> [batch..., rows..., E] -> output order
-    y = outs[0].name
-    natural = m.batch + (m.pv_rows or m.rows) + m.e
-    full = tuple(s[c] for c in natural)
-    if graph.types[y].shape != full:
-        y = graph.insert_before(anchor, Reshape(full), [y], f"{base}_unfused").name
-    perm = tuple(natural.index(c) for c in m.out_term)
-    if perm != tuple(range(len(perm))):
-        y = graph.insert_before(anchor, Transpose(perm), [y], f"{base}_unfused").name
-    graph.substitute(m.pv.name, {m.pv.name: y})
-    for present, new in zip(m.presents or (), outs[1:]):  # the op now produces the cache under its names
+    graph.substitute(anchor, {anchor: _to_pv_layout(graph, m, outs[0].name)})
+    for present, new in zip(m.cache.presents if m.cache else (), outs[1:]):  # the op now produces the cache under its names
         graph.substitute(present, {present: new})
     for name in m.chain:
         remove_if_dead(graph, name)
-    parts = [f"scale={scale:g}", f"group={m.group}"]
-    if m.offset is not None:
-        parts.append(f"causal offset {m.offset}" + (f", window {m.window}" if m.window is not None else ""))
+    return "attention recognised: " + _describe(m, scale)
+
+
+def _op_mask(graph: Graph, m: AttentionMatch, anchor: str) -> str | None:
+    """The op's one mask input from the masks read on the scores: bool masks ANDed, additive ones added, bool masks
+    beside an additive one as ``-inf``, viewed as ``[batch, heads, queries, keys]``."""
+    masks, mask = m.masks, m.masks.first
+    if masks.negate and mask is not None:  # True hides: the op's mask keeps where it is False
+        no, yes = graph.shared_initializer("attention_false", np.array(False)), graph.shared_initializer("attention_true", np.array(True))
+        mask = graph.insert_before(anchor, Where(), [mask, no, yes], f"{anchor}_keep").name
+    dtype = graph.types[m.q].dtype
+    for hider, hides in masks.hiding:  # bool masks on an additive one: -inf where they hide
+        neg_inf, zero = (graph.shared_initializer(f"attention_{n}_{dtype}", np.array(x, dtype)) for n, x in (("neg_inf", -np.inf), ("zero", 0)))
+        hidden = graph.insert_before(anchor, Where(), [hider, *((neg_inf, zero) if hides else (zero, neg_inf))], f"{anchor}_hidden_keys").name
+        mask = hidden if mask is None else graph.insert_before(anchor, Binary("add"), [mask, hidden], f"{anchor}_mask_sum").name
+    for extra in masks.more:  # bool masks ANDed, additive ones added
+        if extra in masks.views:
+            extra = graph.insert_before(anchor, Reshape(masks.views[extra]), [extra], f"{anchor}_bias_view").name
+        if mask is None:
+            mask = extra
+        elif m.visibility.mask == "additive":
+            mask = graph.insert_before(anchor, Binary("add"), [mask, extra], f"{anchor}_mask_sum").name
+        else:
+            false = graph.shared_initializer("attention_false", np.array(False))
+            mask = graph.insert_before(anchor, Where(), [mask, extra, false], f"{anchor}_mask_and").name
+    if mask is None or masks.view is None:
+        return mask
+    full, target = masks.view  # a [batch, heads, S, T] mask for [batch*heads, 1, S, T] scores
+    mshape = graph.types[mask].shape
+    if len(mshape) >= 2 and mshape[-2] == 1:  # a key mask stays one row
+        full, target = (*full[:-2], 1, full[-1]), (*target[:-2], 1, target[-1])
+    if mshape != full:
+        mask = graph.insert_before(anchor, BroadcastTo(full), [mask], f"{anchor}_mask_full").name
+    return graph.insert_before(anchor, Reshape(target), [mask], f"{anchor}_mask_rows").name
+
+
+def _to_pv_layout(graph: Graph, m: AttentionMatch, y: str) -> str:
+    """The op's ``[B, Hq, Sq, E]`` output back in the PV einsum's layout: ``[batch..., rows..., E]``, then its order."""
+    r, pv, anchor = m.roles, m.values, m.values.pv.name
+    natural = r.batch + (pv.pv_rows or r.rows) + pv.e
+    full = tuple(r.sizes[c] for c in natural)
+    if graph.types[y].shape != full:
+        y = graph.insert_before(anchor, Reshape(full), [y], f"{anchor}_unfused").name
+    perm = tuple(natural.index(c) for c in pv.out_term)
+    if perm != tuple(range(len(perm))):
+        y = graph.insert_before(anchor, Transpose(perm), [y], f"{anchor}_unfused").name
+    return y
+
+
+def _describe(m: AttentionMatch, scale: float) -> str:
+    """What the rule recognised, for the trace."""
+    parts = [f"scale={scale:g}", f"group={m.group}", m.visibility.describe(m.masks.values())]
     if m.softcap is not None:
         parts.append(f"softcap {m.softcap:g}")
-    if m.mask or m.more_masks or m.hiding_masks:
-        masks = [x for x in (m.mask, *(h for h, _ in m.hiding_masks), *m.more_masks) if x is not None]
-        parts.append(f"{m.mask_kind} mask {masks[0]!r}" + (f" and {len(masks) - 1} more" if len(masks) > 1 else ""))
-    if m.empty_rows != "zero":
-        parts.append(f"rows with no visible key give the {m.empty_rows} of V")
-    if m.past:
-        parts.append("KV cache " + ", ".join(m.past))
-    return "attention recognised: " + ", ".join(parts)
+    if m.cache:
+        parts.append("KV cache " + ", ".join(m.cache.past))
+    return ", ".join(parts)
 
 
 FUSE_ATTENTION_RULE = Rule("fuse_attention", (Softmax,), _match, _rewrite)

@@ -136,12 +136,7 @@ def mask_hides_nothing(graph: Graph, node: Node) -> bool:
     """True when a CausalMask provably hides no key: a static key length Sk, an offset >= Sk - 1, and no window
     that hides a key (the last query's window must still reach key 0)."""
     shape = graph.types[node.inputs[0]].shape
-    sq, sk = shape[-2], shape[-1]
-    mask = node.op_as(CausalMask)
-    offset, window = mask.offset, mask.window
-    if not (isinstance(sk, int) and isinstance(offset, int) and offset >= sk - 1):
-        return False
-    return window is None or (isinstance(sq, int) and sq - 1 + offset - window < 0)
+    return node.op_as(CausalMask).visibility.hides_nothing(shape[-2], shape[-1])
 
 
 def _match_vacuous_mask(graph: Graph, node: Node, ctx: PassContext) -> object:

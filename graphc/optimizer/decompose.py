@@ -70,7 +70,7 @@ def decompose_attention(graph: Graph, node_name: str) -> str:
     p = add(Softmax(-1), [s], "probs")
     if empty is not None:  # the rows' value: zeros, or the mean of V over every key
         row_value = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
-        if op.empty_rows == "mean":
+        if "mean_rows" in op.features():
             row_value = add(Reduce("mean", (2,)), [v], "v_mean")  # [B, Hkv, 1, Dv]
             row_value = add(Reshape((b, hkv, 1, 1, dv)), [row_value], "v_mean_5d") if g > 1 else row_value
         if g > 1 and graph.types[empty].rank == 4:
@@ -105,33 +105,35 @@ def _apply_masks(graph: Graph, op: Attention, s: str, mask: str | None, g: int, 
     sq, sk = graph.types[s].shape[-2:]
     dtype = graph.types[s].dtype
     empty = None  # [mb, mh|1, Sq, 1]: rows with no visible key, when some may have none
-    wide_mean = op.empty_rows == "mean" and dtype in _WIDE_FILL
-    if op.mask == "additive" and op.causal_offset is not None and wide_mean and mask is not None:
+    vis = op.visibility
+    causal = CausalMask.of(vis) if vis.is_causal else None
+    wide_mean = "mean_rows" in vis.features() and dtype in _WIDE_FILL
+    if vis.mask == "additive" and causal is not None and wide_mean and mask is not None:
         # one bias [mb, mh, Sq, Sk] that every layer shares: the mask plus the causal -inf, raised to the finite fill (a
         # row hidden whole is then uniform, the mean of V over every key): two passes over it, no broadcast copy
         fill = graph.shared_initializer(f"attention_fill_{dtype}", lowest(dtype))
         zero = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
-        causal = add(CausalMask(op.causal_offset, op.window), [add(BroadcastTo((1, 1, sq, sk)), [zero], "causal_rows")], "causal_bias")
-        bias = add(Binary("max"), [add(Binary("add"), [mask, causal], "bias_causal"), fill], "bias")
+        causal_bias = add(causal, [add(BroadcastTo((1, 1, sq, sk)), [zero], "causal_rows")], "causal_bias")
+        bias = add(Binary("max"), [add(Binary("add"), [mask, causal_bias], "bias_causal"), fill], "bias")
         return add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked"), None
-    if op.mask == "bool" or (op.mask == "none" and op.may_mask_whole_rows):
+    if vis.mask == "bool" or (vis.mask == "none" and vis.may_hide_whole_rows(sq, sk)):
         # one additive bias [mb, mh, Sq, Sk]: 0 where visible, finfo.min where hidden (finite: no NaN rows, so no guard)
         fill = graph.shared_initializer(f"attention_fill_{dtype}", lowest(dtype))
         zero = graph.shared_initializer(f"attention_zero_{dtype}", np.zeros((), dtype))
         mshape = (1,) * (4 - graph.types[mask].rank) + graph.types[mask].shape if mask is not None else (1, 1, 1, 1)
         bias = add(Where(), [mask, zero, fill], "bias") if mask is not None else zero
         bias = add(BroadcastTo((mshape[0], mshape[1], sq, sk)), [bias], "bias_rows")
-        if op.causal_offset is not None:
-            bias = add(Binary("max"), [add(CausalMask(op.causal_offset, op.window), [bias], "bias_causal"), fill], "bias_causal_filled")
+        if causal is not None:
+            bias = add(Binary("max"), [add(causal, [bias], "bias_causal"), fill], "bias_causal_filled")
         if not wide_mean:
             empty = add(Compare("less"), [add(Reduce("max", (-1,)), [bias], "bias_row_max"), zero], "empty_rows")
         s = add(Binary("add"), [s, _grouped_mask(graph, bias, g, hkv, add)], "masked")
     else:
-        if op.causal_offset is not None:
-            s = add(CausalMask(op.causal_offset, op.window), [s], "causal")
+        if causal is not None:
+            s = add(causal, [s], "causal")
         if mask is not None:
             s = add(Binary("add"), [s, _grouped_mask(graph, mask, g, hkv, add)], "masked")
-        if op.empty_rows != "zero":  # an additive mask's -inf rows: found on the scores
+        if "mean_rows" in vis.features():  # an additive mask's -inf rows: found on the scores
             neg_inf = graph.shared_initializer(f"attention_neg_inf_{dtype}", np.array(-np.inf, dtype))
             empty = add(Compare("equal"), [add(Reduce("max", (-1,)), [s], "row_max"), neg_inf], "empty_rows")  # already grouped
     return s, empty

@@ -97,14 +97,15 @@ def _cache_concat(graph: Graph, value: str) -> Node | None:
 
 def _match_cache(graph: Graph, node: Node, ctx: PassContext) -> object:
     op = _plain_attention(node)
-    if op is None or op.kv_cache or op.causal_offset is None:
+    if op is None or op.kv_cache or not op.visibility.is_causal:
         return None
     kc, vc = _cache_concat(graph, node.inputs[1]), _cache_concat(graph, node.inputs[2])
     if kc is None or vc is None:
         return None
     past = graph.types[kc.inputs[0]].shape[2]
-    if normalize_dim(past) != normalize_dim(op.causal_offset) or graph.types[vc.inputs[0]].shape[2] != past:
-        return Miss(f"{node.name!r} reads K/V concatenated from a cache, but its causal offset {op.causal_offset!r} is not the past's length")
+    if not op.visibility.aligned_to(past) or graph.types[vc.inputs[0]].shape[2] != past:
+        why = f"its visibility ({op.visibility.describe()}) is not offset by the past's length"
+        return Miss(f"{node.name!r} reads K/V concatenated from a cache, but {why}")
     for c in (kc, vc):  # the present must not be read before the op that will produce it
         if any(not graph.is_before(node.name, r.name) and r.name != node.name for r in graph.consumers(c.name)):
             return Miss(f"the cache {c.name!r} is read before attention {node.name!r}")
@@ -121,7 +122,7 @@ def _rewrite_cache(graph: Graph, m: tuple[Node, Node, Node], ctx: PassContext) -
     graph.substitute(node.name, {node.outputs[0]: outs[0].name})
     for concat, present in ((kc, outs[1]), (vc, outs[2])):
         graph.substitute(concat.name, {concat.name: present.name})
-    return f"the KV cache {kc.inputs[0]!r}, {vc.inputs[0]!r} taken into the op (causal offset {op.causal_offset})"
+    return f"the KV cache {kc.inputs[0]!r}, {vc.inputs[0]!r} taken into the op ({op.visibility.describe()})"
 
 
 ABSORB_KV_CACHE_RULE = Rule("absorb_kv_cache", (Attention,), _match_cache, _rewrite_cache)

@@ -26,6 +26,7 @@ import numpy as np
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import FILL_LIMIT, hides_keys
+from graphc.visibility import KeyBound, Visibility
 from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Concat, Reshape, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
@@ -36,13 +37,26 @@ __all__ = ["MaskSplit", "split_additive_mask", "FILL_LIMIT"]
 
 @dataclass(frozen=True)
 class MaskSplit:
-    """An additive mask read as a causal offset, a window, the remaining bool conjuncts and what empty rows give."""
+    """An additive mask read as a :class:`Visibility` (its causal offset and window, a bool mask when bool values remain,
+    what empty rows give) and those bool values."""
 
-    offset: Dim | None  # None: no causal bound (a padding mask alone)
-    window: int | None
-    keep: tuple[str, ...]  # bool values still to AND (padding); empty when the positions say it all
-    empty_rows: str
+    visibility: Visibility
+    keep: tuple[str, ...] = ()  # bool values still to AND (padding); empty when the positions say it all
     hide: str | None = None  # a bool value whose True hides a key besides the positions (transformers' padding before 4.58)
+
+    @staticmethod
+    def of(bounds: list[KeyBound], finite_fill: bool, keep: tuple[str, ...] = (), hide: str | None = None) -> MaskSplit | None:
+        """The split of a mask that keeps ``bounds`` and ``keep`` (and hides ``hide``), filled with a finite fill or -inf:
+        under a finite fill a row with no visible key gives the mean of V wherever some row may see none (another mask
+        besides the positions, no causal bound, or one that may be negative), else zeros."""
+        vis = Visibility.from_bounds(bounds, "bool" if keep or hide is not None else "none")
+        return None if vis is None else MaskSplit(vis, keep, hide).filled(finite_fill)
+
+    def filled(self, finite_fill: bool) -> MaskSplit:
+        """This split under a finite fill (``True``) or ``-inf``: what a row with no visible key then gives."""
+        vis = self.visibility
+        mean = finite_fill and (vis.may_hide_whole_rows() or not vis.is_causal)
+        return replace(self, visibility=replace(vis, empty_rows="mean" if mean else "zero"))
 
 
 def _scalar(graph: Graph, value: str) -> np.ndarray | None:
@@ -108,8 +122,8 @@ def _difference(graph: Graph, value: str) -> tuple[tuple[int, Dim], tuple[int, D
     return None if a is None or b is None else (a, b)
 
 
-def _half_plane(graph: Graph, value: str) -> tuple[str, Dim] | None:
-    """``("upper", u)`` for a bool ``j <= i + u`` or ``("lower", l)`` for ``j >= i + l`` (``j`` keys on axis -1, ``i`` queries
+def _half_plane(graph: Graph, value: str) -> KeyBound | None:
+    """The :class:`KeyBound` a bool ``j <= i + u`` or ``j >= i + l`` keeps (``j`` keys on axis -1, ``i`` queries
     on -2); also ``x - y <op> c`` (a Trilu's mask), which is ``x <op> y + c``."""
     node = graph.producer(value)
     if node is None or not isinstance(node.op, Compare) or node.op.fn == "equal":
@@ -127,10 +141,10 @@ def _half_plane(graph: Graph, value: str) -> tuple[str, Dim] | None:
         return None
     d = dim_sub(b[1], a[1])  # j + a <op> i + b  <=>  j <op> i + d
     return {
-        "less_equal": ("upper", d),
-        "less": ("upper", dim_sub(d, 1)),
-        "greater_equal": ("lower", d),
-        "greater": ("lower", dim_add(d, 1)),
+        "less_equal": KeyBound(True, d),
+        "less": KeyBound(True, dim_sub(d, 1)),
+        "greater_equal": KeyBound(False, d),
+        "greater": KeyBound(False, dim_add(d, 1)),
     }[fn]
 
 
@@ -193,7 +207,7 @@ def _is_fill(arr: np.ndarray | None) -> TypeGuard[np.ndarray]:
     return arr is not None and hides_keys(arr)
 
 
-def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str], np.ndarray] | None:
+def _planes(graph: Graph, node: Node) -> tuple[list[KeyBound], list[str], np.ndarray] | None:
     """The half-planes a ``Where`` mask keeps, its other bool conjuncts and its fill: ``Where(keep, 0, fill)`` with
     ``keep`` a conjunction, or ``Where(hide, fill, 0)`` with ``hide`` a disjunction of half-planes (graphc's own
     export: ``j > i + offset``, or before the window), each negated into what it keeps."""
@@ -211,7 +225,7 @@ def _planes(graph: Graph, node: Node) -> tuple[list[tuple[str, Dim]], list[str],
         kept = [_negation(graph, p) for p, pl in zip(hidden, found) if pl is None]
         if any(k is None for k in kept):
             return None  # hiding by anything else would need its negation as a bool mask
-        negated = [("lower", dim_add(d, 1)) if side == "upper" else ("upper", dim_sub(d, 1)) for side, d in (pl for pl in found if pl)]
+        negated = [pl.complement() for pl in found if pl]
         conjuncts: list[str] = []  # ``not (a and b)`` hides: a and b keep (MPT's hide, the negation of the causal & padding keep)
         for k in kept:
             if k is not None:
@@ -228,8 +242,8 @@ def _producer_through_broadcasts(graph: Graph, value: str) -> Node | None:
     return node
 
 
-def _hidden_product(graph: Graph, value: str) -> tuple[Dim, np.ndarray] | None:
-    """``(l, fill)`` when ``value`` (through reshapes and broadcasts) is ``Cast(j >= i + l1) * Where(j >= i + l2, fill, 0)``
+def _hidden_product(graph: Graph, value: str) -> tuple[KeyBound, np.ndarray] | None:
+    """``(the bound it keeps, fill)`` when ``value`` (through reshapes and broadcasts) is ``Cast(j >= i + l1) * Where(j >= i + l2, fill, 0)``
     (transformers' causal mask before 4.58: a Trilu of the fill, times the keys after each query's position), which
     hides exactly the keys ``j >= i + l`` with ``l = max(l1, l2)`` (a finite fill: ``0 * -inf`` would be NaN)."""
     node = _producer_through_broadcasts(graph, value)
@@ -241,14 +255,14 @@ def _hidden_product(graph: Graph, value: str) -> tuple[Dim, np.ndarray] | None:
             continue
         first, fill, zero = _half_plane(graph, cast.inputs[0]), _scalar(graph, where.inputs[1]), _scalar(graph, where.inputs[2])
         second = _half_plane(graph, where.inputs[0])
-        if first is None or second is None or first[0] != "lower" or second[0] != "lower" or not _is_fill(fill) or not _is_zero(zero):
+        if first is None or second is None or first.upper or second.upper or not _is_fill(fill) or not _is_zero(zero):
             continue
         if not np.isfinite(fill):  # 0 * -inf is NaN: the product is a mask only for a finite fill
             continue
-        if dim_is_nonnegative(dim_sub(first[1], second[1])):
-            return first[1], fill
-        if dim_is_nonnegative(dim_sub(second[1], first[1])):
-            return second[1], fill
+        if dim_is_nonnegative(dim_sub(first.at, second.at)):  # hidden: j >= i + l for the larger l; kept: its complement
+            return first.complement(), fill
+        if dim_is_nonnegative(dim_sub(second.at, first.at)):
+            return second.complement(), fill
     return None
 
 
@@ -278,7 +292,7 @@ def _old_transformers_mask(graph: Graph, node: Node) -> MaskSplit | None:
         return None
     if causal not in total.inputs:
         return None
-    return MaskSplit(normalize_dim(dim_sub(found[0], 1)), None, (), "mean", hide=equal)
+    return MaskSplit.of([found[0]], True, hide=equal)
 
 
 def _adds_unit_axes(graph: Graph, node: Node) -> bool:
@@ -302,9 +316,9 @@ def _nested_mask(graph: Graph, node: Node, depth: int) -> MaskSplit | None:
         if not _is_zero_block(graph, block):
             return None
         inner = split_additive_mask(graph, rest, depth + 1)
-        if inner is None or inner.offset is None:
+        if inner is None or not inner.visibility.is_causal:
             return None
-        return replace(inner, offset=normalize_dim(dim_add(inner.offset, graph.types[block].shape[-1])))
+        return replace(inner, visibility=inner.visibility.shifted(graph.types[block].shape[-1]))
     if isinstance(node.op, Binary) and node.op.fn == "add":  # c + Where(hide, fill, 0): graphc's reading of Where(hide, fill, c)
         for at in (0, 1):
             w = graph.producer(node.inputs[at])
@@ -327,14 +341,7 @@ def _nested_mask(graph: Graph, node: Node, depth: int) -> MaskSplit | None:
     inner = split_additive_mask(graph, cast.inputs[0], depth + 1)
     if inner is None:
         return None
-    return replace(inner, empty_rows=_empty_rows(True, bool(inner.keep) or inner.hide is not None, inner.offset))  # this fill is finite
-
-
-def _empty_rows(finite_fill: bool, more_masks: bool, offset: Dim | None) -> str:
-    """What a row with no visible key gives (:attr:`MaskSplit.empty_rows`): under a finite fill, the mean of V wherever
-    some row may see no key (another mask besides the positions, no causal bound, or one that may be negative); else
-    zeros."""
-    return "mean" if finite_fill and (more_masks or offset is None or not dim_is_nonnegative(offset)) else "zero"
+    return inner.filled(True)  # this fill is finite
 
 
 def _hidden_beside(graph: Graph, hide: str, fill: str, positions: str, depth: int) -> MaskSplit | None:
@@ -345,9 +352,9 @@ def _hidden_beside(graph: Graph, hide: str, fill: str, positions: str, depth: in
     if graph.is_constant(positions) or str(graph.types[positions].dtype) not in FLOAT_DTYPES:
         return None
     inner = split_additive_mask(graph, positions, depth + 1)
-    if inner is None or inner.offset is None or inner.keep or inner.hide is not None:
+    if inner is None or not inner.visibility.is_causal or inner.visibility.has_mask:
         return None
-    return MaskSplit(inner.offset, inner.window, (), "mean", hide=hide)
+    return MaskSplit(replace(inner.visibility, mask="bool", empty_rows="mean"), hide=hide)
 
 
 def _is_zero_block(graph: Graph, value: str) -> bool:
@@ -379,24 +386,14 @@ def split_additive_mask(graph: Graph, mask: str, depth: int = 0) -> MaskSplit | 
     if nested is not None:
         return nested
     causal = _hidden_product(graph, mask)
-    if causal is not None:  # the causal product alone (no padding)
-        bound = normalize_dim(dim_sub(causal[0], 1))
-        return MaskSplit(bound, None, (), _empty_rows(True, False, bound))  # the product's fill is finite
+    if causal is not None:  # the causal product alone (no padding); its fill is finite
+        return MaskSplit.of([causal[0]], True)
     if not isinstance(node.op, Where):
         return None
     found = _planes(graph, node)
     if found is None:
         return None
     planes, rest, f = found
-    upper = [d for side, d in planes if side == "upper"]
-    lower = [d for side, d in planes if side == "lower"]
-    if len(upper) > 1 or len(lower) > 1 or (lower and not upper) or not (upper or rest):
+    if not (planes or rest):
         return None
-    offset = normalize_dim(upper[0]) if upper else None
-    window = None
-    if lower and offset is not None:  # (a lower plane comes with an upper one: checked above)
-        w = normalize_dim(dim_add(dim_sub(offset, lower[0]), 1))
-        if not isinstance(w, int) or w < 1:
-            return None
-        window = w
-    return MaskSplit(offset, window, tuple(rest), _empty_rows(bool(np.isfinite(f)), bool(rest), offset))
+    return MaskSplit.of(planes, bool(np.isfinite(f)), tuple(rest))

@@ -62,7 +62,7 @@ def _gather(op: Gather, a: Sequence[np.ndarray], dims: Mapping[str, int], thread
 def _softmax(op: Softmax, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
     x = a[0]
     if x.ndim >= 2 and op.axis % x.ndim == x.ndim - 1:
-        return (masked_softmax(x, None, threads),)
+        return (masked_softmax(x, threads=threads),)
     return (op.evaluate(a, dims),)
 
 

@@ -75,11 +75,7 @@ def _kernels(torch: Any) -> dict[type[Op], Callable[..., Any]]:
 
     def causal(op: CausalMask, a: list[Any], env: dict[str, int]) -> Any:
         x = a[0]
-        sq, sk = x.shape[-2], x.shape[-1]
-        offset = eval_dim(op.offset, env)
-        hidden = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(offset + 1)
-        if op.window is not None:
-            hidden |= torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(offset - op.window)
+        hidden = torch.from_numpy(op.visibility.hidden(x.shape[-2], x.shape[-1], env)).to(x.device)
         return x.masked_fill(hidden, float("-inf"))
 
     def reduce(op: Reduce, a: list[Any], env: dict[str, int]) -> Any:
@@ -121,8 +117,8 @@ def _attention(torch: Any, op: Attention, a: list[Any], env: dict[str, int]) -> 
         k, v = torch.cat([rest[0], k], dim=2), torch.cat([rest[1], v], dim=2)
     sq, sk = q.shape[2], k.shape[2]
     bias = None
-    if op.causal_offset is not None:
-        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(eval_dim(op.causal_offset, env) + 1)
+    if op.visibility.is_causal:
+        hidden = torch.from_numpy(op.visibility.hidden(sq, sk, env)).to(q.device)
         bias = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
     if mask is not None:
         m = mask if op.mask == "additive" else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))

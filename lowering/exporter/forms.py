@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from graphc.attention_op import Attention
-from graphc.dims import Dim, dim_add, dim_is_nonnegative, normalize_dim
+from graphc.dims import Dim, normalize_dim
 from graphc.errors import OpError
 from graphc.graph import Graph, Node
 from graphc.ops import payload_fields, register_op
 from graphc.optimizer import PassContext
+from graphc.visibility import FEATURES
 
 
 __all__ = [
@@ -28,10 +30,8 @@ __all__ = [
     "CAUSAL_CHUNKS",
     "CHUNK_ROWS",
     "causal_chunks",
-    "onnx_attention_unsupported",
-    "gqa_unsupported",
-    "chunked_unsupported",
     "past_length",
+    "attention_features",
     "unsupported",
     "as_form",
 ]
@@ -51,11 +51,48 @@ CHUNK_ROWS = 64
 class OnnxAttention(Attention):
     """the standard ONNX Attention op (opset 23+)"""
 
+    NAME: ClassVar[str] = "the ONNX Attention op"
+    SUPPORTS: ClassVar[frozenset[str]] = frozenset({"causal", "softcap"})
+    NEEDS: ClassVar[frozenset[str]] = frozenset()
+    WHY: ClassVar[str] = "rows with no visible key differ between runtimes, and the op has no window: kept decomposed, never dropped"
+
+    @classmethod
+    def layout_unsupported(cls, graph: Graph, node: Node, ctx: PassContext | None, opset: int) -> str | None:
+        """Why the node's shapes or opset do not fit the op (``None`` when they do)."""
+        if opset < 23:
+            return f"the Attention op needs opset 23 or later, got opset {opset}"
+        vis = node.op_as(Attention).visibility
+        if vis.is_causal and not vis.aligned_to(past_length(graph, node)):
+            return f"{vis.describe()} is not offset by the past length; the op aligns its causal mask to the cache"
+        return None
+
 
 @register_op
 @dataclass(frozen=True)
 class OrtGroupQueryAttention(Attention):
     """onnxruntime's com.microsoft.GroupQueryAttention"""
+
+    NAME: ClassVar[str] = "GroupQueryAttention"
+    SUPPORTS: ClassVar[frozenset[str]] = frozenset({"causal", "window", "softcap"})
+    NEEDS: ClassVar[frozenset[str]] = frozenset({"causal"})
+    WHY: ClassVar[str] = "it is causal only and takes no user mask"
+
+    @classmethod
+    def layout_unsupported(cls, graph: Graph, node: Node, ctx: PassContext | None, opset: int) -> str | None:
+        """Why the node's shapes do not fit the op (``None`` when they do)."""
+        op = node.op_as(Attention)
+        if not op.visibility.aligned_to(past_length(graph, node)):
+            return f"{op.visibility.describe()} is not offset by the past length"
+        q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+        if not op.kv_cache and normalize_dim(q[2]) != normalize_dim(k[2]):
+            return "GroupQueryAttention without a past cache needs as many keys as queries"
+        if not all(isinstance(d, int) for d in (q[1], k[1], q[3])):
+            return "head counts and head dim must be static"
+        if op.kv_cache and ctx is not None:
+            batch, sq = ctx.known_size(q[0]), ctx.known_size(q[2])
+            if batch is not None and sq is not None and batch > 1 and sq > 1:
+                return "onnxruntime's GroupQueryAttention rejects batch > 1 when a past and several new tokens are given"
+        return None
 
 
 @register_op
@@ -64,11 +101,27 @@ class ChunkedCausalAttention(Attention):
     """query chunks over the visible keys: causal prefill skips the masked half"""
 
     chunks: int = CAUSAL_CHUNKS
+    NAME: ClassVar[str] = "query chunks"
+    SUPPORTS: ClassVar[frozenset[str]] = frozenset({"causal", "bool_mask", "additive_mask", "query_mask", "mean_rows"})
+    NEEDS: ClassVar[frozenset[str]] = frozenset({"causal"})
+    WHY: ClassVar[str] = "chunks read the causal offset as keys - queries, with no window or softcap"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise OpError(f"ChunkedCausalAttention: chunks must be an int >= 1, got {self.chunks!r}")
+
+    @classmethod
+    def layout_unsupported(cls, graph: Graph, node: Node, ctx: PassContext | None, opset: int) -> str | None:
+        """Why the node's shapes do not fit query chunks (``None`` when they do)."""
+        op = node.op_as(Attention)
+        q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
+        if not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int) and isinstance(graph.types[node.inputs[2]].shape[3], int)):
+            return "head counts and head dims must be static"
+        keys = graph.types[node.outputs[1] if op.kv_cache else node.inputs[1]].shape[2]
+        if not op.visibility.keys_are(keys, q[2]):
+            return f"the keys ({keys}) are not the queries ({q[2]}) plus the causal offset ({op.visibility.describe()})"
+        return None
 
 
 def causal_chunks(queries: int | None) -> int:
@@ -93,57 +146,11 @@ def past_length(graph: Graph, node: Node) -> Dim:
     return normalize_dim(graph.types[node.inputs[3 + op.has_mask]].shape[2]) if op.kv_cache else 0
 
 
-def onnx_attention_unsupported(graph: Graph, node: Node, opset: int) -> str | None:
-    """Why the standard ``Attention`` op cannot carry this node (``None`` when it can)."""
+def attention_features(graph: Graph, node: Node) -> frozenset[str]:
+    """What an ``Attention`` node uses (:data:`graphc.visibility.FEATURES`), its mask's shape included."""
     op = node.op_as(Attention)
-    if opset < 23:
-        return f"the Attention op needs opset 23 or later, got opset {opset}"
-    if op.window is not None:
-        return f"the Attention op has no sliding window (window={op.window}); it is kept decomposed, never dropped"
-    if op.may_mask_whole_rows:
-        return "rows can be fully masked, and runtimes disagree on what the fused op returns for them"
-    if op.causal_offset is not None and normalize_dim(op.causal_offset) != past_length(graph, node):
-        return f"causal offset {op.causal_offset!r} is not the past length; the op aligns its causal mask to the cache"
-    return None
-
-
-def gqa_unsupported(graph: Graph, node: Node, ctx: PassContext | None = None) -> str | None:
-    """Why ``com.microsoft.GroupQueryAttention`` cannot carry this node (``None`` when it can)."""
-    op = node.op_as(Attention)
-    if op.causal_offset is None:
-        return "GroupQueryAttention is causal only, and this attention has no causal mask"
-    if op.has_mask:
-        return "GroupQueryAttention takes no user mask"
-    if normalize_dim(op.causal_offset) != past_length(graph, node):
-        return f"causal offset {op.causal_offset!r} is not the past length"
-    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
-    if not op.kv_cache and normalize_dim(q[2]) != normalize_dim(k[2]):
-        return "GroupQueryAttention without a past cache needs as many keys as queries"
-    if not all(isinstance(d, int) for d in (q[1], k[1], q[3])):
-        return "head counts and head dim must be static"
-    if op.kv_cache and ctx is not None:
-        batch, sq = ctx.known_size(q[0]), ctx.known_size(q[2])
-        if batch is not None and sq is not None and batch > 1 and sq > 1:
-            return "onnxruntime's GroupQueryAttention rejects batch > 1 when a past and several new tokens are given"
-    return None
-
-
-def chunked_unsupported(graph: Graph, node: Node) -> str | None:
-    """Why query chunks (:mod:`lowering.exporter.onnx_chunked`) cannot carry ``node`` (``None`` when it can)."""
-    op = node.op_as(Attention)
-    if op.causal_offset is None:
-        return "not causal: every query sees every key, so there is no masked half to skip"
-    if op.window is not None or op.softcap is not None:
-        return "chunking is implemented for causal attention without a sliding window or softcap"
-    if not dim_is_nonnegative(op.causal_offset):
-        return "the causal offset may be negative"
-    q, k = graph.types[node.inputs[0]].shape, graph.types[node.inputs[1]].shape
-    if not (isinstance(q[1], int) and isinstance(k[1], int) and isinstance(q[3], int) and isinstance(graph.types[node.inputs[2]].shape[3], int)):
-        return "head counts and head dims must be static"
     keys = graph.types[node.outputs[1] if op.kv_cache else node.inputs[1]].shape[2]
-    if normalize_dim(keys) != normalize_dim(dim_add(q[2], op.causal_offset)):
-        return f"the keys ({keys}) are not the queries plus the causal offset ({q[2]} + {op.causal_offset}): chunks read the offset as keys - queries"
-    return None
+    return op.features(graph.types[node.inputs[3]].shape if op.has_mask else None, graph.types[node.inputs[0]].shape[2], keys)
 
 
 def as_form(form: type[Attention], graph: Graph, node: Node, ctx: PassContext) -> Attention:
@@ -156,10 +163,16 @@ def as_form(form: type[Attention], graph: Graph, node: Node, ctx: PassContext) -
     return form(**fields)
 
 
-def unsupported(form: type[Attention], graph: Graph, node: Node, ctx: PassContext, opset: int) -> str | None:
-    """Why ``form`` cannot carry ``node`` (``None`` when it can)."""
-    if form is ChunkedCausalAttention:
-        return chunked_unsupported(graph, node)
-    if form is OrtGroupQueryAttention:
-        return gqa_unsupported(graph, node, ctx)
-    return onnx_attention_unsupported(graph, node, opset)
+def unsupported(form: type[Attention], graph: Graph, node: Node, ctx: PassContext | None, opset: int) -> str | None:
+    """Why ``form`` cannot carry ``node`` (``None`` when it can): a feature the node uses that the form does not support
+    (or one it needs that the node lacks), else the form's own check of shapes and opset."""
+    features = attention_features(graph, node)
+    needed = sorted(getattr(form, "NEEDS", frozenset()) - features)
+    name, why = getattr(form, "NAME", form.__name__), getattr(form, "WHY", "")
+    if needed:
+        return f"{name} needs {FEATURES[needed[0]]} ({why})"
+    extra = sorted(features - getattr(form, "SUPPORTS", frozenset()))
+    if extra:
+        return f"{name} cannot carry {FEATURES[extra[0]]} ({why})"
+    check = getattr(form, "layout_unsupported", None)
+    return check(graph, node, ctx, opset) if check is not None else None

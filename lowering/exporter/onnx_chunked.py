@@ -18,7 +18,7 @@ chunk bounds, each chunk's causal bias, and each chunk's bias from a user mask
 costs one Split of its queries, a K and a V slice per chunk but the last (which
 sees every key), and per chunk two MatMuls, an Add and a Softmax; rows that see
 no key take the op's empty-row value in one Where over the layer's output.
-What the form can carry is :func:`lowering.exporter.forms.chunked_unsupported`.
+What the form can carry is what :class:`lowering.exporter.forms.ChunkedCausalAttention` declares (:func:`lowering.exporter.forms.unsupported`).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def _scalars(b: OnnxBuilder, dtype: str) -> Callable[[str], str]:
 def _empty_row_fill(b: OnnxBuilder, node: Node, v: str, layout: _Layout, scalar: Callable[[str], str]) -> str:
     """What a row with no visible key gives: zeros, or (``empty_rows="mean"``) the mean of V over every key, in the
     layout's shape."""
-    if node.op_as(Attention).empty_rows != "mean":
+    if "mean_rows" not in node.op_as(Attention).features():
         return scalar("zero")
     mean = b.op("ReduceMean", [v, b.dim(2)], base=f"{node.name}_v_mean")  # [B, Hkv, 1, E]
     return b.op("Unsqueeze", [mean, b.dim(2)], base=f"{node.name}_v_mean5") if layout.grouped else mean

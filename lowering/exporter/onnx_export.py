@@ -33,7 +33,8 @@ from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.mapped import distinct_nbytes
 from graphc.memory import format_bytes
-from graphc.numerics import contiguous, hidden_keys
+from graphc.numerics import contiguous
+from graphc.visibility import Visibility
 from graphc.ops import Binary, CausalMask, Cast, Compare, Concat, Einsum, Op, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where, op_registrar
 from graphc.optimizer import PassContext, lower
 from graphc.opaque import Opaque
@@ -171,7 +172,7 @@ def _emit_onnx_attention(b: OnnxBuilder, node: Node) -> None:
     mask = ins[3] if op.has_mask else None
     past = ins[3 + op.has_mask :] if op.kv_cache else []
     inputs = ins[:3] + ([mask or ""] if (mask or past) else []) + past
-    attrs: dict[str, Any] = {"is_causal": int(op.causal_offset is not None), "scale": op.scale}
+    attrs: dict[str, Any] = {"is_causal": int(op.visibility.is_causal), "scale": op.scale}
     if op.softcap is not None:  # the op caps before masking, as graphc does (checked in the tests)
         attrs["softcap"] = op.softcap
     b.nodes.append(helper.make_node("Attention", inputs, list(node.outputs), name=b.fresh(f"n_{node.name}"), **attrs))
@@ -198,8 +199,8 @@ def _emit_gqa(b: OnnxBuilder, node: Node) -> None:
     inputs = [pack(q, n_heads, sq), pack(k, n_kv, k_len), pack(v, n_kv, k_len), *(past or ["", ""]), seqlens, total32]
     packed = b.fresh(f"{node.name}_BSN")
     optional: dict[str, Any] = {"softcap": op.softcap} if op.softcap is not None else {}
-    if op.window is not None:  # the same window: keys i+P-W < j <= i+P
-        optional["local_window_size"] = op.window
+    if "window" in op.features():  # the same window: keys i+P-W < j <= i+P
+        optional["local_window_size"] = op.visibility.window
     b.nodes.append(
         helper.make_node(
             "GroupQueryAttention",
@@ -401,7 +402,7 @@ def _shape_values(b: OnnxBuilder, node: Node) -> None:
 def _causal_mask(b: OnnxBuilder, node: Node) -> None:
     # x + bias with a [Sq, Sk] bias of 0 / -inf: onnxruntime's broadcasting Add is ~2.5x faster than Where over the scores
     op, x, dtype = node.op_as(CausalMask), node.inputs[0], b.graph.types[node.name].dtype
-    hidden = causal_hidden(b, x, b.graph.types[x].shape, op.offset, op.window)
+    hidden = causal_hidden(b, b.graph.types[x].shape, op.visibility)
     bias = b.op("Where", [hidden, b.const(np.array(-np.inf, dtype), "neg_inf"), b.const(np.zeros((), dtype), "zero")], base="causal_bias")
     b.op("Add", [x, bias], node.name)
 
@@ -414,22 +415,25 @@ def _integer_divide(b: OnnxBuilder, ins: list[str], out: str, dtype: str) -> Non
     b.op("Where", [is_zero, zero, quotient], out)
 
 
-def causal_hidden(b: OnnxBuilder, x: str, shape: tuple[Dim, ...], offset: Dim, window: int | None = None) -> str:
-    """A bool ``[Sq, Sk]`` tensor, True where key j is hidden from query i (``j > i + offset``, or ``j <= i + offset - window``)."""
+def causal_hidden(b: OnnxBuilder, shape: tuple[Dim, ...], visibility: Visibility) -> str:
+    """A bool ``[Sq, Sk]`` tensor, True where key j is hidden from query i by position (:meth:`Visibility.hidden`):
+    a constant when the sizes are known, else built from the bounds (``j > i + u`` for the upper one, ``j < i + l`` for
+    a window's lower edge)."""
     sq, sk = normalize_dim(shape[-2]), normalize_dim(shape[-1])
-    offset = normalize_dim(offset)
-    if isinstance(sq, int) and isinstance(sk, int) and isinstance(offset, int) and sq * sk <= 1 << 24:
-        return b.const(hidden_keys(0, sq, sk, offset, window), "causal_hidden")
+    if isinstance(sq, int) and isinstance(sk, int) and all(isinstance(d, int) for d in visibility.dims()) and sq * sk <= 1 << 24:
+        return b.const(visibility.hidden(sq, sk), "causal_hidden")
     zero, one = b.const(np.array(0, np.int64), "zero"), b.const(np.array(1, np.int64), "one")
     scalar = lambda d: b.op("Squeeze", [b.dim(d), b.const(np.array([0], np.int64), "axes")])  # noqa: E731
-    rows = b.op("Range", [zero, scalar(sq), one], base="rows")
+    rows = b.op("Unsqueeze", [b.op("Range", [zero, scalar(sq), one], base="rows"), b.const(np.array([1], np.int64), "axes")])
     cols = b.op("Range", [zero, scalar(sk), one], base="cols")
-    limit = b.op("Add", [b.op("Unsqueeze", [rows, b.const(np.array([1], np.int64), "axes")]), scalar(offset)])
-    future = b.op("Greater", [cols, limit], base="causal_hidden")
-    if window is None:
-        return future
-    start = b.op("Sub", [limit, b.const(np.array(window, np.int64), "window")], base="window_start")
-    return b.op("Or", [future, b.op("LessOrEqual", [cols, start], base="before_window")], base="causal_hidden")
+    hidden = None
+    for bound in visibility.bounds():  # upper: hidden where j > i + u; lower: hidden where j < i + l
+        edge = b.op("Add", [rows, scalar(bound.at)], base="key_bound")
+        outside = b.op("Greater" if bound.upper else "Less", [cols, edge], base="causal_hidden")
+        hidden = outside if hidden is None else b.op("Or", [hidden, outside], base="causal_hidden")
+    if hidden is None:
+        raise ExportError(f"causal_hidden: {visibility.describe()} hides no key by position")
+    return hidden
 
 
 def _value_info(g: Graph, name: str) -> onnx.ValueInfoProto:

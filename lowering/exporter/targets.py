@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import dim_add, normalize_dim
+from graphc.dims import dim_add
 from graphc.errors import ExportError, UnknownNameError
 from graphc.graph import Graph, Node
 from graphc.optimizer import REFERENCE_TARGET, PassContext, Target
@@ -25,8 +25,7 @@ from .forms import (
     OnnxAttention,
     OrtGroupQueryAttention,
     as_form,
-    gqa_unsupported,
-    onnx_attention_unsupported,
+    attention_features,
     past_length,
     unsupported,
 )
@@ -40,8 +39,6 @@ __all__ = [
     "NUMPY_TARGET",
     "TORCH_TARGET",
     "onnx_target",
-    "onnx_attention_unsupported",
-    "gqa_unsupported",
     "REFERENCE_TARGET",
     "target_named",
     "TARGET_NAMES",
@@ -63,22 +60,21 @@ and read by every layer; a mask per query row stays grouped."""
 
 
 def _numpy_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-    op = node.op_as(Attention)
-    if op.has_mask:
-        if op.mask != "bool" or not is_key_mask_shape(graph.types[node.inputs[3]].shape):
-            return "the blocked kernel takes a bool key mask [B, 1, 1, T] (padding) only, not a per-query or additive mask"
-    return f"the blocked kernel gives empty rows zeros, not the {op.empty_rows} of V" if op.empty_rows != "zero" else None
+    features = attention_features(graph, node)
+    if features & {"additive_mask", "query_mask"} or ("bool_mask" in features and not is_key_mask_shape(graph.types[node.inputs[3]].shape)):
+        return "the blocked kernel takes a bool key mask [B, 1, 1, T] (padding) only, not a per-query or additive mask"
+    return "the blocked kernel gives empty rows zeros, not the mean of V" if "mean_rows" in features else None
 
 
 NUMPY_TARGET = Target("numpy", _numpy_policy, description="row-blocked attention kernel, GEMM contractions")
 
 
 def _torch_policy(graph: Graph, node: Node, ctx: PassContext) -> str | None:
-    op = node.op_as(Attention)
-    if op.window is not None or op.softcap is not None:
+    features = attention_features(graph, node)
+    if features & {"window", "softcap"}:
         return "scaled_dot_product_attention has no sliding window or softcap"
-    if op.empty_rows != "zero":
-        return f"scaled_dot_product_attention gives a row with no visible key zeros, not the {op.empty_rows} of V"
+    if "mean_rows" in features:
+        return "scaled_dot_product_attention gives a row with no visible key zeros, not the mean of V"
     return None
 
 
@@ -175,8 +171,7 @@ def onnx_target(mode: str, opset: int, device: str = "cpu") -> Target:
             if rows < AUTO_MIN_QUERY_ROWS:
                 return f"auto: {rows} query row(s) per KV head, under {AUTO_MIN_QUERY_ROWS}: grouped MatMuls are faster"
             if unsupported(ChunkedCausalAttention, graph, node, ctx, opset) is None:
-                mshape = graph.types[node.inputs[3]].shape if node.op_as(Attention).has_mask else ()
-                if node.op_as(Attention).mask == "additive" and len(mshape) >= 2 and normalize_dim(mshape[-2]) != 1:
+                if {"additive_mask", "query_mask"} <= attention_features(graph, node):
                     return "auto: an additive mask per query row costs query chunks passes over it; grouped MatMuls add it once"
                 scores = _score_elements(graph, node, ctx)
                 if scores < AUTO_MIN_CHUNKED_SCORES:

@@ -458,7 +458,7 @@ def exp_rows(s, totals):
 
 
 @njit(fastmath=FAST, inline="always", cache=True)
-def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, part, acc, row_max, row_sum):
+def _attend_head(q, k, v, sq, key_lo, key_hi, key_start, key_stop, s, part, acc, row_max, row_sum):
     """One KV head's slice of :func:`attend_rows`: ``q [R, D]``, ``k [T, D]``, ``v [T, E]`` into ``acc [R, E]``, ``row_max``/``row_sum [R]``.
 
     Keys in blocks of :data:`KEY_BLOCK` (``s [R, >= block]`` and ``part [R, E]``
@@ -475,13 +475,8 @@ def _attend_head(q, k, v, sq, causal, offset, window, key_start, key_stop, s, pa
         width = b1 - b0
         _scores(q, k[b0:b1], s)  # a slice indexed from 0: with a runtime start offset the loops ran 1.4x slower
         for r in range(rows):
-            lo = b0
-            hi = b1
-            if causal:
-                last = r % sq + offset
-                hi = min(hi, last + 1)
-                if window > 0:
-                    lo = max(lo, last - window + 1)
+            lo = max(b0, key_lo[r % sq])
+            hi = min(b1, key_hi[r % sq])
             row = s[r, :width]
             a = min(max(lo - b0, 0), width)
             b = max(min(hi - b0, width), a)
@@ -511,12 +506,12 @@ def _merge_block_row(acc_row, p, row_max, row_sum, r, m, t):
 
 
 @njit(fastmath=FAST, nogil=True, cache=True)
-def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max, row_sum):
+def attend_rows(q, k, v, sq, key_lo, key_hi, bounds, tasks, acc, row_max, row_sum):
     """Unnormalised attention of ``q [L, R, D]`` over ``k [L, T, D]``, ``v [L, T, E]`` for the given ``tasks`` (``head * C + slice``).
 
     ``bounds [C + 1]`` splits the keys into ``C`` slices (flash-decoding).  Row
-    ``r`` is query ``i = r % sq``; with ``causal`` it sees keys
-    ``j <= i + offset`` and, when ``window > 0``, ``j > i + offset - window``.
+    ``r`` is query ``i = r % sq``; it sees keys ``key_lo[i] <= j < key_hi[i]`` (int64 ``[sq]``, the
+    visibility's key ranges).
     Writes ``acc[c, l] = sum_j exp(s_rj - m_r) v_j`` over slice ``c``,
     ``row_max[c, l, r] = m_r`` (``-inf`` for a row that sees none of its keys)
     and ``row_sum[c, l, r]``.  ``nogil``: the caller runs disjoint task lists
@@ -530,7 +525,7 @@ def attend_rows(q, k, v, sq, causal, offset, window, bounds, tasks, acc, row_max
         head = task // slices
         c = task % slices
         lo, hi = bounds[c], bounds[c + 1]
-        _attend_head(q[head], k[head], v[head], sq, causal, offset, window, lo, hi, s, part, acc[c, head], row_max[c, head], row_sum[c, head])
+        _attend_head(q[head], k[head], v[head], sq, key_lo, key_hi, lo, hi, s, part, acc[c, head], row_max[c, head], row_sum[c, head])
 
 
 @intrinsic

@@ -21,8 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import eval_dim
-from graphc.numerics import hidden_keys
+from graphc.visibility import Visibility
 
 from . import compiled
 from .softmax import default_threads, exp_rows_, run_blocks
@@ -48,7 +47,7 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     if op.kv_cache:  # in place when the past is a growing buffer (lowering.decode.kv_buffers), else a new array
         present = (append(rest[0], k), append(rest[1], v))
         k, v = (p.view(np.ndarray) for p in present)  # read as plain arrays; the prefixes (which know their buffers) are the outputs
-    offset = None if op.causal_offset is None else eval_dim(op.causal_offset, dims)
+    vis = op.visibility.at(dims)
     q_scale = op.scale / op.softcap if op.softcap is not None else op.scale
     if q_scale != 1.0:  # on the query side: one pass over Q, never over the scores or the KV cache
         q = q * np.array(q_scale, q.dtype)
@@ -56,19 +55,18 @@ def attention_kernel(op: Attention, args: Sequence[np.ndarray], dims: Mapping[st
     if mask is not None and runs is None:
         return op.evaluate_all(args, dims)
     if runs is None or all(run == (0, k.shape[2]) for run in runs):
-        out = _attend(op, q, k, v, offset, threads)
-    else:
-        shifted = [None if offset is None else offset - lo for lo, _ in runs]  # key j of row b is key j - lo of its run
-        parts = [_attend(op, q[b : b + 1], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], shifted[b], threads) for b, (lo, hi) in enumerate(runs)]
-        out = np.concatenate(parts)
+        out = _attend(op, q, k, v, vis, threads)
+    else:  # key j of row b is key j - lo of its run
+        runs_of = [(q[b : b + 1], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], vis.shifted(-lo)) for b, (lo, hi) in enumerate(runs)]
+        out = np.concatenate([_attend(op, *run, threads) for run in runs_of])
     return (out, *present)
 
 
-def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None, threads: int | None) -> np.ndarray:
+def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: Visibility, threads: int | None) -> np.ndarray:
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv if hkv else 1
-    out = blocked_attention(q.reshape(b, hkv, group * sq, d), k, v, sq, offset, None, threads, window=op.window, softcap=op.softcap)
+    out = blocked_attention(q.reshape(b, hkv, group * sq, d), k, v, sq, vis, None, threads, softcap=op.softcap)
     return out.reshape(b, hq, sq, v.shape[-1])
 
 
@@ -121,19 +119,17 @@ def blocked_attention(
     k: np.ndarray,
     v: np.ndarray,
     sq: int,
-    offset: int | None,
+    visibility: Visibility,
     scale: float | None,
     threads: int | None = None,
-    window: int | None = None,
     softcap: float | None = None,
 ) -> np.ndarray:
     """``softmax(masked(softcap(scale * q k^T))) v`` for ``q [.., G*sq, D]``, ``k [.., T, D]``, ``v [.., T, E]``.
 
-    Row ``m`` of ``q`` is query ``m % sq``; keys ``j > i + offset`` are hidden from
-    query ``i`` (no mask when ``offset`` is None), and with a ``window`` also keys
-    ``j <= i + offset - window`` (key blocks wholly before a row block's window
-    are skipped); ``softcap`` is ``c`` of ``c * tanh(s / c)``, where the caller
-    has already divided ``q`` by ``c``.  Rows that see no key are zeros.
+    Row ``m`` of ``q`` is query ``m % sq``; it sees the keys ``visibility`` lets query ``m % sq`` see by position
+    (:meth:`~graphc.visibility.Visibility.key_ranges`; its offset a number, its mask not read here: key blocks
+    outside a row block's ranges are skipped); ``softcap`` is ``c`` of ``c * tanh(s / c)``, where the caller has
+    already divided ``q`` by ``c``.  Rows that see no key are zeros.
     """
     *batch, rows_total, dim = q.shape
     t_len, e_dim = k.shape[-2], v.shape[-1]
@@ -146,7 +142,7 @@ def blocked_attention(
     fast = compiled.use_compiled() and q.dtype == k.dtype == v.dtype == np.float32
     if fast and rows_total <= compiled.MAX_ROWS and scale is None and softcap is None:  # decode: stream K and V once per KV head
         fq, fk, fv = (_rows(a, batch, lead) for a in (q, k, v))
-        return compiled.decode_attention(fq, fk, fv, sq, offset, window, threads, keys=t_len).reshape(*batch, rows_total, e_dim)
+        return compiled.decode_attention(fq, fk, fv, sq, visibility, threads, keys=t_len).reshape(*batch, rows_total, e_dim)
     exp_rows = compiled.exp_rows_compiled if fast else exp_rows_
     k = np.broadcast_to(k, (*batch, t_len, dim))
     v = np.broadcast_to(v, (*batch, t_len, e_dim))
@@ -161,8 +157,8 @@ def blocked_attention(
         b0, b1, i0 = task
         i1 = min(sq, i0 + rows)
         r = i1 - i0
-        c = t_len if offset is None else max(0, min(t_len, i1 + offset))
-        c0 = 0 if window is None or offset is None else max(0, min(c, i0 + offset - window + 1))
+        first, last = visibility.key_ranges(range(i0, i1), t_len)
+        c0, c = int(first.min()), int(last.max())
         ob = out[b0:b1, :, i0:i1, :]
         if c <= c0:
             ob[...] = 0
@@ -174,10 +170,10 @@ def blocked_attention(
         if softcap is not None:
             np.tanh(s, out=s)
             s *= np.array(softcap, s.dtype)
-        if offset is not None:
-            # only keys after the block's first query's last key (the diagonal band), or before its window, can be hidden
-            lo = c0 if window is not None else max(c0, min(c, i0 + offset + 1))
-            hidden = hidden_keys(i0, i1, c - lo, offset - lo, window)  # keys lo..c-1 only, counted from lo
+        if visibility.is_causal:
+            # only keys after the block's first query's last key (the diagonal band), or before a window's edge, can be hidden
+            lo = c0 if int(first.max()) > c0 else max(c0, min(c, int(last.min())))
+            hidden = visibility.hidden(range(i0, i1), range(lo, c))
             if hidden.any():
                 np.copyto(s.reshape(b1 - b0, groups, r, c - c0)[..., lo - c0 :], neg_inf, where=hidden)
         total = exp_rows(s)

@@ -36,6 +36,7 @@ from types import ModuleType
 import numpy as np
 
 from graphc.errors import ExecutionError, GraphcError
+from graphc.visibility import Visibility
 
 from .crew import use_spin
 from .softmax import default_threads, run_blocks
@@ -137,7 +138,7 @@ def warm_up() -> float:
         return 0.0
     t0 = time.perf_counter()
     q = np.zeros((1, 2, 16), np.float32)
-    decode_attention(q, np.zeros((1, 5, 16), np.float32), np.zeros((1, 5, 8), np.float32), 1, 0, None, 1)
+    decode_attention(q, np.zeros((1, 5, 16), np.float32), np.zeros((1, 5, 8), np.float32), 1, Visibility.causal(0), 1)
     exp_rows_compiled(np.zeros((2, 3), np.float32))
     bf16_matmul(np.zeros((1, 4), np.float32), np.zeros((5, 4), np.uint16), 1)
     kern = _loaded_kernels()
@@ -211,12 +212,12 @@ def _check_operands(q: np.ndarray, k: np.ndarray, v: np.ndarray, keys: int | Non
 
 
 def decode_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, offset: int | None, window: int | None, threads: int | None, keys: int | None = None
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, sq: int, visibility: Visibility, threads: int | None, keys: int | None = None
 ) -> np.ndarray:
     """``softmax(masked(q k^T)) v`` for ``q [L, R, D]`` (already scaled), ``k [L, T, D]``, ``v [L, T, E]``, float32, C-contiguous.
 
-    Row ``r`` is query ``r % sq``; ``offset``/``window`` as in
-    :func:`lowering.kernels.attention_kernel.blocked_attention`; rows that see no key
+    Row ``r`` is query ``r % sq``, seeing the keys of its :meth:`~graphc.visibility.Visibility.key_ranges` (as in
+    :func:`lowering.kernels.attention_kernel.blocked_attention`); rows that see no key
     are zeros.  ``keys``: only the first ``keys`` of ``k``/``v`` are the cache (a buffer with room to grow; default all).
     Work is split over batch x KV heads, and over keys as well
     when there are fewer heads than threads (flash-decoding: each key slice
@@ -233,12 +234,10 @@ def decode_attention(
     acc = np.empty((splits, lead, rows, e_len), np.float32)
     row_max = np.empty((splits, lead, rows), np.float32)
     row_sum = np.empty((splits, lead, rows), np.float32)
-    causal = offset is not None
-    off = int(offset) if offset is not None else 0
-    win = int(window) if window is not None and causal else 0
+    key_lo, key_hi = visibility.key_ranges(sq, t_len)
     tasks = np.arange(lead * splits, dtype=np.int64)
     shares = [part for part in np.array_split(tasks, min(4 * n, tasks.size)) if part.size]  # a helper that starts late takes fewer
-    run_blocks(lambda part: kern.attend_rows(q, k, v, sq, causal, off, win, bounds, part, acc, row_max, row_sum), shares, n)
+    run_blocks(lambda part: kern.attend_rows(q, k, v, sq, key_lo, key_hi, bounds, part, acc, row_max, row_sum), shares, n)
     if splits == 1:  # a row that sees a key sums to >= 1 (its max gives exp(0)); one that sees none has acc 0
         return np.divide(acc[0], np.maximum(row_sum[0][..., None], 1), out=acc[0])
     best = row_max.max(axis=0)

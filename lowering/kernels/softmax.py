@@ -19,7 +19,7 @@ from typing import TypeVar
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from graphc.numerics import hidden_keys
+from graphc.visibility import Visibility
 
 from .crew import crew
 
@@ -119,8 +119,9 @@ def _share_blocks(block: Callable[[T], None], starts: Sequence[T], n: int) -> No
         work()
 
 
-def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None = None) -> np.ndarray:
-    """Softmax over the last axis of ``x [..., Sq, Sk]``, after masking keys ``j > i + offset`` when ``offset`` is given.
+def masked_softmax(x: np.ndarray, visibility: Visibility = Visibility(), threads: int | None = None) -> np.ndarray:
+    """Softmax over the last axis of ``x [..., Sq, Sk]``, over the keys ``visibility`` lets each row see by position (its
+    offset a number).
 
     Rows with no visible key give zeros.  Returns a new array; ``x`` is not modified.
     """
@@ -136,15 +137,15 @@ def masked_softmax(x: np.ndarray, offset: int | None = None, threads: int | None
     def block(i0: int) -> None:
         i1 = min(sq, i0 + rows)
         ob = out[:, i0:i1]
-        c = sk if offset is None else max(0, min(sk, i1 + offset))
+        c = visibility.key_span(range(i0, i1), sk)[1]
         if c < sk:
             ob[..., c:] = 0
         if c == 0:
             return
         v = ob[..., :c]
         np.copyto(v, x3[:, i0:i1, :c])
-        if offset is not None:
-            hidden = hidden_keys(i0, i1, c, offset)
+        if visibility.is_causal:
+            hidden = visibility.hidden(range(i0, i1), c)
             if hidden.any():
                 np.copyto(v, neg_inf, where=hidden)
         softmax_rows_(v)
