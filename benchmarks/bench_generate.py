@@ -22,7 +22,7 @@ to back).  Every runtime's tokens are compared with transformers eager's.
 
     python benchmarks/bench_generate.py [--models tiny,mistral-7b-2l] [--work DIR] [--blocks 3]
 
-writes ``docs/bench_generate.{md,json}``.  The tools' venvs and the exported models are made once under
+writes ``docs/bench/generate.{md,json}``.  The tools' venvs and the exported models are made once under
 ``--work`` and reused.
 """
 
@@ -321,7 +321,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=32, help="generated tokens per run (default 32)")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--runtimes", default=None, help="comma-separated subset of the runtimes (default all)")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench_generate"), help="writes OUT.md and OUT.json")
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "generate"), help="writes OUT.md and OUT.json")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     work = Path(args.work)

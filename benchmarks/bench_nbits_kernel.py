@@ -8,7 +8,7 @@ measures (NumPy sum over 1 GiB).  What it shows: whether the kernel is bound by 
 
     python benchmarks/bench_nbits_kernel.py [--blocks 5] [--repeats 20]
 
-needs ``pip install ".[fast]"`` (numba); writes ``docs/bench_nbits_kernel.md``.
+needs ``pip install ".[fast]"`` (numba); writes ``docs/bench/nbits_kernel.md``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
                      f"{100 * rate / gbs:.0f}% | {1e3 * blas:.3f} |")  # fmt: skip
     text = "\n".join(lines)
     print(text)
-    (HERE.parent / "docs" / "bench_nbits_kernel.md").write_text(f"# `python benchmarks/bench_nbits_kernel.py`\n\n{text}\n")
+    (HERE.parent / "docs" / "bench" / "nbits_kernel.md").write_text(f"# `python benchmarks/bench_nbits_kernel.py`\n\n{text}\n")
 
 
 if __name__ == "__main__":

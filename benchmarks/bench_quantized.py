@@ -17,7 +17,7 @@ logit: what quantization costs).
 
     python benchmarks/bench_quantized.py [--shape qwen2.5-0.5b] [--work DIR] [--prompt 128] [--new 16] [--blocks 3] [--genai] [--optimum]
 
-needs ``pip install ".[parity,fast]"``; writes ``docs/bench_quantized.{md,json}``.  Checkpoints and exports are made
+needs ``pip install ".[parity,fast]"``; writes ``docs/bench/quantized.{md,json}``.  Checkpoints and exports are made
 once under ``--work`` and reused.
 """
 
@@ -236,7 +236,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--genai", action="store_true", help="also onnxruntime-genai's int4 model (builds its venv on first use)")
     parser.add_argument("--optimum", action="store_true", help="also optimum's int8 model (builds its venv on first use)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "bench_quantized"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "quantized"))
     args = parser.parse_args()
     work = Path(args.work)
     sys.path.insert(0, str(HERE))

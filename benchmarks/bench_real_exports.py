@@ -19,12 +19,14 @@ blocks of each block's median call, and a variant's ratio to the export is the
 median over blocks of its block median over the export's in the same round (a
 slow stretch of the machine moves both); onnxruntime runs with ``--threads`` intra-op
 threads and no spinning.  A variant that cannot be made or run is reported with
-its error.  Prints a Markdown table (ratios to the export in the same run).
+its error.  Prints a Markdown table (ratios to the export in the same run) and writes it to ``--out``
+(default ``docs/bench/real_exports.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import os
 import platform
 import statistics
@@ -38,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
 WINDOW = 4096
 """Mistral's sliding window, as Mistral-7B's: longer than the pasts timed (a torch.onnx cache export is defined only for a
@@ -182,8 +185,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--families", default="llama,qwen2,gpt2,mistral")
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", default=str(ROOT_DOCS / "real_exports.md"), help="the Markdown file to write")
     args = ap.parse_args()
     import onnxruntime as ort
+
+    lines: list[str] = ["# `python benchmarks/bench_real_exports.py`: one run\n"]
+
+    def print(text: str = "", flush: bool = False) -> None:  # noqa: A001 - each line to stdout and to --out
+        builtins.print(text, flush=flush)
+        lines.append(text)
 
     print(
         f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
@@ -207,6 +217,7 @@ def main() -> None:
     print("\nsummary (best graphc form against the best peer; ratios paired by round):\n")
     print("| model | case | export ms | graphc ms (best form) | graphc / export | best peer | peer / export |\n|---|---|---|---|---|---|---|")
     print("\n".join(summary))
+    Path(args.out).write_text("\n".join(lines) + "\n")
 
 
 def _summary_row(family: str, case: str, rows: list[Row]) -> str:

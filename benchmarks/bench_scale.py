@@ -36,7 +36,7 @@ compared with transformers'.
 
     python benchmarks/bench_scale.py [--models tinyllama-f32,...] [--work DIR] [--prompt 512] [--new 16] [--blocks 3]
 
-writes ``docs/bench_scale.{md,json}``.  Checkpoints, exports and the tools' venvs are made once under ``--work``.
+writes ``docs/bench/scale.{md,json}``.  Checkpoints, exports and the tools' venvs are made once under ``--work``.
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--blocks", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench_scale"))
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "scale"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hf", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-name", default=None, help=argparse.SUPPRESS)

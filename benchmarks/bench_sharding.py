@@ -1,6 +1,6 @@
 """Sharding by KV-head group on Dask: 2 worker processes against 1 process, for a llama2-70b-shaped attention layer and a whole model.
 
-    python benchmarks/bench_sharding.py [--config llama2-70b] [--shards 2] [--repeats 5] [--out docs/bench_sharding]
+    python benchmarks/bench_sharding.py [--config llama2-70b] [--shards 2] [--repeats 5] [--out docs/bench/sharding]
 
 Cases: causal prefill of 1024 tokens (``attention_layer_graph``) and one token
 decoded over a 4096-token cache (``kv_cache_graph``), float32, batch 1, the
@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument("--config", default="llama2-70b")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="docs/bench_sharding")
+    ap.add_argument("--out", default="docs/bench/sharding")
     args = ap.parse_args()
     client = local_cluster(args.shards, threads_per_worker=max(1, (os.cpu_count() or 1) // args.shards))
     try:

@@ -1,7 +1,7 @@
 """graphc against torch SDPA and onnxruntime's fused attention ops: one process, one method, ratios to the best peer.
 
     python benchmarks/bench_speed.py [--configs mistral-7b,llama2-70b,falcon-7b,llama2-7b] [--cases ...] [--blocks 5]
-                                     [--threads N] [--out docs/bench_speed]
+                                     [--threads N] [--out docs/bench/speed]
 
 Attention core (Q [B, Hq, Sq, D], K/V [B, Hkv, Skv, D]), float32.  Variants:
 
@@ -404,7 +404,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5, help="alternating blocks of back-to-back calls per variant")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--layer-cases", default="all", help="decoder-layer and stack cases (speed_layer.py), comma-separated; 'all' or 'none'")
-    ap.add_argument("--out", default="docs/bench_speed")
+    ap.add_argument("--out", default="docs/bench/speed")
     ap.add_argument("--summarize", metavar="JSON", help="print the tables of an earlier run's JSON instead of running")
     args = ap.parse_args()
     if args.summarize:
@@ -450,7 +450,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
+    chart, raw = f"[{out.name}.png]({out.name}.png)", f"[{out.name}.json]({out.name}.json)"
+    links = f"Chart: {chart} (time relative to the fastest peer per case).\nRaw figures: {raw}.\n"
+    out.with_suffix(".md").write_text(header + "\n\n" + table + "\n\n" + links)
     print(chart(rows, out.with_suffix(".png")))
 
 

@@ -10,13 +10,13 @@ tokenizer), exported by ``graphc export DIR -o OUT``, and then
   (one prompt; genai takes the ``model_type`` it knows).
 
 The venvs are made once under ``--work`` (by ``real_exports_corpus.tool_python``).  One table row per family, written
-to ``docs/export_loaders.md``::
+to ``docs/bench/export_loaders.md``::
 
     python benchmarks/check_export_loaders.py [--work DIR] [--families llama,qwen2,...] [--new 12] [--quantize int4|int8]
 
 ``--quantize``: the export is ``graphc export DIR -o OUT --quantize int4`` (MatMulNBits, accuracy level 0) and the
 reference is graphc's quantized graph on the NumPy backend (transformers computes in float: its column is left out);
-the table goes to ``docs/export_loaders_int4.md`` (or ``_int8``).
+the table goes to ``docs/bench/export_loaders_int4.md`` (or ``_int8``).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def main() -> int:
     text = table(rows, args.new, args.quantize)
     print(text)
     name = f"export_loaders_{args.quantize}.md" if args.quantize else "export_loaders.md"
-    (ROOT / "docs" / name).write_text("# Exports loaded by optimum and onnxruntime-genai\n\n" + text)
+    (ROOT / "docs" / "bench" / name).write_text("# Exports loaded by optimum and onnxruntime-genai\n\n" + text)
     bad = [r for r in rows if r["export"] != "ok" or r["transformers"] is False or "DIFFER" in r["optimum"] + r["genai"]]
     return 1 if bad else 0  # a tool that cannot load a family is reported, not a failure of the export
 

@@ -23,7 +23,7 @@ the products exactly (int8 activations: ``DynamicQuantizeLinear``, accuracy leve
 
     python benchmarks/quantized_corpus.py [--work DIR] [--routes genai-int4,...] [--families llama,...]
 
-writes ``docs/quantized_corpus.md``.
+writes ``docs/bench/quantized_corpus.md``.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main() -> int:
                 recognised, worst, kept, result = "-", "-", "-", f"FAILED: {type(e).__name__}: {str(e)[:160]}"
             lines.append(f"| {family} | {route} | {recognised} | {worst} | {kept} | {result} |")
             print(lines[-1], flush=True)
-    (HERE.parent / "docs" / "quantized_corpus.md").write_text(
+    (HERE.parent / "docs" / "bench" / "quantized_corpus.md").write_text(
         "# `python benchmarks/quantized_corpus.py`\n\n" + (__doc__ or "").split("\n\n")[0] + "\n\n" + "\n".join(lines) + "\n"
     )
     return 0 if all("FAILED" not in line and "differs" not in line and "NO:" not in line for line in lines) else 1

@@ -269,3 +269,42 @@ def test_info_prints_the_cache_dtype_of_the_config(tmp_path, capsys):
         assert f"KV cache ({dtype}, 2 layer(s)): {2 * 2 * 2 * 16 * (2 if dtype == 'bfloat16' else 4):,} bytes/token" in capsys.readouterr().out
     assert cli_main(["info", "--preset", "mistral-7b"]) == 0
     assert "KV cache (float16," in capsys.readouterr().out
+
+
+def test_commands_read_their_flags_and_never_write_them(monkeypatch, tmp_path, capsys):
+    """Each command reads the parsed flags once (a checkpoint folder resolved into a GraphSource, generate's folder
+    defaults into its request) and never writes into them: here a write fails the command."""
+    import argparse
+
+    import graphc.cli as cli
+    from checkpoints import write_checkpoint
+
+    class Frozen(argparse.Namespace):
+        def __setattr__(self, name, value):  # noqa: ANN001, ANN204
+            raise AssertionError(f"a command wrote {name!r} back into its parsed flags")
+
+    real = cli.build_parser
+
+    def frozen_parser():  # noqa: ANN202
+        parser = real()
+        parse = parser.parse_args
+
+        def parse_args(argv):  # noqa: ANN001, ANN202
+            frozen = Frozen()
+            frozen.__dict__.update(vars(parse(argv)))
+            return frozen
+
+        parser.parse_args = parse_args
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", frozen_parser)
+    folder = str(write_checkpoint(tmp_path / "ckpt"))
+    for argv in (
+        ["info", folder],
+        ["optimize", *SMALL, "--target", "ort-cpu", "--seq", "8"],
+        ["show", folder, "--layers", "1"],
+        ["compare", folder, "--layers", "1", "--seq", "3", "--backends", "numpy", "--repeats", "1"],
+        ["generate", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--backends", "numpy"],
+    ):
+        assert cli.main(argv) == 0, (argv, capsys.readouterr().err)
+    capsys.readouterr()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SNIPPETS = [(doc, code) for doc in DOCS for code in re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)]
 
 

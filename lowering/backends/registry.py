@@ -47,6 +47,7 @@ __all__ = [
     "run",
     "unavailable_reason",
     "decode_options",
+    "backend_options",
     "OrtOptions",
 ]
 
@@ -155,7 +156,22 @@ def _ort(provider: str) -> Callable[..., Runner]:
         options = OrtOptions(threads, sizes, isolate, spin, inline_weights_max_bytes, tf32, cuda_graph)
         return build(provider, graph, _export, opset, attention, options)
 
-    return prepare_ort
+    if provider == "CUDAExecutionProvider":
+        return prepare_ort
+
+    def prepare_ort_cpu(
+        graph: Graph,
+        opset: int | None = None,
+        attention: str = "decomposed",
+        threads: int | None = defaults.threads,
+        sizes: Sizes = defaults.sizes,
+        isolate: bool = defaults.isolate,
+        spin: bool = defaults.spin,
+        inline_weights_max_bytes: int | None = defaults.inline_weights_max_bytes,
+    ) -> Runner:  # the CUDA options (tf32, cuda_graph) are not this provider's to take
+        return prepare_ort(graph, opset, attention, threads, sizes, isolate, spin, inline_weights_max_bytes)
+
+    return prepare_ort_cpu
 
 
 def _torch_missing() -> str | None:
@@ -235,6 +251,13 @@ def prepare(graph: Graph, backend: str = "numpy", **options: Any) -> Runner:
     if unknown:
         raise BackendError(f"backend {backend!r} does not take option(s) {unknown}; it takes {accepted}")
     return spec.prepare(graph, **options)
+
+
+def backend_options(backend: str, **options: Any) -> dict[str, Any]:
+    """Those of ``options`` (the ones not None) that ``backend``'s ``prepare`` takes: one set of command-line options
+    routed to each backend by its signature (``attention`` to the ONNX backends, ``tf32`` to ort-cuda ...)."""
+    accepted = inspect.signature(get_backend(backend).prepare).parameters
+    return {k: v for k, v in options.items() if v is not None and k in accepted}
 
 
 def decode_options(backend: str, sizes: Mapping[str, int] | None = None, threads: int | None = None) -> dict[str, Any]:

@@ -112,6 +112,11 @@ class ChunkedCausalAttention(Attention):
             raise OpError(f"ChunkedCausalAttention: chunks must be an int >= 1, got {self.chunks!r}")
 
     @classmethod
+    def decided_fields(cls, graph: Graph, node: Node, ctx: PassContext) -> dict[str, int]:
+        """The chunk count for the node's query length under ``ctx``'s known sizes (:func:`causal_chunks`)."""
+        return {"chunks": causal_chunks(ctx.known_size(graph.types[node.inputs[0]].shape[2]))}
+
+    @classmethod
     def layout_unsupported(cls, graph: Graph, node: Node, ctx: PassContext | None, opset: int) -> str | None:
         """Why the node's shapes do not fit query chunks (``None`` when they do)."""
         op = node.op_as(Attention)
@@ -158,9 +163,8 @@ def as_form(form: type[Attention], graph: Graph, node: Node, ctx: PassContext) -
     chunk count of :class:`ChunkedCausalAttention` from the query length, :func:`causal_chunks`)."""
     op = node.op_as(Attention)
     fields = {f.name: getattr(op, f.name) for f in payload_fields(op)}
-    if form is ChunkedCausalAttention:
-        fields["chunks"] = causal_chunks(ctx.known_size(graph.types[node.inputs[0]].shape[2]))
-    return form(**fields)
+    decide = getattr(form, "decided_fields", None)  # what the form adds, decided for this node
+    return form(**fields, **(decide(graph, node, ctx) if decide is not None else {}))
 
 
 def unsupported(form: type[Attention], graph: Graph, node: Node, ctx: PassContext | None, opset: int) -> str | None:

@@ -1,17 +1,21 @@
-"""Pieces every ``graphc`` subcommand shares: the usage error, the parser that raises it, range checks, progress lines."""
+"""Pieces every ``graphc`` subcommand shares: the usage error, the parser that raises it, range checks, ``NAME=INT`` sizes,
+writing an output, progress lines."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from .errors import GraphcError
+from ..errors import GraphcError
+from ..folders import write_replacing
 
 if TYPE_CHECKING:
-    from .quantize import QuantizeOptions
+    from ..quantize import QuantizeOptions
 
-__all__ = ["UsageError", "Parser", "at_least", "Progress", "add_quantize_args", "quantize_options"]
+__all__ = ["UsageError", "Parser", "at_least", "parse_sizes", "write_output", "Progress", "add_quantize_args", "quantize_options"]
 
 
 class UsageError(GraphcError):
@@ -35,6 +39,30 @@ def at_least(flag: str, value: int | float | None, least: int | float, most: int
         raise UsageError(f"{flag} must be {bound}, got {value}")
 
 
+def parse_sizes(items: Sequence[str], flag: str = "--hint") -> dict[str, int]:
+    """``NAME=INT`` items (``--hint``, ``--dim``) as sizes by name."""
+    sizes = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise UsageError(f"{flag} takes NAME=INT (e.g. seq=2048), got {item!r}")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+def write_output(path: str | None, data: str | bytes) -> None:
+    """``data`` to stdout (``path`` None or ``-``) or into the file ``path`` (replaced, never written through a link)."""
+    if path is None or path == "-":
+        sys.stdout.write(data if isinstance(data, str) else data.decode())
+        return
+    if not path.strip():
+        raise UsageError("-o names the file to write; got an empty name")
+    try:
+        write_replacing(path, data)
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
+
+
 def add_quantize_args(p: argparse.ArgumentParser) -> None:
     """``--quantize int4|int8`` and its options (export and generate from a checkpoint folder)."""
     q = p.add_argument_group("quantization (from a checkpoint folder)")
@@ -49,7 +77,7 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
 def quantize_options(args: argparse.Namespace) -> QuantizeOptions | None:
     """The :class:`~graphc.quantize.QuantizeOptions` the flags ask for (its defaults where a flag is not given), or None
     without ``--quantize``."""
-    from .quantize import QUANTIZE_CHOICES, QuantizeOptions
+    from ..quantize import QUANTIZE_CHOICES, QuantizeOptions
 
     flags = {"block_size": getattr(args, "quantize_block_size", None), "accuracy_level": getattr(args, "accuracy_level", None)}
     given: dict[str, Any] = {k: v for k, v in flags.items() if v is not None}

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .cli_common import Progress, UsageError, add_quantize_args, at_least, quantize_options
-from .graph import Graph
-from .mapped import distinct_nbytes, release_mapped_pages
-from .memory import format_bytes, reset_resident_peak, resident_peak_bytes
+from ..graph import Graph
+from ..mapped import distinct_nbytes, release_mapped_pages
+from ..memory import format_bytes, reset_resident_peak, resident_peak_bytes
+from .common import Progress, UsageError, add_quantize_args, at_least, quantize_options
 
-__all__ = ["add_generate", "cmd_generate"]
+__all__ = ["add_command", "run"]
 
 MAX_NEW_TOKENS = 1 << 16
 
@@ -42,27 +42,41 @@ def _prompts(items: list[str]) -> list[list[int]]:
     return prompts
 
 
-def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]:
-    """The prompts as ids, their texts (empty for ``--prompt-ids``) and the tokenizer (or None); fills ``--hf-config``,
-    ``--weights``, ``--pad-token-id`` and ``--eos-token-id`` from a checkpoint folder where they were not given."""
-    from .attention.hf import read_hf_config
-    from .checkpoint import Checkpoint
+@dataclass(frozen=True)
+class _Request:
+    """What to generate from, read once from the flags and the checkpoint folder (whose files fill what a flag left out)."""
+
+    hf_config: str
+    weights: str | None
+    pad_token_id: int
+    eos_token_id: Any  # an id, a list of ids, or None
+    prompts: list[list[int]]
+    texts: list[str]  # the --prompt texts (none for --prompt-ids)
+    tokenizer: Any  # the folder's tokenizer with --prompt, else None
+
+
+def _resolve(args: argparse.Namespace) -> _Request:
+    """The prompts as ids, their texts and the tokenizer, with ``--hf-config``, ``--weights``, ``--pad-token-id`` and
+    ``--eos-token-id`` taken from a checkpoint folder where they were not given."""
+    from ..attention.hf import read_hf_config
+    from ..checkpoint import Checkpoint
 
     folder = Checkpoint(args.checkpoint) if args.checkpoint else None
     if folder is None and not args.hf_config:
         raise UsageError("generate needs a checkpoint folder (graphc generate DIR --prompt ...) or --hf-config CONFIG.json")
     sources = {"pad_token_id": "--pad-token-id", "eos_token_id": "--eos-token-id"}
+    ids = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id}
+    hf_config, weights = args.hf_config, args.weights
     if folder is not None:
-        args.hf_config = args.hf_config or str(folder.config)
-        args.weights = args.weights or str(folder.folder)
+        hf_config, weights = hf_config or str(folder.config), weights or str(folder.folder)
         defaults = folder.generation_defaults()
-        for field, flag in sources.items():
-            if getattr(args, field) is None:
-                setattr(args, field, defaults[field])
+        for field in sources:
+            if ids[field] is None:
+                ids[field] = defaults[field]
                 sources[field] = f"the folder's {field} (generation_config.json or config.json)"
-    args.pad_token_id = 0 if args.pad_token_id is None else args.pad_token_id
-    config = read_hf_config(args.hf_config)
-    _check_special_ids(args, sources, config)
+    pad = 0 if ids["pad_token_id"] is None else ids["pad_token_id"]
+    config = read_hf_config(hf_config)
+    _check_special_ids(pad, ids["eos_token_id"], sources, config)
     if args.chat and not args.prompt:
         raise UsageError("--chat applies the chat template to --prompt TEXT messages; give --prompt")
     if not args.prompt and not args.prompt_ids:
@@ -80,17 +94,16 @@ def _resolve(args: argparse.Namespace) -> tuple[list[list[int]], list[str], Any]
             raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
         prompts = encoded + prompts
     _warn_past_positions(args, prompts, config)
-    return prompts, texts, tokenizer
+    return _Request(hf_config, weights, pad, ids["eos_token_id"], prompts, texts, tokenizer)
 
 
-def _check_special_ids(args: argparse.Namespace, sources: dict[str, str], config: dict[str, Any]) -> None:
+def _check_special_ids(pad: int, eos: Any, sources: dict[str, str], config: dict[str, Any]) -> None:
     """The pad id must be an id of the model's vocabulary, an eos id an int64; an error names where each came from."""
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool):
         return  # the model's own config check names it
-    if not 0 <= args.pad_token_id < vocab:  # fed to the model: it must be a row of the embedding table
-        raise UsageError(f"{sources['pad_token_id']} {args.pad_token_id} is not a token id of the model's vocabulary (0..{vocab - 1})")
-    eos = args.eos_token_id
+    if not 0 <= pad < vocab:  # fed to the model: it must be a row of the embedding table
+        raise UsageError(f"{sources['pad_token_id']} {pad} is not a token id of the model's vocabulary (0..{vocab - 1})")
     bad = [i for i in ([eos] if isinstance(eos, int) else list(eos or [])) if not 0 <= i < 2**63]
     if bad:  # an eos past the vocabulary never comes (generation runs to --max-new-tokens), but it must be an int64
         raise UsageError(f"{sources['eos_token_id']} {bad[0]} is not a token id (ids are 0 .. 2**63 - 1)")
@@ -108,17 +121,18 @@ def _warn_past_positions(args: argparse.Namespace, prompts: list[list[int]], con
         )
 
 
-def _model(args: argparse.Namespace) -> Graph:
-    from .attention.causal_lm import causal_lm_graph
-    from .attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
-    from .quantize import quantize_weights
-    from .weights import load_weights
+def _model(args: argparse.Namespace, request: _Request) -> Graph:
+    from ..attention.causal_lm import causal_lm_graph
+    from ..attention.hf_lm import causal_lm_config_from_hf, causal_lm_from_hf
+    from ..quantize import quantize_weights
+    from ..weights import load_weights
 
     cache = "static" if args.cuda_graph else args.cache
-    if args.weights:
-        lm = causal_lm_from_hf(args.hf_config, load_weights(args.weights), n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
+    if request.weights:
+        weights = load_weights(request.weights)
+        lm = causal_lm_from_hf(request.hf_config, weights, n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
     else:
-        cfg = causal_lm_config_from_hf(args.hf_config, args.layers)
+        cfg = causal_lm_config_from_hf(request.hf_config, args.layers)
         lm = causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last", cache=cache)
     options = quantize_options(args)
     return lm if options is None else quantize_weights(lm, options)[0]
@@ -187,11 +201,12 @@ def _text(rows: list[tuple[str, _Row | str]], texts: list[str], tokenizer: Any) 
     return "\n".join(lines)
 
 
-def _warm_and_generate(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, runner: Any, progress: Progress, tag: str) -> Any:
+def _warm_and_generate(graph: Graph, request: _Request, args: argparse.Namespace, runner: Any, progress: Progress, tag: str) -> Any:
     """Two untimed tokens (compiles, allocations, first calls), then the timed generation with progress lines."""
     from lowering import generate
 
-    options = {"pad_token_id": args.pad_token_id, "eos_token_id": args.eos_token_id, "runner": runner}
+    prompts = request.prompts
+    options = {"pad_token_id": request.pad_token_id, "eos_token_id": request.eos_token_id, "runner": runner}
     generate(graph, prompts, min(2, args.max_new_tokens), **options)
     every = max(1, args.max_new_tokens // 4)
 
@@ -202,11 +217,11 @@ def _warm_and_generate(graph: Graph, prompts: list[list[int]], args: argparse.Na
     return generate(graph, prompts, args.max_new_tokens, progress=report, **options)
 
 
-def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespace, progress: Progress) -> tuple[str, _Row | str]:
+def _sharded_row(graph: Graph, request: _Request, args: argparse.Namespace, progress: Progress) -> tuple[str, _Row | str]:
     """The ``--shards N`` row: the model split by KV-head group on N Dask workers (each keeping its part of the cache)."""
     from lowering.distributed.dask_shards import sharded_runner
 
-    from .errors import BackendUnavailableError
+    from ..errors import BackendUnavailableError
 
     label = f"sharded x{args.shards}"
     progress(f"{label}: starting {args.shards} Dask workers")
@@ -214,41 +229,37 @@ def _sharded_row(graph: Graph, prompts: list[list[int]], args: argparse.Namespac
         start = time.perf_counter()
         with sharded_runner(graph, args.shards, args.shard_backend) as runner:
             prepared = time.perf_counter() - start
-            return label, _Row(_warm_and_generate(graph, prompts, args, runner, progress, label), prepared, None)  # workers' memory is theirs
+            return label, _Row(_warm_and_generate(graph, request, args, runner, progress, label), prepared, None)  # workers' memory is theirs
     except BackendUnavailableError as e:
         return label, f"skipped: {e}"
 
 
 def _backend_row(
-    graph: Graph, prompts: list[list[int]], args: argparse.Namespace, backend: str, sizes: dict[str, int], progress: Progress, tag: str
+    graph: Graph, request: _Request, args: argparse.Namespace, backend: str, sizes: dict[str, int], progress: Progress, tag: str
 ) -> _Row:
     """Prepare ``backend``, generate, and measure: the peak resident memory counts this backend alone (the pages of the
     mapped checkpoint that an earlier backend read are dropped first, and its runner is gone)."""
     from lowering import prepare
-    from lowering.backends.registry import decode_options
+    from lowering.backends.registry import backend_options, decode_options
 
     gc.collect()
     release_mapped_pages()
     reset_resident_peak()
     start = time.perf_counter()
-    options = decode_options(backend, sizes, args.threads)
-    if args.tf32 and backend == "ort-cuda":
-        options["tf32"] = True
-    if args.cuda_graph and backend == "ort-cuda":
-        options["cuda_graph"] = True
+    options = {**decode_options(backend, sizes, args.threads), **backend_options(backend, tf32=args.tf32 or None, cuda_graph=args.cuda_graph or None)}
     runner = prepare(graph, backend, **options)
     prepared = time.perf_counter() - start
-    generation = _warm_and_generate(graph, prompts, args, runner, progress, tag)
+    generation = _warm_and_generate(graph, request, args, runner, progress, tag)
     peak = resident_peak_bytes()
     del runner
     return _Row(generation, prepared, peak)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Generate greedily on every backend; print tokens/s per backend and the tokens."""
     from lowering.backends.registry import unavailable_reason
 
-    from .optimizer import optimize
+    from ..optimizer import optimize
 
     at_least("--max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)
     at_least("--layers", args.layers, 1)
@@ -266,10 +277,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} is an ort-cuda option; add ort-cuda to --backends")
     if args.cuda_graph and args.shards is not None:
         raise UsageError("--cuda-graph and --shards do not go together: CUDA graphs replay one process's ort-cuda step")
-    prompts, texts, tokenizer = _resolve(args)
+    request = _resolve(args)
+    prompts, texts, tokenizer = request.prompts, request.texts, request.tokenizer
     progress = Progress(sys.stderr, enabled=not args.quiet)
     progress("building the model")
-    graph = _model(args)
+    graph = _model(args, request)
     sizes = {"batch": len(prompts), "seq": 1, "past_seq": max(map(len, prompts)) + args.max_new_tokens // 2}
     if not args.no_optimize:
         progress("optimizing for the decode step")
@@ -283,9 +295,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 continue
             tag = f"[{k}/{len(backends)}] {backend}"
             progress(f"{tag}: preparing and warming up")
-            rows.append((backend, _backend_row(graph, prompts, args, backend, sizes, progress, tag)))
+            rows.append((backend, _backend_row(graph, request, args, backend, sizes, progress, tag)))
         if args.shards is not None:
-            rows.append(_sharded_row(graph, prompts, args, progress))
+            rows.append(_sharded_row(graph, request, args, progress))
     finally:
         progress.done()
     print(_table(rows, graph, prompts, args.max_new_tokens))
@@ -297,9 +309,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
+def add_command(sub: Any, common: argparse.ArgumentParser) -> None:
     """``graphc generate``."""
-    from .ops import FLOAT_DTYPES
+    from ..ops import FLOAT_DTYPES
 
     g = sub.add_parser("generate", parents=[common], help="greedy text (or tokens) from a transformers checkpoint on each backend, with tokens/s")
     g.add_argument("checkpoint", nargs="?", default=None, metavar="DIR",
@@ -333,4 +345,4 @@ def add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
         help="also generate with the model split by KV-head group on N Dask worker processes (needs graphc[distributed])",
     )
     g.add_argument("--shard-backend", default="numpy", metavar="NAME", help="backend of each shard with --shards (default numpy)")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=run)
