@@ -28,6 +28,7 @@ __all__ = [
     "decoder_configs_from_hf",
     "read_hf_config",
     "HF_FAMILIES",
+    "HFConfig",
     "HF_ACTIVATIONS",
     "MAX_LAYERS",
 ]
@@ -36,14 +37,22 @@ HF_FAMILIES = family_names()
 """``model_type`` values of the built-in families (:mod:`graphc.attention.families`; :func:`family_names` lists those registered since)."""
 
 
-def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> dict[str, Any]:
-    """A transformers config as a plain dict: from a dict, a ``config.json`` path, or a ``PretrainedConfig``."""
+class HFConfig(dict[str, Any]):
+    """A transformers config read once (:func:`read_hf_config`): a plain dict under the names graphc reads, passed down
+    as it is by every builder it reaches (read again, it is the same object, never parsed or copied again)."""
+
+
+def read_hf_config(config: Mapping[str, Any] | str | Path | Any) -> HFConfig:
+    """A transformers config as a plain dict: from a dict, a ``config.json`` path, or a ``PretrainedConfig``; an
+    :class:`HFConfig` (one already read) is returned as it is."""
+    if isinstance(config, HFConfig):
+        return config
     if isinstance(config, (str, Path)):
-        return _canonical(read_json_object(config, "config"))
+        return HFConfig(_canonical(read_json_object(config, "config")))
     if hasattr(config, "to_dict"):
-        return _canonical(dict(config.to_dict()))
+        return HFConfig(_canonical(dict(config.to_dict())))
     if isinstance(config, Mapping):
-        return _canonical(dict(config))
+        return HFConfig(_canonical(dict(config)))
     raise AttentionConfigError(f"expected a config dict, a config.json path or a transformers config, got {type(config).__name__}")
 
 
