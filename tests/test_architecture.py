@@ -156,3 +156,33 @@ def test_every_module_the_needs_table_names_exists():
 
     named = set().union(*NEEDS.values())
     assert sorted(m for m in named if not (ROOT / "tests" / f"{m}.py").exists()) == []
+
+
+def test_what_a_query_may_see_is_read_through_visibility():
+    """The causal offset, window and empty-row rule live in ``graphc/visibility.py``: elsewhere they are read a handful of
+    times (``CausalMask``'s own fields), the matcher's record stays small, its functions simple, and the exporters'
+    mask idioms are patterns rather than hand walks up the producers."""
+    import dataclasses
+    import re
+    import subprocess
+    import sys
+
+    from graphc.optimizer.attention import AttentionMatch
+
+    reads = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in _modules().values()
+        if path.name != "visibility.py"
+        for line in path.read_text().splitlines()
+        if re.search(r"\.(causal_offset|window|empty_rows)\b(?!\()", line)
+    ]
+    assert len(reads) <= 10, "\n".join(reads)
+    assert len(dataclasses.fields(AttentionMatch)) <= 15
+    masks = (ROOT / "graphc" / "optimizer" / "masks.py").read_text()
+    assert masks.count("producer(") <= 5
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--select", "C901", "--config", "lint.mccabe.max-complexity=15",
+         "graphc/optimizer/attention.py", "graphc/optimizer/masks.py"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0 or "No module named ruff" in done.stderr, done.stdout[-2000:]
