@@ -22,7 +22,7 @@ from graphc.cli import main  # noqa: E402
 from graphc.dims import dim_sub, normalize_dim  # noqa: E402
 from graphc.errors import InputError  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
-from graphc.optimizer import Target, lower  # noqa: E402
+from graphc.optimizer import Target, lower, unfused_softmaxes  # noqa: E402
 from lowering import prepare, run  # noqa: E402
 from lowering.exporter.onnx_export import export  # noqa: E402
 from lowering.exporter.targets import NUMPY_TARGET  # noqa: E402
@@ -62,6 +62,7 @@ def test_export_imports_with_outputs_equal_to_onnxruntime(case, tmp_path):
     optimized = optimize(graph).graph
     # one Attention per layer, its causal mask (offset: the past length) and KV cache understood, padding a bool mask
     lowered = lower(optimized, KEEP_ALL)
+    assert unfused_softmaxes(lowered, lowered=True) == []  # every softmax part of a recognised attention
     attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
     assert len(attention) == 2
     for layer, node in enumerate(attention):
@@ -111,6 +112,7 @@ def test_alibi_exports_are_one_attention_per_layer_equal_to_onnxruntime(case, tm
     graph = from_onnx(path)
     optimized = optimize(graph).graph
     lowered = lower(optimized, KEEP_ALL)
+    assert unfused_softmaxes(lowered, lowered=True) == []  # every softmax part of a recognised attention
     attention = [n for n in lowered.topological_order() if n.op.kind == "Attention"]
     assert [(n.op.mask, n.op.visibility.empty_rows, n.op.kv_cache) for n in attention] == [("additive", "mean", cache)] * 2, attention
     assert all(lowered.types[n.inputs[0]].shape[1] == 4 for n in attention)  # Bloom's [batch*heads] view read as [batch, 4 heads]
@@ -146,6 +148,7 @@ def test_more_families_cache_exports_are_one_causal_attention_per_layer_equal_to
     graph = from_onnx(path)
     optimized = optimize(graph).graph
     lowered = lower(optimized, KEEP_ALL)
+    assert unfused_softmaxes(lowered, lowered=True) == []  # every softmax part of a recognised attention
     ops = [n.op for n in lowered.topological_order() if n.op.kind == "Attention"]
     latent = family == "deepseek_v3"
     assert [(op.visibility.causal_offset, op.kv_cache, op.mask) for op in ops] == [("past_seq", not latent, "bool")] * 2, ops

@@ -13,7 +13,7 @@ from ..attention import PRESETS
 from ..attention_op import Attention
 from ..graph import Graph
 from ..ops import FLOAT_DTYPES
-from ..optimizer import Target, lower, optimize
+from ..optimizer import KEEP_EVERY_ATTENTION, lower, optimize, unfused_softmaxes
 from .common import at_least
 from .source import GraphSource, add_graph_args
 
@@ -90,8 +90,9 @@ def describe_graph(g: Graph, source: str) -> str:
     opt = optimize(g).graph
     counts = ", ".join(f"{k} {v}" for k, v in g.op_counts().items())
     after = ", ".join(f"{k} {v}" for k, v in opt.op_counts().items())
-    kept = lower(opt, Target("every attention", lambda graph, node, ctx: None))  # recognised, none decomposed
+    kept = lower(opt, KEEP_EVERY_ATTENTION)  # recognised, none decomposed
     kinds = Counter(_attention_kind(n.op) for n in kept.topological_order() if isinstance(n.op, Attention))
+    left = unfused_softmaxes(kept, lowered=True)
     lines = [
         f"{source}: graph {g.name!r}, {len(g.nodes)} nodes, {params:,} parameters ({weight_bytes / 2**20:,.1f} MiB)",
         f"  inputs:  {'; '.join(shape(n) for n in g.inputs)}",
@@ -99,6 +100,7 @@ def describe_graph(g: Graph, source: str) -> str:
         f"  ops: {counts}",
         f"  optimized: {len(opt.nodes)} nodes; {after}",
         f"  attention recognised: {sum(kinds.values())}" + "".join(f"\n    {n} x {kind}" for kind, n in kinds.items()),
+        f"  softmax left unfused: {len(left)}" + "".join(f"\n    {u}" for u in left),
     ]
     if g.assumptions:  # where an imported model is defined (every run checks it)
         lines.insert(3, f"  defined where: {'; '.join(f'{a} == {b}' for a, b in g.assumptions)} (checked on every run)")

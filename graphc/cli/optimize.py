@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..optimizer import OPTIMIZERS, PIPELINES, PassContext, optimize
+from ..optimizer import OPTIMIZERS, PIPELINES, PassContext, optimize, unfused_softmaxes
 from ..serialize import save_graph
 from .common import UsageError, parse_sizes
 from .source import GraphSource, add_graph_args
@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         )
     out, report = optimize(g, level=args.level, hints=hints, optimizer=args.optimizer, verify=True, target=target)
     print(report.explain() if args.explain else report)
+    if args.explain:
+        left = unfused_softmaxes(out)
+        print(f"\nsoftmax left unfused once attention is recognised: {len(left)}" + "".join(f"\n  {u}" for u in left))
     if args.print:
         print()
         print(out)

@@ -9,6 +9,7 @@ from .legalize import LOWERING_STAGES, REFERENCE_TARGET, Target, legalize, lower
 from .patterns import Bindings, Pat, pattern_rule
 from .pipeline import PIPELINES, STAGES, OptimizationReport, OptimizationResult, optimize, pipeline, register_rule, unregister_rule
 from .planning import OPTIMIZERS, plan_contractions
+from .softmax_report import KEEP_EVERY_ATTENTION, UnfusedSoftmax, unfused_softmaxes
 
 __all__ = [
     "optimize",
@@ -23,6 +24,9 @@ __all__ = [
     "pattern_rule",
     "unregister_rule",
     "lower",
+    "unfused_softmaxes",
+    "UnfusedSoftmax",
+    "KEEP_EVERY_ATTENTION",
     "legalize",
     "Target",
     "REFERENCE_TARGET",

@@ -174,9 +174,10 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
     """The attention chain through ``softmax``: the scores walked up to QK^T, P walked down to PV, then Q, K, V."""
     rank = graph.types[softmax.name].rank
     if rank < 2 or softmax.op_as(Softmax).axis % rank != rank - 1:
-        return None
+        axis = softmax.op_as(Softmax).axis
+        return Miss(f"a softmax over axis {axis} of a rank-{rank} value: attention's is over the keys, the last of at least two")
     sc = _walk_scores(graph, softmax)
-    if sc is None or isinstance(sc, Miss):
+    if isinstance(sc, Miss):
         return sc
     assert sc.qk is not None
     if not only_reader(graph, sc.qk.name, sc.qk_reader):
@@ -190,28 +191,37 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
     return _with_operands(graph, softmax, sc, roles, values)
 
 
-def _walk_scores(graph: Graph, softmax: Node) -> _Scores | Miss | None:
+def _walk_scores(graph: Graph, softmax: Node) -> _Scores | Miss:
     """Walk up from the softmax through the ops that may sit on the scores to the QK^T einsum."""
     sc = _Scores(chain=[softmax.name])
     x, reader = softmax.inputs[0], softmax.name
     while True:
         node = graph.producer(x)
         if node is None:
-            return None
+            return Miss(f"the softmax's scores come from {x!r}, {'a graph input' if x in graph.inputs else 'a constant'}, not a QK^T einsum")
         if isinstance(node.op, Einsum):
             sc.qk, sc.qk_reader = node, reader
             return sc
         if not isinstance(node.op, (Reshape, Scale, CausalMask, Where, Binary, Unary)):
-            return None
+            why = "attention's scores come from a QK^T einsum through scales, masks, a softcap and views"
+            return Miss(f"{_op_text(node)} {node.name!r} makes the scores; {why}")
         if sc.cap is not None and isinstance(node.op, (CausalMask, Where, Binary)):
             return Miss(f"mask {node.name!r} acts before the softcap; attention caps first, then masks")
         if not only_reader(graph, x, reader):
             return Miss(f"{x!r} on the scores is read outside the attention chain")
         nxt = _absorb(graph, node, sc)
-        if nxt is None or isinstance(nxt, Miss):
+        if nxt is None:
+            return Miss(f"{_op_text(node)} {node.name!r} sits on the scores: not a scale, mask, softcap or view attention can take")
+        if isinstance(nxt, Miss):
             return nxt
         sc.chain.append(node.name)
         reader, x = node.name, nxt
+
+
+def _op_text(node: Node) -> str:
+    """``Binary(mul)``, ``Unary(exp)``: an op with its function where it has one."""
+    fn = getattr(node.op, "fn", None)
+    return f"{node.op.kind}({fn})" if fn else node.op.kind
 
 
 def _absorb(graph: Graph, node: Node, sc: _Scores) -> str | Miss | None:
