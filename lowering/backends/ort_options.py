@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = ["OrtOptions", "DEFAULT_INLINE_MAX_BYTES", "Sizes"]
 
@@ -31,3 +32,5 @@ class OrtOptions:
     inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES
     tf32: bool = False
     cuda_graph: bool = False
+    CUDA_ONLY: ClassVar[frozenset[str]] = frozenset({"tf32", "cuda_graph"})
+    """The options only the CUDA provider takes (not in ort-cpu's ``prepare``)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -137,41 +137,24 @@ def _cuda_missing() -> str | None:
 
 
 def _ort(provider: str) -> Callable[..., Runner]:
-    defaults = OrtOptions()
+    """The ``prepare`` of an onnxruntime backend: ``opset`` and ``attention`` for the export, then the fields of
+    :class:`OrtOptions` as keywords (its signature is made from them, so the options are defined once; the CUDA-only
+    ones are the CUDA provider's alone)."""
+    names = [f.name for f in fields(OrtOptions) if provider == "CUDAExecutionProvider" or f.name not in OrtOptions.CUDA_ONLY]
 
-    def prepare_ort(
-        graph: Graph,
-        opset: int | None = None,
-        attention: str = "decomposed",
-        threads: int | None = defaults.threads,
-        sizes: Sizes = defaults.sizes,
-        isolate: bool = defaults.isolate,
-        spin: bool = defaults.spin,
-        inline_weights_max_bytes: int | None = defaults.inline_weights_max_bytes,
-        tf32: bool = defaults.tf32,
-        cuda_graph: bool = defaults.cuda_graph,
-    ) -> Runner:
+    def prepare_ort(graph: Graph, opset: int | None = None, attention: str = "decomposed", **options: Any) -> Runner:
         from .ort_backend import prepare_ort as build
 
-        options = OrtOptions(threads, sizes, isolate, spin, inline_weights_max_bytes, tf32, cuda_graph)
-        return build(provider, graph, _export, opset, attention, options)
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise BackendError(f"onnxruntime's {provider} takes option(s) {names}, not {unknown}")
+        return build(provider, graph, _export, opset, attention, OrtOptions(**options))
 
-    if provider == "CUDAExecutionProvider":
-        return prepare_ort
-
-    def prepare_ort_cpu(
-        graph: Graph,
-        opset: int | None = None,
-        attention: str = "decomposed",
-        threads: int | None = defaults.threads,
-        sizes: Sizes = defaults.sizes,
-        isolate: bool = defaults.isolate,
-        spin: bool = defaults.spin,
-        inline_weights_max_bytes: int | None = defaults.inline_weights_max_bytes,
-    ) -> Runner:  # the CUDA options (tf32, cuda_graph) are not this provider's to take
-        return prepare_ort(graph, opset, attention, threads, sizes, isolate, spin, inline_weights_max_bytes)
-
-    return prepare_ort_cpu
+    defaults = OrtOptions()
+    head = list(inspect.signature(prepare_ort).parameters.values())[:3]
+    keywords = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, n)) for n in names]
+    setattr(prepare_ort, "__signature__", inspect.Signature([*head, *keywords], return_annotation=Runner))  # what prepare() reads
+    return prepare_ort
 
 
 def _torch_missing() -> str | None:
