@@ -14,7 +14,7 @@ from graphc import Graph, Visibility, optimize
 from graphc.ops import Binary, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
 from graphc.optimizer import Target, lower
 from graphc.rotary import Positions
-from graphc.tensor_ops import BroadcastTo, ShapeValues
+from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
 from lowering import random_inputs, run, unavailable_reason
 
 KEEP_ALL = Target("keep", lambda graph, node, ctx: None)
@@ -324,3 +324,44 @@ def test_a_finite_fill_over_a_bool_of_an_infinite_mask_gives_padded_rows_the_mea
     want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
     for backend in ("numpy", "ort-cpu"):
         np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)
+
+
+@pytest.mark.parametrize("spelling", ["additive", "bool"])
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_index_grid_causal_mask_without_an_attention_mask_is_a_causal_offset(spelling, cache):
+    """A decoder's causal mask written without an ``attention_mask`` input (dynamo's BART and Whisper decoders):
+    ``arange(keys)[None] <= arange(queries)[:, None] + past`` expanded to ``[b, 1, s, keys]``, added as ``Where(keep, 0,
+    finfo.min)`` or applied as ``Where(keep, scores, finfo.min)``.  It is read as the causal offset (the cache taken in),
+    not as a bool mask, and gives the graph's numbers."""
+    g = Graph("grid")
+    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
+    ids = g.input("ids", ["b", "s"], "int64")
+    q = g.input("q", ["b", HEADS, "s", D])
+    k, v = g.input("k", ["b", KV_HEADS, "s", D]).name, g.input("v", ["b", KV_HEADS, "s", D]).name
+    total = "p+s" if cache else "s"
+    if cache:
+        k = add(Concat(2), [g.input("past_k", ["b", KV_HEADS, "p", D]), k], "present_k")
+        v = add(Concat(2), [g.input("past_v", ["b", KV_HEADS, "p", D]), v], "present_v")
+    k, v = (add(Repeat(1, HEADS // KV_HEADS), [x], f"{x}_repeated") for x in (k, v))
+    const = lambda name, value: g.add_initializer(name, np.asarray(value)).name  # noqa: E731
+    key_pos = add(Reshape((1, 1, 1, total)), [add(Arange(0, total), [], "kpos")], "kpos4")
+    query_pos = add(Positions(1), [ids], "qpos")
+    if cache:
+        query_pos = add(Binary("add"), [query_pos, add(ShapeValues(("p",), scalar=True), [], "past_len")], "qpos_past")
+    keep = add(Compare("less_equal"), [key_pos, add(Reshape((1, 1, "s", 1)), [query_pos], "qpos4")], "causal")
+    keep = add(BroadcastTo(("b", 1, "s", total)), [keep], "causal_expanded")
+    scores = add(Einsum("bhqd,bhkd->bhqk"), [add(Scale(D**-0.5), [q], "q_scaled"), k], "scores")
+    fill = const("fill", np.float32(MIN32))
+    if spelling == "additive":
+        masked = add(Binary("add"), [scores, add(Where(), [keep, const("zero", np.float32(0)), fill], "mask")], "masked")
+    else:
+        masked = add(Where(), [keep, scores, fill], "masked")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [masked], "probs"), v], "out"))
+    optimized = optimize(g).graph
+    attention = [n.op for n in lower(optimized, KEEP_ALL).nodes.values() if n.op.kind == "Attention"]
+    assert [(op.visibility, op.kv_cache) for op in attention] == [(Visibility.causal("p" if cache else 0), cache)], attention
+    for seq, past in ((5, 3), (1, 6)):
+        feeds = random_inputs(g, seed=seq, b=2, s=seq, p=past if cache else 0)
+        want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+        for backend, options in (("numpy", {}), ("ort-cpu", {"attention": "auto"})):
+            np.testing.assert_allclose(run(optimized, feeds, backend, **options)["out"], want, rtol=2e-4, atol=2e-5, err_msg=f"{backend} {seq, past}")

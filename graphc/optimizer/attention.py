@@ -38,7 +38,7 @@ from graphc.tensor_ops import BroadcastTo
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
-from .masks import MaskSplit, split_additive_mask
+from .masks import MaskSplit, split_additive_mask, split_bool_mask
 
 __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
 
@@ -179,6 +179,8 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
     sc = _walk_scores(graph, softmax)
     if isinstance(sc, Miss):
         return sc
+    if sc.vis.empty_rows != "zero" and not replace(sc.vis, empty_rows="zero").may_hide_whole_rows():
+        sc.vis = replace(sc.vis, empty_rows="zero")  # a finite fill's rows that no query can have: zeros and the mean are the same
     assert sc.qk is not None
     if not only_reader(graph, sc.qk.name, sc.qk_reader):
         return Miss(f"scores {sc.qk.name!r} are read outside the attention chain")
@@ -264,13 +266,16 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
     if sc.vis.mask == "additive":
         return Miss("a bool mask and an additive mask on one softmax")
     why = f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax otherwise"
-    both = _conjunction(sc.vis, Visibility(mask="bool", empty_rows=rows), why)
-    if isinstance(both, Miss):
-        return both
-    if sc.masks.first is None:
-        sc.masks.first = cond
-    else:
-        sc.masks.more = (*sc.masks.more, cond)
+    split = split_bool_mask(graph, cond)  # an index grid's causal bound among the conjuncts
+    part = Visibility(mask="bool", empty_rows=rows) if split is None else Visibility.from_bounds(split[0], "bool" if split[1] else "none", rows)
+    both = None if part is None else _conjunction(sc.vis, part, why)
+    if both is None or isinstance(both, Miss):
+        return both or Miss(f"the position bounds of {cond!r} have no one causal form")
+    for value in (cond,) if split is None else split[1]:
+        if sc.masks.first is None:
+            sc.masks.first = value
+        else:
+            sc.masks.more = (*sc.masks.more, value)
     sc.vis, sc.view_for_rows = both, sc.view_for_rows or graph.types[node.name].shape
     return a
 

@@ -37,7 +37,7 @@ from graphc.visibility import KeyBound, Visibility
 
 from .patterns import Bindings, Pat, one_element
 
-__all__ = ["MaskSplit", "split_additive_mask", "FILL_LIMIT"]
+__all__ = ["MaskSplit", "split_additive_mask", "split_bool_mask", "FILL_LIMIT"]
 
 
 @dataclass(frozen=True)
@@ -233,8 +233,8 @@ _FLIP = {"less": "greater", "less_equal": "greater_equal", "greater": "less", "g
 
 def _half_plane(graph: Graph, value: str) -> KeyBound | None:
     """The :class:`KeyBound` a bool ``j <= i + u`` or ``j >= i + l`` keeps (``j`` keys on axis -1, ``i`` queries
-    on -2); also ``x - y <op> c`` (a Trilu's mask), which is ``x <op> y + c``."""
-    b = _match(COMPARE, graph, value)
+    on -2), seen through its expansions; also ``x - y <op> c`` (a Trilu's mask), which is ``x <op> y + c``."""
+    b = _match(COMPARE, graph, _unexpanded(graph, value))
     if b is None:
         return None
     a, q = _positions(graph, b["a"]), _positions(graph, b["b"])
@@ -262,9 +262,15 @@ def _half_plane(graph: Graph, value: str) -> KeyBound | None:
 # ------------------------------------------------------------------ conjunctions
 
 
+def _unexpanded(graph: Graph, value: str) -> str:
+    """``value`` before the expansions (``BroadcastTo``, unit axes in front) that do not change which key a query sees."""
+    b = _match(MASK_VALUE, graph, value)
+    return b["mask"] if b is not None else value
+
+
 def _conjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None:
-    """Flatten ``And`` (``Where(a, b, False)``, ``Where(True, b, False)``) into its conjuncts."""
-    b = _match(AND, graph, value) if depth < 16 else None
+    """Flatten ``And`` (``Where(a, b, False)``, ``Where(True, b, False)``) into its conjuncts (through expansions)."""
+    b = _match(AND, graph, _unexpanded(graph, value)) if depth < 16 else None
     if b is None:
         out.append(value)
         return
@@ -312,6 +318,19 @@ def _planes(graph: Graph, value: str) -> tuple[list[KeyBound], list[str], np.nda
     kept = [(p, _half_plane(graph, p)) for p in conjuncts]
     bounds = [pl.complement() for pl in found if pl] + [pl for _, pl in kept if pl is not None]
     return bounds, [p for p, pl in kept if pl is None], b["fill"]
+
+
+def split_bool_mask(graph: Graph, keep: str) -> tuple[list[KeyBound], tuple[str, ...]] | None:
+    """A bool keep-mask (``Where(keep, scores, fill)``) read as the half-planes among its conjuncts and the other
+    conjuncts (padding): an index grid's ``j <= i`` (a decoder's causal mask written without an attention mask, as
+    dynamo writes BART's and Whisper's) is a causal bound.  ``None`` when no conjunct is a half-plane."""
+    parts: list[str] = []
+    _conjuncts(graph, keep, parts)
+    planes = [(p, _half_plane(graph, p)) for p in parts]
+    bounds = [pl for _, pl in planes if pl is not None]
+    if not bounds:
+        return None
+    return bounds, tuple(p for p, pl in planes if pl is None)
 
 
 # ------------------------------------------------------------------ transformers' older masks
@@ -392,8 +411,7 @@ def split_additive_mask(graph: Graph, mask: str, depth: int = 0) -> MaskSplit | 
 
     ``keep`` may hold one causal bound (and one window edge with it) and any other bool conjuncts; without a causal
     bound it is a plain bool mask (BERT's padding)."""
-    b = _match(MASK_VALUE, graph, mask)
-    value = b["mask"] if b is not None else mask
+    value = _unexpanded(graph, mask)
     if graph.producer(value) is None:
         return None
     found = _old_transformers_mask(graph, value) or _nested_mask(graph, value, depth)
