@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from graphc import Graph, Visibility, optimize
 from graphc.ops import Binary, Cast, Compare, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Where
-from graphc.optimizer import Target, lower
+from graphc.optimizer import Target, lower, unfused_softmaxes
 from graphc.rotary import Positions
-from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
+from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues, Slice
 from lowering import random_inputs, run, unavailable_reason
 
 KEEP_ALL = Target("keep", lambda graph, node, ctx: None)
@@ -365,3 +365,26 @@ def test_an_index_grid_causal_mask_without_an_attention_mask_is_a_causal_offset(
         want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
         for backend, options in (("numpy", {}), ("ort-cpu", {"attention": "auto"})):
             np.testing.assert_allclose(run(optimized, feeds, backend, **options)["out"], want, rtol=2e-4, atol=2e-5, err_msg=f"{backend} {seq, past}")
+
+
+def test_a_bias_as_large_as_the_scores_is_the_additive_mask():
+    """T5 adds one tensor, its relative-position bias with the padding in it, to unscaled scores: both addends are
+    score-shaped, and the scores are the one a QK^T einsum makes.  One attention whose additive mask is that tensor."""
+    g = Graph("t5")
+    add = lambda op, ins, name: g.add_node(op, ins, name).name  # noqa: E731
+    q, k, v = g.input("q", ["b", HEADS, "s", D]), g.input("k", ["b", HEADS, "s", D]), g.input("v", ["b", HEADS, "s", D])
+    table = g.add_initializer("relative_bias", np.random.default_rng(0).standard_normal((1, HEADS, 64, 64)).astype(np.float32)).name
+    pad = g.input("pad", ["b", 1, 1, "s"])  # 0 or finfo.min, as T5's extended attention mask
+    bias = add(Binary("add"), [add(Slice(3, 0, "s"), [add(Slice(2, 0, "s"), [table], "rows")], "bias"), pad], "position_bias")
+    position_bias = add(BroadcastTo(("b", HEADS, "s", "s")), [bias], "position_bias_full")
+    scores = add(Einsum("bhqd,bhkd->bhqk"), [q, k], "scores")
+    g.output(add(Einsum("bhqk,bhkd->bhqd"), [add(Softmax(-1), [add(Binary("add"), [scores, position_bias], "biased")], "probs"), v], "out"))
+    optimized = optimize(g).graph
+    kept = lower(optimized, KEEP_ALL)
+    attention = [n.op for n in kept.nodes.values() if n.op.kind == "Attention"]
+    assert [op.visibility for op in attention] == [Visibility(mask="additive")] and unfused_softmaxes(kept, lowered=True) == []
+    feeds = random_inputs(g, seed=1, b=2, s=5)
+    feeds["pad"] = np.where(np.arange(5) < 2, np.float32(MIN32), np.float32(0)) * np.array([1, 0], np.float32)[:, None, None, None]
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out"]
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(optimized, feeds, backend)["out"], want, rtol=2e-4, atol=2e-5, err_msg=backend)

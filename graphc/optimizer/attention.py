@@ -301,6 +301,9 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if len(cands) == 2 and not sc.vis.is_causal:  # a mask expanded to the scores' shape: the one that reads as a position mask
         masks = [i for i in cands if split_additive_mask(graph, node.inputs[i]) is not None]
         cands = [1 - masks[0]] if len(masks) == 1 else cands
+    if len(cands) == 2:  # a bias as large as the scores (T5's relative positions with the padding): the scores are QK^T's
+        products = [i for i in cands if _is_product(graph, node.inputs[i])]
+        cands = products if len(products) == 1 else cands
     if len(cands) != 1:
         return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
     pos = cands[0]
@@ -333,6 +336,15 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
         m.first, m.negate = split.hide, True
     m.split_from = node.inputs[1 - pos] if split.keep or split.hide else None
     return node.inputs[pos]
+
+
+def _is_product(graph: Graph, value: str) -> bool:
+    """``value`` is a two-operand einsum of values computed from the inputs (the QK^T scores), seen through views and
+    scales: a bias (a gathered table, a mask) is not."""
+    node = graph.producer(value)
+    while node is not None and isinstance(node.op, (Reshape, Transpose, Scale)):
+        node = graph.producer(node.inputs[0])
+    return node is not None and isinstance(node.op, Einsum) and len(node.inputs) == 2 and not any(graph.is_constant(i) for i in node.inputs)
 
 
 def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) -> str | Miss:
