@@ -37,8 +37,9 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 NEEDS = {
     "transformers": {"test_hf_parity", "test_causal_lm", "test_generate_text", "test_chat_templates", "test_prequantized",
-                     "test_rotary", "test_attention_features", "test_examples", "test_sharding", "test_onnx_torch_export"},
-    "corpus": {"test_real_exports", "test_latent_attention", "test_sharding"},
+                     "test_rotary", "test_attention_features", "test_examples", "test_sharding", "test_onnx_torch_export",
+                     "test_encoder_exports"},
+    "corpus": {"test_real_exports", "test_latent_attention", "test_sharding", "test_encoder_exports"},
     "real_size": {"test_real_size"},
     "gpu": {"test_cuda"},
 }  # fmt: skip

@@ -1,0 +1,130 @@
+"""Tiny random-weight encoders and encoder-decoder parts exported by torch.onnx as users export them (shared by tests
+and benchmarks).
+
+``export_encoder(family, exporter, path)`` writes one ONNX file by the legacy TorchScript exporter (``dynamo=False``,
+opset 18) or by ``torch.export`` (``dynamo=True``), with dynamic batch and lengths; ``feeds(family, batch, seed)`` makes
+inputs at sizes never traced, the first row padded where the model takes a mask.  The families:
+
+- ``vit``: a ViT image encoder (``pixel_values`` in, ``last_hidden_state`` out; no mask);
+- ``clip_text``: CLIP's text tower (causal self-attention with a padding mask);
+- ``bart_decoder``: BART's decoder (causal self-attention built without an attention mask, cross-attention over
+  ``encoder_hidden_states`` with the encoder's padding mask);
+- ``t5_encoder``: T5's encoder (a relative-position bias added to the unscaled scores, the padding in it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each test process keeps its own exports
+    fcntl = None
+
+ENCODER_FAMILIES = ("vit", "clip_text", "bart_decoder", "t5_encoder")
+VOCAB = 100
+HIDDEN = 64
+SIZES = {"vit": (3, None, None), "clip_text": (3, 9, None), "bart_decoder": (3, 6, 9), "t5_encoder": (3, 9, None)}
+"""(batch, sequence, encoder length) of the untraced run (traced: batch 2, sequence 5 or 7)."""
+
+
+def _model(family: str):  # noqa: ANN202 - (torch module, example args, input names, dynamic axes by input)
+    import torch
+    import transformers as tf
+
+    small = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, hidden_size=HIDDEN)
+    if family == "vit":
+        m = tf.ViTModel(tf.ViTConfig(**small, image_size=32, patch_size=8)).eval()
+        return m, (torch.randn(2, 3, 32, 32),), ["pixel_values"], {"pixel_values": {0: "batch"}}
+    if family == "clip_text":
+        m = tf.CLIPTextModel(tf.CLIPTextConfig(**small, vocab_size=VOCAB, max_position_embeddings=32)).eval()
+        ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+        return m, (ids, mask), ["input_ids", "attention_mask"], {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    if family == "t5_encoder":
+        m = tf.T5EncoderModel(tf.T5Config(d_model=HIDDEN, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=VOCAB)).eval()
+        ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+        return m, (ids, mask), ["input_ids", "attention_mask"], {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    if family == "bart_decoder":
+        cfg = tf.BartConfig(d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                            encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=32)  # fmt: skip
+        decoder = tf.BartModel(cfg).eval().get_decoder()
+
+        class Decoder(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.decoder = decoder
+
+            def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask):  # noqa: ANN001, ANN201
+                return self.decoder(
+                    input_ids=input_ids, encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask, use_cache=False
+                ).last_hidden_state
+
+        args = (torch.randint(0, VOCAB, (2, 5)), torch.randn(2, 7, HIDDEN), torch.ones(2, 7, dtype=torch.long))
+        names = ["input_ids", "encoder_hidden_states", "encoder_attention_mask"]
+        return Decoder().eval(), args, names, {"input_ids": {0: "batch", 1: "seq"}, "encoder_hidden_states": {0: "batch", 1: "enc"},
+                                              "encoder_attention_mask": {0: "batch", 1: "enc"}}  # fmt: skip
+    raise ValueError(f"unknown encoder family {family!r}; known: {', '.join(ENCODER_FAMILIES)}")
+
+
+def _export(family: str, exporter: str, path: Path) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model, args, names, axes = _model(family)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            torch.onnx.export(model, args, str(path), dynamo=True, input_names=names, output_names=["last_hidden_state"], dynamic_axes=axes)
+        else:
+            axes = {**axes, "last_hidden_state": {0: "batch"}}
+            torch.onnx.export(model, args, str(path), dynamo=False, input_names=names, output_names=["last_hidden_state"], dynamic_axes=axes, opset_version=18)
+
+
+_EXPORTED: dict[tuple, Path] = {}
+_CACHE_DIR = tempfile.TemporaryDirectory(prefix="graphc-encoder-exports-")
+
+
+def export_encoder(family: str, exporter: str, path: str | Path) -> Path:
+    """Export one tiny model to ``path`` (once per test run: later requests copy the first file; the test processes of a
+    run share them through ``$GRAPHC_TEST_EXPORTS``, one lock a model, as ``tests/real_exports.py`` does)."""
+    key = ("encoder", family, exporter)
+    shared = os.environ.get("GRAPHC_TEST_EXPORTS")
+    if shared and fcntl is not None:
+        stored = Path(shared) / f"{hashlib.sha1(repr(key).encode()).hexdigest()}.onnx"
+        with open(f"{stored}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _export_or_copy(family, exporter, Path(path), stored)
+    return _export_or_copy(family, exporter, Path(path), _EXPORTED.setdefault(key, Path(_CACHE_DIR.name) / f"{len(_EXPORTED)}.onnx"))
+
+
+def _export_or_copy(family: str, exporter: str, path: Path, stored: Path) -> Path:
+    if stored.exists():
+        shutil.copyfile(stored, path)
+        return path
+    _export(family, exporter, path)
+    if not Path(f"{path}.data").exists():
+        shutil.copyfile(path, stored)
+    return path
+
+
+def feeds(family: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs at :data:`SIZES` (never traced); the first row padded (its first two positions) where a mask is taken."""
+    rng = np.random.default_rng(seed)
+    batch, seq, enc = SIZES[family]
+    if family == "vit":
+        return {"pixel_values": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
+    ids = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
+    if family == "bart_decoder":
+        mask = np.ones((batch, enc), np.int64)
+        mask[0, :2] = 0
+        return {"input_ids": ids, "encoder_hidden_states": rng.standard_normal((batch, enc, HIDDEN)).astype(np.float32), "encoder_attention_mask": mask}
+    mask = np.ones((batch, seq), np.int64)
+    mask[0, :2] = 0
+    return {"input_ids": ids, "attention_mask": mask}
