@@ -84,7 +84,8 @@ def _export(family: str, exporter: str, path: Path) -> None:
             torch.onnx.export(model, args, str(path), dynamo=True, input_names=names, output_names=["last_hidden_state"], dynamic_axes=axes)
         else:
             axes = {**axes, "last_hidden_state": {0: "batch"}}
-            torch.onnx.export(model, args, str(path), dynamo=False, input_names=names, output_names=["last_hidden_state"], dynamic_axes=axes, opset_version=18)
+            out = ["last_hidden_state"]
+            torch.onnx.export(model, args, str(path), dynamo=False, input_names=names, output_names=out, dynamic_axes=axes, opset_version=18)
 
 
 _EXPORTED: dict[tuple, Path] = {}
@@ -124,7 +125,8 @@ def feeds(family: str, seed: int = 0) -> dict[str, np.ndarray]:
     if family == "bart_decoder":
         mask = np.ones((batch, enc), np.int64)
         mask[0, :2] = 0
-        return {"input_ids": ids, "encoder_hidden_states": rng.standard_normal((batch, enc, HIDDEN)).astype(np.float32), "encoder_attention_mask": mask}
+        states = rng.standard_normal((batch, enc, HIDDEN)).astype(np.float32)
+        return {"input_ids": ids, "encoder_hidden_states": states, "encoder_attention_mask": mask}
     mask = np.ones((batch, seq), np.int64)
     mask[0, :2] = 0
     return {"input_ids": ids, "attention_mask": mask}
