@@ -122,6 +122,39 @@ def test_cross_attention_matches_reference():
     np.testing.assert_allclose(got, want, **F32)
 
 
+@pytest.mark.parametrize("mask", ["bool", "additive"])
+def test_cross_attention_with_an_encoder_padding_mask_and_keys_values_computed_once(mask):
+    """An encoder's padding mask on cross-attention, and the decoder step that reads keys and values projected once
+    (``cross_kv_graph``): both equal the float64 reference, on NumPy and onnxruntime, and each is one recognised
+    attention with the mask's kind."""
+    from reference import ref_linear
+
+    from graphc.optimizer import KEEP_EVERY_ATTENTION, lower
+    from lowering import run
+
+    cfg = AttentionConfig(48, 6, 3, bias=True)
+    weights = graphc.init_weights(cfg, seed=20)
+    full = graphc.cross_attention_graph(cfg, weights=weights, mask=mask)
+    kv, step = graphc.cross_kv_graph(cfg, weights=weights), graphc.cross_attention_graph(cfg, weights=weights, mask=mask, cached_kv=True)
+    rng = np.random.default_rng(21)
+    x, memory = rng.standard_normal((2, 3, 48)).astype(np.float32), rng.standard_normal((2, 8, 48)).astype(np.float32)
+    keep = np.ones((2, 1, 1, 8), bool)
+    keep[0, ..., :3] = False  # the first encoder row padded
+    m = keep if mask == "bool" else np.where(keep, 0, -np.inf).astype(np.float32)
+    project = lambda a, n, heads: ref_linear(a, weights[f"{n}.weight"], weights[f"{n}.bias"]).reshape(2, -1, heads, cfg.hd).transpose(0, 2, 1, 3)  # noqa: E731
+    o = ref_sdpa(project(x, "q_proj", 6), project(memory, "k_proj", 3), project(memory, "v_proj", 3), mask=keep, scale=cfg.softmax_scale)
+    want = ref_linear(o.transpose(0, 2, 1, 3).reshape(2, 3, 48), weights["o_proj.weight"], weights["o_proj.bias"])
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(full, {"x_BSM": x, "memory_BTM": memory, "memory_mask": m}, backend)["out_BSM"], want, **F32)
+        cache = run(kv, {"memory_BTM": memory}, backend)
+        got = run(step, {"x_BSM": x, "cross_key": cache["cross_key"], "cross_value": cache["cross_value"], "memory_mask": m}, backend)["out_BSM"]
+        np.testing.assert_allclose(got, want, **F32, err_msg=backend)
+    for g in (full, step):
+        ops = [n.op for n in lower(graphc.optimize(g).graph, KEEP_EVERY_ATTENTION).nodes.values() if n.op.kind == "Attention"]
+        assert [op.visibility for op in ops] == [graphc.Visibility(mask=mask)]
+    assert "k_proj.weight" not in step.initializers and "q_proj.weight" not in kv.initializers  # each graph holds its own weights
+
+
 @pytest.mark.parametrize("kind", SMALL)
 def test_kv_cache_prefill_then_decode_equals_one_causal_prefill(kind):
     cfg = SMALL[kind]

@@ -5,6 +5,7 @@ from .builders import (
     attention_layer_graph,
     attention_stack_graph,
     cross_attention_graph,
+    cross_kv_graph,
     init_weights,
     kv_cache_graph,
     sdpa_graph,
@@ -49,5 +50,6 @@ __all__ = [
     "attention_layer_graph",
     "attention_stack_graph",
     "cross_attention_graph",
+    "cross_kv_graph",
     "kv_cache_graph",
 ]

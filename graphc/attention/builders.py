@@ -37,6 +37,7 @@ __all__ = [
     "sdpa_graph",
     "attention_layer_graph",
     "cross_attention_graph",
+    "cross_kv_graph",
     "kv_cache_graph",
     "attention_stack_graph",
 ]
@@ -354,15 +355,56 @@ def cross_attention_graph(
     seed: int = 0,
     dtype: str = "float32",
     name: str | None = None,
+    mask: str = "none",
+    cached_kv: bool = False,
 ) -> Graph:
-    """Cross-attention: queries from ``x [B,Sq,d_model]``, keys/values from ``memory [B,Sk,d_model]``; never causal."""
+    """Cross-attention: queries from ``x [B,Sq,d_model]``, keys/values from ``memory [B,Sk,d_model]``; never causal.
+
+    ``mask``: ``"bool"`` (True keeps a key) or ``"additive"`` adds the encoder's padding mask, an input ``memory_mask
+    [B, 1, 1, Sk]``.  ``cached_kv``: the keys and values come in as ``cross_key``/``cross_value [B, Hkv, Sk, D]``
+    instead of ``memory`` (a decoder's step, which reads the keys and values :func:`cross_kv_graph` computed once per
+    encoder output instead of projecting the encoder output again at every token).
+    """
     g = Graph(name or f"cross_attention_{cfg.kind.lower()}")
     _add_weights(g, cfg, weights, seed, dtype)
     x = g.input("x_BSM", [batch, q_len, cfg.d_model], dtype)
-    mem = g.input("memory_BTM", [batch, kv_len, cfg.d_model], dtype)
-    q, k, v = _project_qkv(g, cfg, x, mem, q_len, kv_len, batch)
-    attn = attention_core(g, cfg, q, k, v, causal=False)
+    if cached_kv:
+        q = _project(g, x, "q_proj", cfg, q_len, batch)
+        k, v = (g.input(n, [batch, cfg.n_kv_heads, kv_len, cfg.hd], dtype) for n in ("cross_key", "cross_value"))
+    else:
+        mem = g.input("memory_BTM", [batch, kv_len, cfg.d_model], dtype)
+        q, k, v = _project_qkv(g, cfg, x, mem, q_len, kv_len, batch)
+    if mask not in MASK_INPUTS:
+        raise WeightError(f"mask must be one of {MASK_INPUTS}, got {mask!r}")
+    memory_mask = None if mask == "none" else g.input("memory_mask", [batch, 1, 1, kv_len], "bool" if mask == "bool" else dtype)
+    attn = attention_core(g, cfg, q, k, v, causal=False, mask=memory_mask)
     g.output(_merge_and_project(g, attn, cfg, q_len, batch))
+    for unused in [n for n in g.initializers if n.startswith(("k_proj.", "v_proj.", "k_norm."))] if cached_kv else []:
+        g.remove_initializer(unused)  # the keys and values come projected
+    return g
+
+
+def cross_kv_graph(
+    cfg: AttentionConfig,
+    batch: Dim = "batch",
+    kv_len: Dim = "kv_len",
+    weights: Mapping[str, np.ndarray] | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    name: str | None = None,
+) -> Graph:
+    """The keys and values of cross-attention, computed once per encoder output: ``memory [B,Sk,d_model]`` in,
+    ``cross_key``/``cross_value [B,Hkv,Sk,D]`` out (the inputs of :func:`cross_attention_graph` with ``cached_kv``;
+    the same ``weights``)."""
+    g = Graph(name or f"cross_kv_{cfg.kind.lower()}")
+    _add_weights(g, cfg, weights, seed, dtype)
+    mem = g.input("memory_BTM", [batch, kv_len, cfg.d_model], dtype)
+    k, v = _project(g, mem, "k_proj", cfg, kv_len, batch), _project(g, mem, "v_proj", cfg, kv_len, batch)
+    g.rename_value(k.name, "cross_key")
+    g.rename_value(v.name, "cross_value")
+    g.output("cross_key", "cross_value")
+    for unused in [n for n in g.initializers if n.startswith(("q_proj.", "o_proj.", "q_norm."))]:
+        g.remove_initializer(unused)  # the queries and the output projection are the step's
     return g
 
 
