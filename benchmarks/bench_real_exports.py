@@ -48,8 +48,9 @@ past shorter than the window, onnxruntime fails on it past that)."""
 CASES = {"decode 1 over 1024": (True, 1, 1024), "decode 1 over 2048": (True, 1, 2048), "prefill 256": (False, 256, 0), "prefill 512": (False, 512, 0)}
 
 
-def _variants(path: Path, work: Path, sizes: dict[str, int]) -> dict[str, Callable[[], Path]]:
-    """How to make each variant of the export at ``path`` (called lazily, so one failure is one row)."""
+def variants(path: Path, work: Path, sizes: dict[str, int], ort_model_type: str = "gpt2") -> dict[str, Callable[[], Path]]:
+    """How to make each variant of the export at ``path`` (called lazily, so one failure is one row); ``ort_model_type``:
+    the model type onnxruntime's transformers optimizer is told."""
     import onnx
 
     def graphc_variant(auto: bool) -> Path:
@@ -66,7 +67,7 @@ def _variants(path: Path, work: Path, sizes: dict[str, int]) -> dict[str, Callab
         from onnxruntime.transformers.optimizer import optimize_model
 
         out = work / "ort_transformers.onnx"
-        optimize_model(str(path), model_type="gpt2", num_heads=0, hidden_size=0, opt_level=1).save_model_to_file(str(out))
+        optimize_model(str(path), model_type=ort_model_type, num_heads=0, hidden_size=0, opt_level=1).save_model_to_file(str(out))
         return out
 
     def onnxscript_rewrite() -> Path:
@@ -107,7 +108,7 @@ def _variants(path: Path, work: Path, sizes: dict[str, int]) -> dict[str, Callab
     }
 
 
-def _session(path: Path, threads: int):  # noqa: ANN202 - an onnxruntime.InferenceSession
+def session(path: Path, threads: int):  # noqa: ANN202 - an onnxruntime.InferenceSession
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -139,24 +140,30 @@ def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> li
     path = export_model(family, "legacy", attention, cache, work / "model.onnx", hidden=256, window=WINDOW)
     f = feeds(onnx.load(str(path), load_external_data=False), 1, seq, past)
     sizes = {"batch": 1, "seq": seq, **({"past_seq": past} if cache else {})}
-    base = _session(path, args.threads)
+    base = session(path, args.threads)
     try:
         want = base.run(None, f)
     except Exception as e:  # noqa: BLE001 - e.g. a sliding-window cache export, valid only for a past shorter than the window
         return [("torch.onnx export", None, None, f"onnxruntime fails on the export itself at this size: {str(e).splitlines()[0][-90:]}")]
+    return timed_rows(base, f, want, variants(path, work, sizes), args)
+
+
+def timed_rows(base, feeds: dict, want: list, made: dict[str, Callable[[], Path]], args: argparse.Namespace) -> list[Row]:  # noqa: ANN001
+    """Each variant checked against the export's outputs ``want`` (1e-4 + 1e-3*|ref|), then timed in alternating blocks of
+    back-to-back calls (``args.blocks`` x ``args.calls``, ``args.threads`` threads); one row each, the export first."""
     runners: dict[str, Callable[[], object]] = {}
     notes: dict[str, str] = {}
-    for name, make in _variants(path, work, sizes).items():
+    for name, make in made.items():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                sess = base if name == "torch.onnx export" else _session(make(), args.threads)
-            got = sess.run(None, f)
+                sess = base if name == "torch.onnx export" else session(make(), args.threads)
+            got = sess.run(None, feeds)
             worst = max(float(np.max(np.abs(g - w) / (1e-4 + 1e-3 * np.abs(w)))) for g, w in zip(got, want))
             if worst > 1:
                 notes[name] = f"outputs differ ({worst:.1f}x the tolerance)"
                 continue
-            runners[name] = (lambda s: lambda: s.run(None, f))(sess)
+            runners[name] = (lambda s: lambda: s.run(None, feeds))(sess)
         except Exception as e:  # noqa: BLE001 - a peer that cannot handle the file is a row, not a crash
             notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
     for run in runners.values():
@@ -174,7 +181,7 @@ def run_case(family: str, case: str, args: argparse.Namespace, work: Path) -> li
     export = times["torch.onnx export"]
     paired = {name: statistics.median(t / e for t, e in zip(block, export)) for name, block in times.items()}
     medians = {name: statistics.median(block) for name, block in times.items()}
-    return [(name, medians.get(name), paired.get(name), notes.get(name, "")) for name in _variants(path, work, sizes)]
+    return [(name, medians.get(name), paired.get(name), notes.get(name, "")) for name in made]
 
 
 def main() -> None:

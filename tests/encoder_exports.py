@@ -30,30 +30,32 @@ except ImportError:  # not POSIX: each test process keeps its own exports
 
 ENCODER_FAMILIES = ("vit", "clip_text", "bart_decoder", "t5_encoder")
 VOCAB = 100
-HIDDEN = 64
+SHAPES = {"tiny": (64, 2, 128, 32), "base": (256, 4, 1024, 64)}
+"""(hidden, layers, MLP width, ViT image side) of the tests' models and of the benchmark's (4 heads; ViT patches of 8)."""
 SIZES = {"vit": (3, None, None), "clip_text": (3, 9, None), "bart_decoder": (3, 6, 9), "t5_encoder": (3, 9, None)}
 """(batch, sequence, encoder length) of the untraced run (traced: batch 2, sequence 5 or 7)."""
 
 
-def _model(family: str):  # noqa: ANN202 - (torch module, example args, input names, dynamic axes by input)
+def _model(family: str, shape: str):  # noqa: ANN202 - (torch module, example args, input names, dynamic axes by input)
     import torch
     import transformers as tf
 
-    small = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, hidden_size=HIDDEN)
+    hidden, layers, ff, image = SHAPES[shape]
+    small = dict(num_hidden_layers=layers, num_attention_heads=4, intermediate_size=ff, hidden_size=hidden)
     if family == "vit":
-        m = tf.ViTModel(tf.ViTConfig(**small, image_size=32, patch_size=8)).eval()
-        return m, (torch.randn(2, 3, 32, 32),), ["pixel_values"], {"pixel_values": {0: "batch"}}
+        m = tf.ViTModel(tf.ViTConfig(**small, image_size=image, patch_size=8)).eval()
+        return m, (torch.randn(2, 3, image, image),), ["pixel_values"], {"pixel_values": {0: "batch"}}
     if family == "clip_text":
-        m = tf.CLIPTextModel(tf.CLIPTextConfig(**small, vocab_size=VOCAB, max_position_embeddings=32)).eval()
+        m = tf.CLIPTextModel(tf.CLIPTextConfig(**small, vocab_size=VOCAB, max_position_embeddings=256)).eval()
         ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
         return m, (ids, mask), ["input_ids", "attention_mask"], {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
     if family == "t5_encoder":
-        m = tf.T5EncoderModel(tf.T5Config(d_model=HIDDEN, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=VOCAB)).eval()
+        m = tf.T5EncoderModel(tf.T5Config(d_model=hidden, d_kv=hidden // 4, d_ff=ff, num_layers=layers, num_heads=4, vocab_size=VOCAB)).eval()
         ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
         return m, (ids, mask), ["input_ids", "attention_mask"], {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
     if family == "bart_decoder":
-        cfg = tf.BartConfig(d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                            encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=32)  # fmt: skip
+        cfg = tf.BartConfig(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4,
+                            encoder_ffn_dim=ff, decoder_ffn_dim=ff, vocab_size=VOCAB, max_position_embeddings=256)  # fmt: skip
         decoder = tf.BartModel(cfg).eval().get_decoder()
 
         class Decoder(torch.nn.Module):
@@ -66,18 +68,18 @@ def _model(family: str):  # noqa: ANN202 - (torch module, example args, input na
                     input_ids=input_ids, encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask, use_cache=False
                 ).last_hidden_state
 
-        args = (torch.randint(0, VOCAB, (2, 5)), torch.randn(2, 7, HIDDEN), torch.ones(2, 7, dtype=torch.long))
+        args = (torch.randint(0, VOCAB, (2, 5)), torch.randn(2, 7, hidden), torch.ones(2, 7, dtype=torch.long))
         names = ["input_ids", "encoder_hidden_states", "encoder_attention_mask"]
         return Decoder().eval(), args, names, {"input_ids": {0: "batch", 1: "seq"}, "encoder_hidden_states": {0: "batch", 1: "enc"},
                                               "encoder_attention_mask": {0: "batch", 1: "enc"}}  # fmt: skip
     raise ValueError(f"unknown encoder family {family!r}; known: {', '.join(ENCODER_FAMILIES)}")
 
 
-def _export(family: str, exporter: str, path: Path) -> None:
+def _export(family: str, exporter: str, path: Path, shape: str) -> None:
     import torch
 
     torch.manual_seed(0)
-    model, args, names, axes = _model(family)
+    model, args, names, axes = _model(family, shape)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
@@ -92,40 +94,43 @@ _EXPORTED: dict[tuple, Path] = {}
 _CACHE_DIR = tempfile.TemporaryDirectory(prefix="graphc-encoder-exports-")
 
 
-def export_encoder(family: str, exporter: str, path: str | Path) -> Path:
-    """Export one tiny model to ``path`` (once per test run: later requests copy the first file; the test processes of a
-    run share them through ``$GRAPHC_TEST_EXPORTS``, one lock a model, as ``tests/real_exports.py`` does)."""
-    key = ("encoder", family, exporter)
+def export_encoder(family: str, exporter: str, path: str | Path, shape: str = "tiny") -> Path:
+    """Export one model of :data:`SHAPES` ``shape`` to ``path`` (once per test run: later requests copy the first file;
+    the test processes of a run share them through ``$GRAPHC_TEST_EXPORTS``, one lock a model, as
+    ``tests/real_exports.py`` does)."""
+    key = ("encoder", family, exporter, shape)
     shared = os.environ.get("GRAPHC_TEST_EXPORTS")
     if shared and fcntl is not None:
         stored = Path(shared) / f"{hashlib.sha1(repr(key).encode()).hexdigest()}.onnx"
         with open(f"{stored}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return _export_or_copy(family, exporter, Path(path), stored)
-    return _export_or_copy(family, exporter, Path(path), _EXPORTED.setdefault(key, Path(_CACHE_DIR.name) / f"{len(_EXPORTED)}.onnx"))
+            return _export_or_copy(family, exporter, Path(path), stored, shape)
+    return _export_or_copy(family, exporter, Path(path), _EXPORTED.setdefault(key, Path(_CACHE_DIR.name) / f"{len(_EXPORTED)}.onnx"), shape)
 
 
-def _export_or_copy(family: str, exporter: str, path: Path, stored: Path) -> Path:
+def _export_or_copy(family: str, exporter: str, path: Path, stored: Path, shape: str) -> Path:
     if stored.exists():
         shutil.copyfile(stored, path)
         return path
-    _export(family, exporter, path)
+    _export(family, exporter, path, shape)
     if not Path(f"{path}.data").exists():
         shutil.copyfile(path, stored)
     return path
 
 
-def feeds(family: str, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs at :data:`SIZES` (never traced); the first row padded (its first two positions) where a mask is taken."""
+def feeds(family: str, seed: int = 0, shape: str = "tiny", sizes: tuple[int, int, int] | None = None) -> dict[str, np.ndarray]:
+    """Inputs at ``sizes`` (batch, sequence, encoder length; default :data:`SIZES`, never traced) for a model of
+    ``shape``; the first row padded (its first two positions) where a mask is taken."""
     rng = np.random.default_rng(seed)
-    batch, seq, enc = SIZES[family]
+    batch, seq, enc = sizes or SIZES[family]
+    hidden, image = SHAPES[shape][0], SHAPES[shape][3]
     if family == "vit":
-        return {"pixel_values": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
+        return {"pixel_values": rng.standard_normal((batch, 3, image, image)).astype(np.float32)}
     ids = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
     if family == "bart_decoder":
         mask = np.ones((batch, enc), np.int64)
         mask[0, :2] = 0
-        states = rng.standard_normal((batch, enc, HIDDEN)).astype(np.float32)
+        states = rng.standard_normal((batch, enc, hidden)).astype(np.float32)
         return {"input_ids": ids, "encoder_hidden_states": states, "encoder_attention_mask": mask}
     mask = np.ones((batch, seq), np.int64)
     mask[0, :2] = 0

@@ -18,6 +18,7 @@ BUILT = {
     "cross": lambda: graphc.cross_attention_graph(CFG, seed=0),
     "bool mask": lambda: graphc.sdpa_graph(CFG, causal=False, mask=True),
     "window": lambda: graphc.attention_layer_graph(CFG.with_(sliding_window=4), seed=0),
+    "alibi + padding": lambda: graphc.attention_layer_graph(CFG.with_(alibi=True), seed=0, mask="bool", mask_per_query=False),
     "lm": lambda: graphc.causal_lm_graph(
         graphc.attention.causal_lm_config_from_hf(
             {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -66,3 +67,21 @@ def test_the_command_line_lists_them(tmp_path, capsys):
     assert "softmax left unfused once attention is recognised: 1" in out and "not read by one einsum" in out
     assert main(["optimize", "--preset", "mistral-7b", "--explain", "--seq", "8"]) == 0
     assert "softmax left unfused once attention is recognised: 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("per_query", [False, True])
+def test_alibi_under_a_padding_mask_is_one_attention_with_the_graphs_numbers(per_query):
+    """ALiBi's bias under a bool padding mask (``Where(keep, s + bias, -inf)``): one attention whose additive mask is the
+    bias with the hidden keys at ``-inf``; a row whose keys are all padding gives zeros, as the graph does."""
+    from graphc.optimizer import KEEP_EVERY_ATTENTION, lower
+    from lowering import random_inputs, run
+
+    g = graphc.attention_layer_graph(CFG.with_(alibi=True), seed=0, mask="bool", mask_per_query=per_query)
+    optimized = optimize(g).graph
+    ops = [n.op for n in lower(optimized, KEEP_EVERY_ATTENTION).nodes.values() if n.op.kind == "Attention"]
+    assert [op.visibility for op in ops] == [graphc.Visibility.causal(0, mask="additive")]
+    feeds = random_inputs(g, seed=1, batch=2, seq=5)
+    feeds["attn_mask"][0, ..., :2] = False  # row 0 left-padded: its first two queries see no key
+    want = run(g, feeds, reference=True, compute_dtype="float64")["out_BSM"]
+    for backend in ("numpy", "ort-cpu"):
+        np.testing.assert_allclose(run(optimized, feeds, backend)["out_BSM"], want, rtol=2e-4, atol=2e-5, err_msg=backend)

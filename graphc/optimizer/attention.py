@@ -309,8 +309,8 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     pos = cands[0]
     split = None if sc.vis.is_causal else split_additive_mask(graph, node.inputs[1 - pos])
     m = sc.masks
-    if m.first is not None and m.split_from is not None and sc.scale == 1.0 and sc.vis.mask == "bool":
-        return _bias_beside_position_mask(graph, node, pos, sc)
+    if m.first is not None and (m.split_from is not None or split is None) and sc.scale == 1.0 and sc.vis.mask == "bool":
+        return _bias_beside_bool_mask(graph, node, pos, sc)
     if m.first is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
         if sc.vis.mask != "additive" or sc.scale != 1.0:
             return Miss("more than one user mask on one softmax")
@@ -347,11 +347,11 @@ def _is_product(graph: Graph, value: str) -> bool:
     return node is not None and isinstance(node.op, Einsum) and len(node.inputs) == 2 and not any(graph.is_constant(i) for i in node.inputs)
 
 
-def _bias_beside_position_mask(graph: Graph, node: Node, pos: int, sc: _Scores) -> str | Miss:
-    """A bias added further up than a position mask with padding in it (Bloom: ALiBi on the ``[batch*heads]`` scores
-    before their view as ``[batch, heads, ...]``, then ``Where(causal & padding, 0, finfo.min)``): the op's additive mask
-    is the bias, seen through the views passed since the position mask, with the padding added as ``-inf``
-    (:func:`_positions_beside_bias`)."""
+def _bias_beside_bool_mask(graph: Graph, node: Node, pos: int, sc: _Scores) -> str | Miss:
+    """A bias added further up than a bool mask (ALiBi under a padding mask, ``Where(keep, s + bias, fill)``), or than a
+    position mask with padding in it (Bloom: ALiBi on the ``[batch*heads]`` scores before their view as ``[batch,
+    heads, ...]``, then ``Where(causal & padding, 0, finfo.min)``): the op's additive mask is the bias, seen through the
+    views passed since the mask, with the bool masks added as ``-inf`` (:func:`_positions_beside_bias`)."""
     bias = node.inputs[1 - pos]
     seen = _through_views(graph, bias, sc)
     if isinstance(seen, Miss):
