@@ -67,8 +67,9 @@ def main() -> None:
         builtins.print(text, flush=flush)
         lines.append(text)
 
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     print(
-        f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
+        f"machine: {platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores; onnxruntime {ort.__version__} CPU, {args.threads} threads, "
         f"no spinning; legacy torch.onnx exports, hidden 256, 4 layers, float32, batch 1, {SEQ} tokens; "
         f"median of {args.blocks} alternating blocks of {args.calls} back-to-back calls\n"
     )
