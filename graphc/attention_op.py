@@ -9,7 +9,7 @@ chain (no K/V copy).
 Layout is the ONNX ``Attention`` op's 4-D form: ``q [B, Hq, Sq, D]``,
 ``k [B, Hkv, Sk, D]``, ``v [B, Hkv, Sk, Dv]``; query head ``h`` reads KV head
 ``h // (Hq // Hkv)`` (consecutive groups).  Inputs after q, k, v: the user mask
-(when ``mask`` is ``"bool"`` or ``"additive"``; broadcastable to
+(when the visibility's ``mask`` is ``"bool"`` or ``"additive"``; broadcastable to
 ``[B, Hq, Sq, P+Sk]``), then ``past_key``/``past_value [B, Hkv, P, D|Dv]``
 (when ``kv_cache``).  Outputs: ``out [B, Hq, Sq, Dv]``, then
 ``present_key``/``present_value [B, Hkv, P+Sk, D|Dv]`` (when ``kv_cache``).
