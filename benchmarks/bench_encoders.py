@@ -1,15 +1,15 @@
 """onnxruntime CPU on encoders and encoder-decoder parts exported by torch.onnx: as exported, re-exported by graphc, and
 after onnxruntime's transformers optimizer.
 
-    python benchmarks/bench_encoders.py [--blocks N] [--calls N] [--threads T] [--families vit,clip_text,bart_decoder,t5_encoder]
+    python benchmarks/bench_encoders.py [--blocks N] [--calls N] [--threads T] [--families vit,clip_text,...]
 
 Each family of ``tests/encoder_exports.py`` at its ``base`` shape (hidden 256, 4 layers, 4 heads, MLP 1024; ViT on
-64x64 images, 64 patches) by the legacy exporter, run at batch 1 and 128 tokens (BART's decoder: 128 tokens over 128
-encoder positions).  Variants, each checked against onnxruntime on the export before it is timed (1e-4 + 1e-3*|ref|): the
-export itself; ``graphc optimize`` re-exported (grouped MatMuls) and with ``attention="auto"``; onnxruntime's
-``transformers.optimizer.optimize_model`` told the family's model type; the method of ``bench_real_exports.py``
-(alternating blocks of back-to-back calls, ratios paired by round).  Prints a Markdown table and writes it to
-``--out`` (default ``docs/bench/encoders.md``).
+64x64 images, 64 patches; Whisper's encoder on 256 mel frames, 128 positions) by the legacy exporter, run at batch 1
+and 128 tokens (BART's decoder: 128 tokens over 128 encoder positions).  Variants, each checked against onnxruntime
+on the export before it is timed (1e-4 + 1e-3*|ref|): the export itself; ``graphc optimize`` re-exported (grouped
+MatMuls) and with ``attention="auto"``; onnxruntime's ``transformers.optimizer.optimize_model`` told the family's
+model type.  The method of ``bench_real_exports.py``: alternating blocks of back-to-back calls, ratios paired by
+round.  Prints a Markdown table and writes it to ``--out`` (default ``docs/bench/encoders.md``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from bench_real_exports import ROOT_DOCS, Row, session, timed_rows, variants  # noqa: E402
 
-ORT_MODEL_TYPES = {"vit": "vit", "clip_text": "clip", "bart_decoder": "bart", "t5_encoder": "t5"}
+ORT_MODEL_TYPES = {"vit": "vit", "clip_text": "clip", "whisper_encoder": "bart", "bart_decoder": "bart", "t5_encoder": "t5"}
 """The model type onnxruntime's transformers optimizer is told for each family."""
 SEQ = 128
 

@@ -7,6 +7,7 @@ inputs at sizes never traced, the first row padded where the model takes a mask.
 
 - ``vit``: a ViT image encoder (``pixel_values`` in, ``last_hidden_state`` out; no mask);
 - ``clip_text``: CLIP's text tower (causal self-attention with a padding mask);
+- ``whisper_encoder``: Whisper's audio encoder (two Conv1d over mel frames, learned positions; no mask);
 - ``bart_decoder``: BART's decoder (causal self-attention built without an attention mask, cross-attention over
   ``encoder_hidden_states`` with the encoder's padding mask);
 - ``t5_encoder``: T5's encoder (a relative-position bias added to the unscaled scores, the padding in it).
@@ -28,11 +29,13 @@ try:
 except ImportError:  # not POSIX: each test process keeps its own exports
     fcntl = None
 
-ENCODER_FAMILIES = ("vit", "clip_text", "bart_decoder", "t5_encoder")
+ENCODER_FAMILIES = ("vit", "clip_text", "whisper_encoder", "bart_decoder", "t5_encoder")
 VOCAB = 100
 SHAPES = {"tiny": (64, 2, 128, 32), "base": (256, 4, 1024, 64)}
 """(hidden, layers, MLP width, ViT image side) of the tests' models and of the benchmark's (4 heads; ViT patches of 8)."""
-SIZES = {"vit": (3, None, None), "clip_text": (3, 9, None), "bart_decoder": (3, 6, 9), "t5_encoder": (3, 9, None)}
+WHISPER_FRAMES = {"tiny": 32, "base": 256}
+"""Mel frames of Whisper's input (its encoder's positions are half as many, after the strided Conv1d; fixed, as Whisper's)."""
+SIZES = {"vit": (3, None, None), "clip_text": (3, 9, None), "whisper_encoder": (3, None, None), "bart_decoder": (3, 6, 9), "t5_encoder": (3, 9, None)}
 """(batch, sequence, encoder length) of the untraced run (traced: batch 2, sequence 5 or 7)."""
 
 
@@ -49,6 +52,21 @@ def _model(family: str, shape: str):  # noqa: ANN202 - (torch module, example ar
         m = tf.CLIPTextModel(tf.CLIPTextConfig(**small, vocab_size=VOCAB, max_position_embeddings=256)).eval()
         ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
         return m, (ids, mask), ["input_ids", "attention_mask"], {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    if family == "whisper_encoder":
+        cfg = tf.WhisperConfig(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4,
+                               encoder_ffn_dim=ff, decoder_ffn_dim=ff, num_mel_bins=16, max_source_positions=WHISPER_FRAMES[shape] // 2,
+                               vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)  # fmt: skip
+        encoder = tf.WhisperModel(cfg).eval().get_encoder()
+
+        class Encoder(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.encoder = encoder
+
+            def forward(self, input_features):  # noqa: ANN001, ANN201
+                return self.encoder(input_features).last_hidden_state
+
+        return Encoder().eval(), (torch.randn(2, 16, WHISPER_FRAMES[shape]),), ["input_features"], {"input_features": {0: "batch"}}
     if family == "t5_encoder":
         m = tf.T5EncoderModel(tf.T5Config(d_model=hidden, d_kv=hidden // 4, d_ff=ff, num_layers=layers, num_heads=4, vocab_size=VOCAB)).eval()
         ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
@@ -126,6 +144,8 @@ def feeds(family: str, seed: int = 0, shape: str = "tiny", sizes: tuple[int, int
     hidden, image = SHAPES[shape][0], SHAPES[shape][3]
     if family == "vit":
         return {"pixel_values": rng.standard_normal((batch, 3, image, image)).astype(np.float32)}
+    if family == "whisper_encoder":
+        return {"input_features": rng.standard_normal((batch, 16, WHISPER_FRAMES[shape])).astype(np.float32)}
     ids = rng.integers(0, VOCAB, (batch, seq)).astype(np.int64)
     if family == "bart_decoder":
         mask = np.ones((batch, enc), np.int64)

@@ -28,6 +28,7 @@ pytestmark = [  # T5's position buckets take log(0) and cast its -inf (a branch 
 EXPECTED = {
     "vit": [False] * 2,
     "clip_text": [True] * 2,
+    "whisper_encoder": [False] * 2,
     "bart_decoder": [True, False, True, False],  # per layer: causal self-attention, then cross-attention
     "t5_encoder": [False] * 2,
 }
