@@ -328,3 +328,44 @@ def test_einsum_that_sums_nothing_exports_as_one_mul(spec):
     want = np.einsum(spec, *(feeds[f"x{i}"].astype(np.float64) for i in range(len(terms))))
     for backend in ("ort-cpu", "onnx-reference"):
         np.testing.assert_allclose(run(g, feeds, backend=backend)["y"], want, rtol=1e-6, atol=1e-6, err_msg=backend)
+
+
+@pytest.mark.parametrize("source", ["builder", "onnx Gelu", "torch spelling"])
+def test_an_erf_gelu_exports_in_the_form_onnxruntime_fuses(source, tmp_path):
+    """graphc's GELU, written by its MLP builder, imported from ONNX's ``Gelu`` or from torch's ``x / sqrt 2`` chain and
+    optimized, exports as the chain onnxruntime fuses into one ``Gelu`` kernel (its ``x / sqrt 2`` a division): one
+    kernel instead of five, the numbers of ``0.5 * x * (1 + erf(x / sqrt 2))``."""
+    from math import erf, sqrt
+
+    from onnx import TensorProto, helper
+
+    from graphc.attention.blocks import activation
+    from graphc.onnx_import import from_onnx
+
+    g = Graph("mlp")
+    x = g.input("x", ["b", 16])
+    h = g.einsum("bi,oi->bo", x, g.constant("w", np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)))
+    if source == "builder":
+        g.output(activation(g, h, "gelu", name="y"))
+    else:
+        if source == "onnx Gelu":
+            nodes = [helper.make_node("Gelu", ["x"], ["y"])]
+        else:
+            nodes = [helper.make_node(op, ins, [out]) for op, ins, out in (("Div", ["x", "r"], "a"), ("Erf", ["a"], "e"), ("Add", ["e", "one"], "p"),
+                                                                          ("Mul", ["x", "p"], "xp"), ("Mul", ["xp", "half"], "y"))]  # fmt: skip
+        inits = [helper.make_tensor(n, TensorProto.FLOAT, [], [v]) for n, v in (("r", sqrt(2)), ("one", 1.0), ("half", 0.5))]
+        graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 16])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 16])], inits)  # fmt: skip
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), str(tmp_path / "gelu.onnx"))
+        g = from_onnx(tmp_path / "gelu.onnx")
+    exported = export(graphc.optimize(g).graph, tmp_path / "out.onnx", opset=20)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath, options.log_severity_level = str(tmp_path / "ort.onnx"), 3
+    session = ort.InferenceSession(exported.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert {"Gelu", "BiasGelu"} & {n.op_type for n in onnx.load(str(tmp_path / "ort.onnx")).graph.node}
+    feeds = {g.inputs[0]: np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)}
+    pre = feeds[g.inputs[0]].astype(np.float64)
+    if source == "builder":
+        pre = pre @ g.initializers["w"].astype(np.float64).T
+    want = 0.5 * pre * (1 + np.vectorize(erf)(pre / sqrt(2)))
+    np.testing.assert_allclose(session.run(None, feeds)[0], want, rtol=1e-5, atol=1e-6)

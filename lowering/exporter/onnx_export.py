@@ -363,8 +363,14 @@ def _where(b: OnnxBuilder, node: Node) -> None:
 
 @onnx_emitter(Scale)
 def _scale(b: OnnxBuilder, node: Node) -> None:
-    factor = b.const(np.array(node.op_as(Scale).factor, b.graph.types[node.name].dtype), "scale")
-    b.op("Mul", [node.inputs[0], factor], node.name)
+    """``x * c``; ``x / (1/c)`` where the scale feeds an ``Erf`` alone (a GELU's ``x / sqrt(2)``: onnxruntime fuses the
+    erf GELU into one ``Gelu`` kernel only when it is written with that division, as torch writes it)."""
+    factor, dtype = node.op_as(Scale).factor, b.graph.types[node.name].dtype
+    readers = b.graph.consumers(node.name)
+    if factor != 0 and readers and all(isinstance(r.op, Unary) and r.op.fn == "erf" for r in readers):
+        b.op("Div", [node.inputs[0], b.const(np.array(1 / factor, dtype), "scale_divisor")], node.name)
+        return
+    b.op("Mul", [node.inputs[0], b.const(np.array(factor, dtype), "scale")], node.name)
 
 
 @onnx_emitter(Positions)
