@@ -157,7 +157,7 @@ class Attention(Op):
         dv = in_shapes[2][3]
         return 2 * b * hq * sq * sk * (d + dv) + 5 * b * hq * sq * sk
 
-    def neg_inf_rows(self, n_inputs: int) -> str:
+    def neg_inf_rows(self, ins: Sequence[TensorType]) -> str:
         """The op's result never holds a row of ``-inf`` (zeros or the mean of V)."""
         return "clear"
 

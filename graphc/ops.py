@@ -189,8 +189,9 @@ class Op:
         """Floating-point operations on operands and results of these sizes (the cost model asks the op; 0: data movement only)."""
         return 0
 
-    def neg_inf_rows(self, n_inputs: int) -> str:
-        """How a row of ``-inf`` flows through the op (for the NaN guards of exported softmaxes): ``"propagate"`` (from
+    def neg_inf_rows(self, ins: Sequence[TensorType]) -> str:
+        """How a row of ``-inf`` flows through the op with inputs of types ``ins`` (for the NaN guards of exported
+        softmaxes): ``"propagate"`` (from
         any operand), ``"clear"`` (never in the result), ``"introduce"`` (the op may make one), ``"select"`` (from
         the operands after the first, as ``Where``'s values) or ``"contract"`` (only from constants: user tensors
         reaching a contraction are taken to be finite)."""
@@ -291,9 +292,9 @@ class Einsum(Op):
             sizes.update(zip(term, shape))
         return einsum_flops(self.parsed, sizes)
 
-    def neg_inf_rows(self, n_inputs: int) -> str:
+    def neg_inf_rows(self, ins: Sequence[TensorType]) -> str:
         """A contraction carries ``-inf`` from constants only (a transpose, a single operand, passes everything)."""
-        return "contract" if n_inputs > 1 else "propagate"
+        return "contract" if len(ins) > 1 else "propagate"
 
 
 @dataclass(frozen=True)
@@ -394,7 +395,7 @@ class Softmax(Op):
         """Max, subtract, exp, sum and divide: five per element."""
         return 5 * math.prod(out_shapes[0])
 
-    def neg_inf_rows(self, n_inputs: int) -> str:
+    def neg_inf_rows(self, ins: Sequence[TensorType]) -> str:
         """A softmax row is never all ``-inf`` (zeros for a fully masked row)."""
         return "clear"
 
@@ -583,7 +584,7 @@ class Where(Op):
         """One per element of the result."""
         return math.prod(out_shapes[0])
 
-    def neg_inf_rows(self, n_inputs: int) -> str:
+    def neg_inf_rows(self, ins: Sequence[TensorType]) -> str:
         """The values come from ``x`` or ``y``."""
         return "select"
 
@@ -647,10 +648,6 @@ class CausalMask(Op):
         """What the mask lets each query see."""
         return Visibility.causal(self.offset, self.window)
 
-    def may_hide_whole_rows(self, shape: Sequence[Dim]) -> bool:
-        """True when some row of scores of ``shape`` may see no key (a negative offset, or a window past the last key)."""
-        return self.visibility.may_hide_whole_rows(shape[-2], shape[-1])
-
     def infer(self, ins: Sequence[TensorType]) -> TensorType:
         (x,) = ins
         _float("CausalMask", x)
@@ -666,10 +663,10 @@ class CausalMask(Op):
         """One per element of the result."""
         return math.prod(out_shapes[0])
 
-    def neg_inf_rows(self, n_inputs: int) -> str:
-        """A negative offset can hide every key of a row (a window past the last key too: see :meth:`may_hide_whole_rows`,
-        which knows the shape)."""
-        return "introduce" if self.visibility.may_hide_whole_rows() else "propagate"
+    def neg_inf_rows(self, ins: Sequence[TensorType]) -> str:
+        """A negative offset, or a window that may start past the last key, can hide every key of a row."""
+        queries, keys = ins[0].shape[-2:]
+        return "introduce" if self.visibility.may_hide_whole_rows(queries, keys) else "propagate"
 
 
 def integer_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, 
 from graphc.errors import ExportError
 from graphc.graph import Graph
 from graphc.mapped import all_finite
-from graphc.ops import FLOAT_DTYPES, Binary, CausalMask
+from graphc.ops import FLOAT_DTYPES, Binary
 
 __all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES", "QUANTIZED_FORMS"]
 
@@ -254,9 +254,7 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
             finite_arrays[id(arr)] = not floating or all_finite(arr)
         from_any[name] = from_const[name] = not finite_arrays[id(arr)]
     for node in g.topological_order():
-        flow = node.op.neg_inf_rows(len(node.inputs))  # the op says (graphc.ops.Op.neg_inf_rows)
-        if isinstance(node.op, CausalMask) and node.op.may_hide_whole_rows(g.types[node.name].shape):
-            flow = "introduce"  # a window that may start past the last key, seen with the shape
+        flow = node.op.neg_inf_rows([g.types[i] for i in node.inputs])  # the op says (graphc.ops.Op.neg_inf_rows)
         sources = node.inputs[1:] if flow == "select" else node.inputs
         if isinstance(node.op, Binary) and node.op.fn == "max" and any(_finite_constant(g, i) for i in node.inputs):
             flow = "clear"  # max(x, a finite number) is finite (a mask's -inf raised to the fill)
