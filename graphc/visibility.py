@@ -12,7 +12,7 @@ Positions count keys over the past and the new keys together: query ``i`` (the `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -101,7 +101,7 @@ class Visibility:
         return cls(offset, window, mask, empty_rows)
 
     @classmethod
-    def from_bounds(cls, bounds: Iterable[KeyBound], mask: str = "none", empty_rows: str = "zero") -> Visibility | None:
+    def from_bounds(cls, bounds: Sequence[KeyBound], mask: str = "none", empty_rows: str = "zero") -> Visibility | None:
         """The visibility the conjunction of ``bounds`` keeps: the tightest upper bound is the causal offset, the tightest
         lower bound the window's edge.  ``None`` when it has no single form: a lower bound without an upper one, bounds
         whose order is not known (symbolic), or a window that keeps no key."""
@@ -156,6 +156,13 @@ class Visibility:
         if self.causal_offset is None or isinstance(self.causal_offset, int):
             return self
         return replace(self, causal_offset=eval_dim(self.causal_offset, dims))
+
+    def filled(self, finite: bool) -> Visibility:
+        """This visibility under a mask's fill: a finite one (``finfo.min``) leaves a row whose every key it hides uniform,
+        the mean of V; ``-inf`` leaves zeros.  The mean only where some row may see no key: elsewhere the two agree, and
+        zeros are what every form carries."""
+        zero = replace(self, empty_rows="zero")
+        return replace(zero, empty_rows="mean") if finite and zero.may_hide_whole_rows() else zero
 
     def dims(self) -> tuple[Dim, ...]:
         """The dims this visibility holds (its causal offset)."""
@@ -249,9 +256,9 @@ class Visibility:
         i = np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
         if self.causal_offset is None:
             return np.zeros_like(i), np.full_like(i, keys)
-        last = i + eval_dim(self.causal_offset, dims or {})
-        hi = np.clip(last + 1, 0, keys)
-        lo = np.zeros_like(i) if self.window is None else np.clip(last - self.window + 1, 0, keys)
+        last = i + eval_dim(self.causal_offset, dims or {})  # np.minimum/np.maximum, not np.clip: 3x faster on decode's one row
+        hi = np.minimum(np.maximum(last + 1, 0), keys)
+        lo = np.zeros_like(i) if self.window is None else np.minimum(np.maximum(last - self.window + 1, 0), keys)
         return lo, hi
 
     def key_span(self, rows: range, keys: int, dims: Mapping[str, int] | None = None) -> tuple[int, int]:

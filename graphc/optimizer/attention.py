@@ -179,8 +179,7 @@ def _match(graph: Graph, softmax: Node, ctx: PassContext) -> object:
     sc = _walk_scores(graph, softmax)
     if isinstance(sc, Miss):
         return sc
-    if sc.vis.empty_rows != "zero" and not replace(sc.vis, empty_rows="zero").may_hide_whole_rows():
-        sc.vis = replace(sc.vis, empty_rows="zero")  # a finite fill's rows that no query can have: zeros and the mean are the same
+    sc.vis = sc.vis.filled(sc.vis.empty_rows == "mean")  # a finite fill's mean rows only where a row may see no key
     assert sc.qk is not None
     if not only_reader(graph, sc.qk.name, sc.qk_reader):
         return Miss(f"scores {sc.qk.name!r} are read outside the attention chain")

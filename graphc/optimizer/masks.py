@@ -51,17 +51,14 @@ class MaskSplit:
 
     @staticmethod
     def of(bounds: list[KeyBound], finite_fill: bool, keep: tuple[str, ...] = (), hide: str | None = None) -> MaskSplit | None:
-        """The split of a mask that keeps ``bounds`` and ``keep`` (and hides ``hide``), filled with a finite fill or -inf:
-        under a finite fill a row with no visible key gives the mean of V wherever some row may see none (another mask
-        besides the positions, no causal bound, or one that may be negative), else zeros."""
+        """The split of a mask that keeps ``bounds`` and ``keep`` (and hides ``hide``), filled with a finite fill or -inf
+        (:meth:`Visibility.filled`)."""
         vis = Visibility.from_bounds(bounds, "bool" if keep or hide is not None else "none")
         return None if vis is None else MaskSplit(vis, keep, hide).filled(finite_fill)
 
     def filled(self, finite_fill: bool) -> MaskSplit:
         """This split under a finite fill (``True``) or ``-inf``: what a row with no visible key then gives."""
-        vis = self.visibility
-        mean = finite_fill and (vis.may_hide_whole_rows() or not vis.is_causal)
-        return replace(self, visibility=replace(vis, empty_rows="mean" if mean else "zero"))
+        return replace(self, visibility=self.visibility.filled(finite_fill))
 
 
 # ------------------------------------------------------------------ constants and leaves
