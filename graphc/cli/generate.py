@@ -46,7 +46,7 @@ def _prompts(items: list[str]) -> list[list[int]]:
 class _Request:
     """What to generate from, read once from the flags and the checkpoint folder (whose files fill what a flag left out)."""
 
-    hf_config: str
+    config: Any  # the transformers config, read once (graphc.attention.hf.HFConfig)
     weights: str | None
     pad_token_id: int
     eos_token_id: Any  # an id, a list of ids, or None
@@ -94,7 +94,7 @@ def _resolve(args: argparse.Namespace) -> _Request:
             raise UsageError(f"--prompt {texts[[bool(e) for e in encoded].index(False)]!r} gives no token")
         prompts = encoded + prompts
     _warn_past_positions(args, prompts, config)
-    return _Request(hf_config, weights, pad, ids["eos_token_id"], prompts, texts, tokenizer)
+    return _Request(config, weights, pad, ids["eos_token_id"], prompts, texts, tokenizer)
 
 
 def _check_special_ids(pad: int, eos: Any, sources: dict[str, str], config: dict[str, Any]) -> None:
@@ -130,9 +130,9 @@ def _model(args: argparse.Namespace, request: _Request) -> Graph:
     cache = "static" if args.cuda_graph else args.cache
     if request.weights:
         weights = load_weights(request.weights)
-        lm = causal_lm_from_hf(request.hf_config, weights, n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
+        lm = causal_lm_from_hf(request.config, weights, n_layers=args.layers, dtype=args.dtype, logits="last", cache=cache)
     else:
-        cfg = causal_lm_config_from_hf(request.hf_config, args.layers)
+        cfg = causal_lm_config_from_hf(request.config, args.layers)
         lm = causal_lm_graph(cfg, seed=args.seed, dtype=args.dtype or "float32", logits="last", cache=cache)
     options = quantize_options(args)
     return lm if options is None else quantize_weights(lm, options)[0]

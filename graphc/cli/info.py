@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..attention import PRESETS
+from ..attention.hf import HFConfig
 from ..attention_op import Attention
 from ..graph import Graph
 from ..ops import FLOAT_DTYPES
@@ -42,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
     layers = source.layers or (PRESETS[source.preset].n_layers if source.preset else 1)
     if source.preset:
         print(f"{source.preset}: {PRESETS[source.preset].description}, {layers} layers")
-    if source.hf_config:
-        layers = _describe_stack(source.hf_config, source.layers)
-    dtype = args.dtype or _config_dtype(source.hf_config) or "float16"
+    if source.hf is not None:
+        layers = _describe_stack(source.hf, str(source.hf_config), source.layers)
+    dtype = args.dtype or _config_dtype(source.hf) or "float16"
     print(cfg.summary(batch=source.batch, seq_len=seq, dtype=dtype, n_layers=layers))
     total = cfg.kv_cache_bytes(source.batch, seq, dtype, layers)
     mha_total = cfg.with_(n_kv_heads=cfg.n_heads).kv_cache_bytes(source.batch, seq, dtype, layers)
@@ -52,12 +53,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe_stack(hf_config: str, n_layers: int | None) -> int:
+def _describe_stack(hf: HFConfig, hf_config: str, n_layers: int | None) -> int:
     """Print a transformers config's decoder stack (layers, parameters, MLP, windows); returns its layer count."""
     from ..attention.decoder import decoder_weight_shapes
     from ..attention.hf import decoder_configs_from_hf
 
-    cfgs = decoder_configs_from_hf(hf_config, n_layers)
+    cfgs = decoder_configs_from_hf(hf, n_layers)
     params = sum(int(np.prod(s)) for c in cfgs for s in decoder_weight_shapes(c).values())
     windows = sorted({c.attention.sliding_window for c in cfgs}, key=lambda w: (w is None, w or 0))
     print(
@@ -67,13 +68,10 @@ def _describe_stack(hf_config: str, n_layers: int | None) -> int:
     return len(cfgs)
 
 
-def _config_dtype(config: str | None) -> str | None:
+def _config_dtype(cfg: HFConfig | None) -> str | None:
     """The dtype a transformers config says its weights are in (``dtype``, or ``torch_dtype`` in older files), when it is a float one."""
-    if not config:
+    if cfg is None:
         return None
-    from ..attention.hf import read_hf_config
-
-    cfg = read_hf_config(config)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     return dtype if isinstance(dtype, str) and dtype in FLOAT_DTYPES else None
 

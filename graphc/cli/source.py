@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 from ..attention import AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
-from ..attention.hf import HF_FAMILIES
+from ..attention.hf import HF_FAMILIES, HFConfig, read_hf_config
 from ..dims import dim_symbols
 from ..graph import Graph
 from ..serialize import load_graph
@@ -140,6 +141,11 @@ class GraphSource:
                 )
         return replace(self, model=None, checkpoint_folder=str(ckpt.folder), hf_config=str(ckpt.config), weights=weights)
 
+    @cached_property
+    def hf(self) -> HFConfig | None:
+        """``--hf-config`` read once (``None`` without one): every builder the command calls is handed this."""
+        return None if self.hf_config is None else read_hf_config(self.hf_config)
+
     def with_dtype(self, dtype: str) -> GraphSource:
         """The same source built in storage dtype ``dtype``."""
         return replace(self, dtype=dtype)
@@ -151,10 +157,10 @@ class GraphSource:
 
     def config(self) -> AttentionConfig:
         """The attention config a preset, custom head counts or ``--hf-config`` describe."""
-        if self.hf_config:
+        if self.hf is not None:
             from ..attention.hf import attention_config_from_hf
 
-            return attention_config_from_hf(self.hf_config)
+            return attention_config_from_hf(self.hf)
         flags = (("--heads", self.heads), ("--kv-heads", self.kv_heads), ("--head-dim", self.head_dim), ("--d-model", self.d_model))
         custom = [f for f, v in flags if v is not None]
         if self.preset and custom:
@@ -231,11 +237,11 @@ class GraphSource:
         at_least("--layers", self.layers, 1)
         if self.core:
             raise UsageError("--core builds one attention core; with --hf-config the graph is the decoder stack")
-        assert self.hf_config is not None
-        cfgs = decoder_configs_from_hf(self.hf_config, self.layers)
+        assert self.hf is not None
+        cfgs = decoder_configs_from_hf(self.hf, self.layers)
         weights = None
         if self.weights:  # a copy only when the dtype differs
-            weights = decoder_weights_from_hf(load_weights(self.weights, dtype=self.dtype), self.hf_config)
+            weights = decoder_weights_from_hf(load_weights(self.weights, dtype=self.dtype), self.hf)
             weights = {k: v for k, v in weights.items() if k.startswith(("model.layers.", "model.norm."))}
         final = bool(weights and "model.norm.weight" in weights)
         return decoder_stack_graph(cfgs, weights=weights, kv_cache=self.decode, seed=self.seed, dtype=self.dtype, final_norm=final)
