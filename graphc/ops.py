@@ -693,8 +693,16 @@ for _name, _numpy, _onnx, _torch in (
     ("cos", np.cos, "Cos", "cos"),
     ("sin", np.sin, "Sin", "sin"),
     ("erf", lambda x: _erf(x), "Erf", "erf"),
+    ("log", lambda x: _log(x), "Log", "log"),
 ):
     register_unary(_name, _numpy, _onnx, _torch, on_ints=_name == "neg")
+
+
+def _log(x: np.ndarray) -> np.ndarray:
+    """``log(x)``, quietly: ``log(0)`` is ``-inf`` and a negative's ``nan``, as in ONNX (T5's position buckets take
+    ``log(0)`` in the branch their ``Where`` does not pick)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(x)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

@@ -188,23 +188,20 @@ def compare(
     shards: int | None = None,
     shard_backend: str = "numpy",
     reference_model: Any = None,
+    reference_fixed: Mapping[str, object] | None = None,
 ) -> ComparisonReport:
     """Compare ``backends`` on ``graph`` against the float64 NumPy reference.
 
-    ``inputs`` default to seeded random arrays with symbolic dims sized by
-    ``sizes``; ``options`` maps a backend name to its options (for example
-    ``{"ort-cpu": {"threads": 2}}``); ``hints`` size dims for the optimizer.
+    ``inputs`` default to seeded random arrays with symbolic dims sized by ``sizes``; ``options`` maps a backend name to
+    its options (for example ``{"ort-cpu": {"threads": 2}}``); ``hints`` size dims for the optimizer.
     ``atol``/``rtol`` default per output dtype (:data:`TOLERANCES`; :data:`TF32_TOLERANCE` where ``{"tf32": True}``).
-    ``progress`` is called with a line of text at each step (with each
-    backend's elapsed time when it finishes).  The float64 reference run is
-    checked against the memory cap (:mod:`graphc.memory`) before anything is
-    allocated.  ``shards``: also split the graph by KV-head group
-    (:func:`graphc.sharding.shard`) and run the shards with ``shard_backend``
-    on a Dask LocalCluster of that many workers (a ``sharded`` row; skipped
-    with the install line when dask is absent).  ``reference_model``: the
-    ONNX model (path or ``ModelProto``) ``graph`` was imported from; the
-    reference is then that model run by onnxruntime (or ONNX's reference
-    evaluator), not graphc's own import (:mod:`lowering.backends.onnx_reference`).
+    ``progress`` is called with a line of text at each step (with each backend's elapsed time when it finishes).  The
+    float64 reference run is checked against the memory cap (:mod:`graphc.memory`) before anything is allocated.
+    ``shards``: also split the graph by KV-head group (:func:`graphc.sharding.shard`) and run the shards with
+    ``shard_backend`` on a Dask LocalCluster of that many workers (a ``sharded`` row; skipped with the install line when
+    dask is absent).  ``reference_model``: the ONNX model (path or ``ModelProto``) ``graph`` was imported from; the
+    reference is then that model run by onnxruntime (or ONNX's reference evaluator), not graphc's own import
+    (:mod:`lowering.backends.onnx_reference`), fed ``reference_fixed`` too (``from_onnx``'s ``fixed_inputs``).
     """
     atol, rtol = _check_arguments(graph, backends, repeats, atol, rtol, options)
     plan = None
@@ -221,7 +218,7 @@ def compare(
 
         say("optimizing")
         run_graph = _optimize(graph, hints=hints or bindings).graph
-    reference, run_reference = _reference(graph, reference_model, bindings)
+    reference, run_reference = _reference(graph, reference_model, bindings, reference_fixed)
     say(f"reference: {reference.split(' (')[0]}")
     t0 = time.perf_counter()
     want = _run_reference(run_reference, inputs, bindings if defaulted else None)
@@ -239,7 +236,7 @@ def compare(
         say(f"[{i}/{len(backends)}] {name}: preparing and running {repeats + 1} time(s)")
         t0 = time.perf_counter()
         opts = {"sizes": bindings, **dict((options or {}).get(name, {}))}
-        result = _excused(_run_backend(run_graph, name, opts, inputs, want, repeats, atol, rtol), reference_model, graph, inputs)
+        result = _excused(_run_backend(run_graph, name, opts, inputs, want, repeats, atol, rtol), reference_model, graph, inputs, reference_fixed)
         report.results.append(result)
         say(f"[{i}/{len(backends)}] {name}: {result.status} in {time.perf_counter() - t0:.1f}s")
     if plan is not None:
@@ -311,13 +308,13 @@ def _check_arguments(
 
 
 def _reference(
-    graph: Graph, reference_model: Any, bindings: Mapping[str, int]
+    graph: Graph, reference_model: Any, bindings: Mapping[str, int], fixed: Mapping[str, object] | None = None
 ) -> tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
     """What the backends are checked against, and how to run it: the imported ONNX model's own run, else NumPy float64."""
     if reference_model is not None:
         from .backends.onnx_reference import onnx_model_reference
 
-        return onnx_model_reference(reference_model, graph)
+        return onnx_model_reference(reference_model, graph, fixed)
 
     def run_reference(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return prepare(graph, "numpy", compute_dtype="float64", reference=True, sizes=bindings).run(feeds)
@@ -393,7 +390,9 @@ def _check_reference_memory(graph: Graph, bindings: Mapping[str, int]) -> None:
     check_allocation(graph_run_bytes(graph, bindings, upcast=True), what)
 
 
-def _excused(result: BackendResult, reference_model: Any, graph: Graph, inputs: Mapping[str, np.ndarray]) -> BackendResult:
+def _excused(
+    result: BackendResult, reference_model: Any, graph: Graph, inputs: Mapping[str, np.ndarray], fixed_inputs: Mapping[str, object] | None = None
+) -> BackendResult:
     """``onnx-reference`` failing on an imported model that ONNX's reference evaluator cannot run in its original form
     either is no disagreement: the row is skipped with the evaluator's own error."""
     if result.backend != "onnx-reference" or result.status != "error" or reference_model is None:
@@ -402,10 +401,14 @@ def _excused(result: BackendResult, reference_model: Any, graph: Graph, inputs: 
     from onnx.reference import ReferenceEvaluator
 
     proto = reference_model if isinstance(reference_model, onnx.ModelProto) else onnx.load_model(str(reference_model))
+    from graphc.onnx_import.branches import fixed_input_value
+
     init = {t.name for t in proto.graph.initializer}
-    names = [vi.name for vi in proto.graph.input if vi.name not in init]
+    values = dict(fixed_inputs or {})
+    fixed = {vi.name: fixed_input_value(vi, values[vi.name]) for vi in proto.graph.input if vi.name in values}
+    names = [vi.name for vi in proto.graph.input if vi.name not in init and vi.name not in fixed]
     try:
-        ReferenceEvaluator(proto).run(None, {o: np.asarray(inputs[g]) for o, g in zip(names, graph.inputs)})
+        ReferenceEvaluator(proto).run(None, {**fixed, **{o: np.asarray(inputs[g]) for o, g in zip(names, graph.inputs)}})
     except Exception as e:  # noqa: BLE001 - the evaluator's own failure, quoted
         reason = f"ONNX's reference evaluator cannot run the original model either ({type(e).__name__}: {str(e)[:160]})"
         return BackendResult(result.backend, "skipped", provider=result.provider, reason=reason)

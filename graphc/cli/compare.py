@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             shards=args.shards,
             shard_backend=args.shard_backend,
             reference_model=source.model if source.model is not None and not source.hf_config else None,
+            reference_fixed=source.fixed_inputs,
         )
     finally:
         progress.done()

@@ -46,6 +46,20 @@ def add_graph_args(p: argparse.ArgumentParser, sizes: bool = True) -> None:
         metavar="NAME=INT",
         help="with an ONNX model or --graph: size of a symbolic dim (default: batch dims --batch, others --seq)",
     )
+    src.add_argument(
+        "--static-dim",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="with an ONNX model: import it with that input dim fixed (a Conv over a symbolic image size: --static-dim height=224)",
+    )
+    src.add_argument(
+        "--fix-input",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with an ONNX model: an input given at import; an If on it keeps its branch (optimum's merged decoders: use_cache_branch=1 or 0)",
+    )
     src.add_argument("--preset", help=f"model preset: {', '.join(preset_names())}")
     src.add_argument("--graph", metavar="FILE", help="a graph saved as JSON (graphc.save_graph)")
     src.add_argument("--hf-config", metavar="FILE", help=f"a transformers config.json: a decoder stack of that model ({', '.join(HF_FAMILIES)})")
@@ -76,6 +90,8 @@ _SECOND_SOURCES = (
     ("d_model", "--d-model"),
     ("bias", "--bias"),
     ("dim", "--dim"),
+    ("static_dim", "--static-dim"),
+    ("fix_input", "--fix-input"),
 )
 """Flags that describe a graph of their own (or size an ONNX model's dims): refused beside a checkpoint folder."""
 
@@ -89,6 +105,8 @@ class GraphSource:
     strict: bool = False
     attention_semantics: str = "onnx-1.23"
     dim: tuple[str, ...] = ()
+    static_dim: tuple[str, ...] = ()
+    fix_input: tuple[str, ...] = ()
     preset: str | None = None
     graph: str | None = None
     hf_config: str | None = None
@@ -112,10 +130,12 @@ class GraphSource:
     @classmethod
     def from_args(cls, args: argparse.Namespace, reads_weights: bool = True) -> GraphSource:
         """The source the parsed flags name; ``reads_weights=False`` for a command that reads a folder's config alone."""
-        names = {f.name for f in fields(cls)} - {"seed", "seed_given", "dim", "dtype", "checkpoint_folder"}
+        listed = ("dim", "static_dim", "fix_input")
+        names = {f.name for f in fields(cls)} - {"seed", "seed_given", "dtype", "checkpoint_folder", *listed}
         values = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        values.update({n: tuple(getattr(args, n, ()) or ()) for n in listed})
         seed = getattr(args, "seed", None)
-        src = cls(**values, dim=tuple(getattr(args, "dim", ()) or ()), seed=0 if seed is None else seed, seed_given=seed is not None)
+        src = cls(**values, seed=0 if seed is None else seed, seed_given=seed is not None)
         folder = src.model
         if folder is None or not os.path.isdir(folder):
             return src
@@ -145,6 +165,11 @@ class GraphSource:
     def hf(self) -> HFConfig | None:
         """``--hf-config`` read once (``None`` without one): every builder the command calls is handed this."""
         return None if self.hf_config is None else read_hf_config(self.hf_config)
+
+    @property
+    def fixed_inputs(self) -> dict[str, object]:
+        """``--fix-input`` as values by input name."""
+        return _fixed_inputs(self.fix_input)
 
     def with_dtype(self, dtype: str) -> GraphSource:
         """The same source built in storage dtype ``dtype``."""
@@ -211,7 +236,12 @@ class GraphSource:
         """The ONNX model or saved graph this source names."""
         if self.model is not None and self.graph:
             raise UsageError("give either an ONNX model or --graph, not both")
-        return import_onnx(self.model, self.strict, self.attention_semantics) if self.model is not None else load_graph(str(self.graph))
+        if self.model is None:
+            if self.static_dim or self.fix_input:
+                raise UsageError("--static-dim and --fix-input apply to an ONNX model being imported")
+            return load_graph(str(self.graph))
+        static = parse_sizes(self.static_dim, "--static-dim")
+        return import_onnx(self.model, self.strict, self.attention_semantics, static, self.fixed_inputs)
 
     def _imported(self, seq: int) -> tuple[Graph, dict[str, int]]:
         """An imported graph and the sizes of its symbolic dims: ``--dim`` where given, else guessed from the names (batch
@@ -247,10 +277,35 @@ class GraphSource:
         return decoder_stack_graph(cfgs, weights=weights, kv_cache=self.decode, seed=self.seed, dtype=self.dtype, final_norm=final)
 
 
-def import_onnx(path: str, strict: bool, semantics: str = "onnx-1.23") -> Graph:
+def _fixed_inputs(items: tuple[str, ...]) -> dict[str, object]:
+    """``--fix-input NAME=VALUE`` items: ``1``/``0``/``true``/``false``, an int or a float."""
+    fixed: dict[str, object] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        value: object
+        lowered = text.strip().lower()
+        if lowered in ("true", "false"):
+            value = lowered == "true"
+        else:
+            try:
+                value = int(lowered)
+            except ValueError:
+                try:
+                    value = float(lowered)
+                except ValueError:
+                    value = None
+        if not sep or not name.strip() or value is None:
+            raise UsageError(f"--fix-input takes NAME=VALUE (a number or true/false, e.g. use_cache_branch=1), got {item!r}")
+        fixed[name.strip()] = value
+    return fixed
+
+
+def import_onnx(
+    path: str, strict: bool, semantics: str = "onnx-1.23", dims: dict[str, int] | None = None, fixed: dict[str, object] | None = None
+) -> Graph:
     """An ONNX model imported (a positional argument that is neither a folder nor a .onnx file is refused by name)."""
     if not path.endswith(".onnx") and not os.path.exists(path):
         raise UsageError(f"unexpected argument {path!r}: the positional argument is an ONNX model file (.onnx)")
     from ..onnx_import import from_onnx
 
-    return from_onnx(path, strict=strict, attention_semantics=semantics)
+    return from_onnx(path, strict=strict, attention_semantics=semantics, dims=dims, fixed_inputs=fixed)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dims import Dim, dim_add, dim_max, dim_mul, dim_sub, dim_symbols, format_shape, is_symbol, normalize_dim
+from ..dims import Dim, dim_add, dim_is_nonnegative, dim_max, dim_mul, dim_sub, dim_symbols, format_shape, is_symbol, normalize_dim
 from ..errors import GraphcError
 from ..ops import (
     UNARY_FUNCTIONS,
@@ -98,13 +98,13 @@ def _lazy_operand(ctx: ImportContext, v: Imported, other: Sequence[Dim], dtype: 
     """A :class:`Filled` or :class:`Broadcast` operand as the value that broadcasting makes equivalent."""
     other_shape = tuple(other)
     if isinstance(v, Filled):
-        if broadcast_shapes(other_shape, v.shape) != tuple(other_shape):
-            raise ctx.error(f"a constant fill of shape {format_shape(v.shape)} would enlarge its operand {format_shape(other_shape)}")
+        if broadcast_shapes(other_shape, v.shape) != tuple(other_shape):  # T5's zero cross-attention bias: its shape counts
+            return ctx.tensor(Filled(v.value.astype(dtype), v.shape))
         return _scalar(ctx, v.value, dtype)
     if isinstance(v, Broadcast):
         base = ctx.graph.types[v.name].shape
-        if broadcast_shapes(other_shape, base) != broadcast_shapes(other_shape, v.shape):
-            raise ctx.error(f"Expand of {v.name!r} to {format_shape(v.shape)} only imports where broadcasting makes it implicit")
+        if broadcast_shapes(other_shape, base) != broadcast_shapes(other_shape, v.shape):  # BART's positions, [seq] to [batch, seq]
+            return ctx.tensor(v)
         return v.name
     return ctx.tensor(v)
 
@@ -191,7 +191,16 @@ def _binary(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
 def unary_converter(op_type: str) -> Converter | None:
     """The converter of an ONNX op that is a registered unary function (``UNARY_FUNCTIONS``' ``onnx`` spelling), if any."""
     names = [f.name for f in UNARY_FUNCTIONS.values() if f.onnx == op_type]
-    return (lambda ctx, ins, attrs: [ctx.add(Unary(names[0]), [ctx.tensor(ins[0])], op_type.lower())]) if names else None
+    if not names:
+        return None
+
+    def convert(ctx: ImportContext, ins: list, attrs: dict) -> list:
+        dims = as_dims(ins[0]) if op_type == "Neg" and not isinstance(ins[0], np.ndarray) else None
+        if dims is not None:  # -seq of a shape computation (T5's ``bias[:, :, -seq:]``) stays a dim
+            return [SymInts(tuple(dim_mul(-1, d) for d in dims.values), dims.scalar, dims.dtype)]
+        return [ctx.add(Unary(names[0]), [ctx.tensor(ins[0])], op_type.lower())]
+
+    return convert
 
 
 def _compare(ctx: ImportContext, ins: list, attrs: dict, op_type: str) -> list:
@@ -483,6 +492,8 @@ def _slice_bounds(size: Dim, start: Dim, stop: Dim) -> tuple[Dim, Dim]:
                 return size
             if v < 0:
                 return dim_max(dim_add(size, v), 0)
+        elif dim_is_nonnegative(dim_mul(-1, v)) and not dim_is_nonnegative(v):  # -seq: counted from the end
+            return dim_max(dim_add(size, v), 0)
         return v
 
     return clamp(start), clamp(stop)

@@ -13,21 +13,22 @@ outputs their names, and every value that maps one-to-one keeps its ONNX name.
 from __future__ import annotations
 
 import base64
-import heapq
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..dims import Dim, is_symbol, normalize_dim
+from ..dims import Dim, dim_symbols, is_symbol, normalize_dim
 from ..errors import GraphcError, OnnxImportError, UnknownNameError
 from ..memory import check_allocation
 from ..graph import Graph
 from ..opaque import Opaque
 from ..ops import UNARY_FUNCTIONS, Reshape
+from .branches import chosen_branch, fixed_input_value, in_topological_order
 from .context import ONNX_TO_DTYPE, Imported, ImportContext, simplify
 from .convert_contrib import CONTRIB_CONVERTERS
 from .convert_core import CORE_CONVERTERS, SPLIT, unary_converter
@@ -261,7 +262,12 @@ modes 1 and 2 swapped, causal top-left with ``nonpad_kv_seqlen``)."""
 
 
 def from_onnx(
-    source: onnx.ModelProto | str | os.PathLike[str], strict: bool = False, name: str | None = None, attention_semantics: str = "onnx-1.23"
+    source: onnx.ModelProto | str | os.PathLike[str],
+    strict: bool = False,
+    name: str | None = None,
+    attention_semantics: str = "onnx-1.23",
+    fixed_inputs: Mapping[str, object] | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> Graph:
     """Import an ONNX model (a path or a ``ModelProto``) as a graphc :class:`~graphc.graph.Graph`.
 
@@ -270,10 +276,45 @@ def from_onnx(
     error (else it is carried through as an opaque node).
     ``attention_semantics`` selects how ``Attention`` nodes are read (see
     :data:`ATTENTION_SEMANTICS`; models written for onnx <= 1.21 may want ``"legacy"``).
+    ``fixed_inputs`` gives graph inputs a value at import (they are constants of the graph, no longer inputs): an
+    ``If`` on one imports the branch it takes (optimum's ``decoder_model_merged.onnx``: ``{"use_cache_branch": True}``
+    is the step over a cache, ``False`` the first step).
+    ``dims`` gives symbolic dims of the graph inputs a size (``{"height": 224, "width": 224}``): a Conv over a symbolic
+    image, which graphc carries opaquely, then has a static output that meets the position table (optimum's ViT and
+    CLIP vision files); the graph takes inputs of that size only.
     """
     if attention_semantics not in ATTENTION_SEMANTICS:
         raise UnknownNameError("attention semantics", str(attention_semantics), ATTENTION_SEMANTICS)
     model, mapped = read_model(source)
+    with _static_input_dims(model, dict(dims or {})):
+        return _from_model(model, mapped, strict, name, attention_semantics, dict(fixed_inputs or {}))
+
+
+@contextmanager
+def _static_input_dims(model: onnx.ModelProto, dims: dict[str, int]) -> Iterator[None]:
+    """The graph inputs' dims named in ``dims`` given those sizes while the model imports (restored after: the model may be the caller's)."""
+    for key, size in dims.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise OnnxImportError(f"dims[{key!r}] is {size!r}; a size is an int >= 1")
+    named = [d for vi in model.graph.input for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param") and d.dim_param in dims]
+    unknown = sorted(set(dims) - {d.dim_param for d in named})
+    if unknown:
+        declared = sorted({d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim if d.HasField("dim_param")})
+        names = ", ".join(map(repr, unknown))
+        raise OnnxImportError(f"dims names {names}, which no graph input declares (their symbolic dims: {', '.join(declared) or 'none'})")
+    params = [d.dim_param for d in named]
+    for d, param in zip(named, params):
+        d.dim_value = int(dims[param])
+    try:
+        yield
+    finally:
+        for d, param in zip(named, params):
+            d.dim_param = param
+
+
+def _from_model(
+    model: onnx.ModelProto, mapped: Mapping[str, np.ndarray], strict: bool, name: str | None, attention_semantics: str, fixed: dict[str, object]
+) -> Graph:
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=_safe_to_propagate(model))
@@ -285,7 +326,7 @@ def from_onnx(
     for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
         ctx.onnx_types[vi.name] = vi.type
     try:
-        _import_graph(ctx, model, opsets, schemas, mapped)
+        _import_graph(ctx, model, opsets, schemas, mapped, fixed)
     except DimConflict as c:  # met outside a node's conversion (the graph's outputs): not unified
         raise ctx.error(str(c.error)) from None
     except OnnxImportError:
@@ -326,10 +367,8 @@ def _dense(sparse: onnx.SparseTensorProto) -> np.ndarray:
     return dense
 
 
-def _import_graph(
-    ctx: ImportContext, model: onnx.ModelProto, opsets: Mapping[str, int], schemas: SchemaChecker, mapped: Mapping[str, np.ndarray]
-) -> None:
-    g = ctx.graph
+def _read_initializers(ctx: ImportContext, model: onnx.ModelProto, mapped: Mapping[str, np.ndarray]) -> set[str]:
+    """The model's initializers (dense and sparse) into the value map, read-only; returns their names."""
     init_names = set()
     for t in model.graph.initializer:
         try:
@@ -345,8 +384,28 @@ def _import_graph(
         ctx.env[arr_name := sparse.values.name] = arr
         ctx.array_names[id(arr)] = arr_name
         init_names.add(arr_name)
+    return init_names
+
+
+def _import_graph(
+    ctx: ImportContext,
+    model: onnx.ModelProto,
+    opsets: Mapping[str, int],
+    schemas: SchemaChecker,
+    mapped: Mapping[str, np.ndarray],
+    fixed: dict[str, object],
+) -> None:
+    g = ctx.graph
+    init_names = _read_initializers(ctx, model, mapped)
+    unknown = sorted(set(fixed) - {vi.name for vi in model.graph.input if vi.name not in init_names})
+    if unknown:
+        inputs = [vi.name for vi in model.graph.input if vi.name not in init_names]
+        raise OnnxImportError(f"fixed input(s) {', '.join(map(repr, unknown))} are not graph inputs of the model (its inputs: {', '.join(inputs)})")
     for vi in model.graph.input:
         if vi.name in init_names:
+            continue
+        if vi.name in fixed:
+            ctx.env[vi.name] = fixed_input_value(vi, fixed[vi.name])
             continue
         tt = vi.type.tensor_type
         if not vi.type.HasField("tensor_type") or tt.elem_type not in ONNX_TO_DTYPE:
@@ -365,6 +424,10 @@ def _import_graph(
     nodes, index = in_topological_order(model.graph.node, set(ctx.env)), 0
     while index < len(nodes):  # one pass; a unification converts the node again (or goes back to a Div it decides)
         node = ctx.node = nodes[index]
+        branch = chosen_branch(ctx, node) if node.op_type == "If" and node.domain in ("", "ai.onnx") else None
+        if branch is not None:  # the branch its known condition takes, in its place
+            nodes[index : index + 1] = branch
+            continue
         ins = [ctx.get(i) for i in node.input]
         here = ctx.checkpoint(index, node.op_type, ins)
         try:
@@ -374,7 +437,10 @@ def _import_graph(
             index += 1
         except DimConflict as c:  # two dims the model proves equal: unify them in what is imported so far
             index = ctx.unify_conflict(c, here)
-        except GraphcError:
+        except GraphcError as e:
+            hint = _opaque_dims_hint(ctx, str(e))
+            if hint:
+                raise OnnxImportError(f"{e}; {hint}") from None
             raise
         except Exception as e:  # noqa: BLE001 - a node the converter did not expect: named, never a raw traceback
             raise ctx.error(f"graphc cannot convert this node ({type(e).__name__}: {e})") from None
@@ -393,51 +459,19 @@ def _import_graph(
     g.output(*outputs)
 
 
-def in_topological_order(nodes: Sequence[onnx.NodeProto], defined: set[str]) -> list[onnx.NodeProto]:
-    """``nodes`` in their own order where each input is defined before its reader, else reordered so (stable: a node
-    moves only behind what it reads).  ONNX asks for sorted nodes, but files that onnxruntime runs are not always
-    sorted (its float16 converter appends the input ``Cast``s last).  A node whose input nothing defines keeps its
-    place at the end, and the import then names the missing value.  Values a node's subgraphs read from the enclosing
-    scope count as its inputs."""
-    nodes = list(nodes)
-    needs = [set(node.input) | _outer_names(node) for node in nodes]
-    known = set(defined) | {""}
-    for node, need in zip(nodes, needs):
-        if not need <= known:
-            break
-        known.update(node.output)
-    else:
-        return nodes
-    start = set(defined) | {""}
-    missing = [need - start for need in needs]  # what each node still waits for
-    waiters: dict[str, list[int]] = {}
-    for i, names in enumerate(missing):
-        for name in names:
-            waiters.setdefault(name, []).append(i)
-    ready = [i for i, names in enumerate(missing) if not names]  # the earliest ready node goes next: a stable order
-    heapq.heapify(ready)
-    placed: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        placed.append(i)
-        for name in nodes[i].output:
-            for j in waiters.pop(name, ()):
-                missing[j].discard(name)
-                if not missing[j]:
-                    heapq.heappush(ready, j)
-    left = sorted(set(range(len(nodes))) - set(placed))
-    return [nodes[i] for i in placed + left]
-
-
-def _outer_names(node: onnx.NodeProto) -> set[str]:
-    """The names a node's subgraphs (``If``, ``Loop``, ``Scan``) read from outside themselves."""
-    found: set[str] = set()
-    for attr in node.attribute:
-        for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-            inner = {t.name for t in sub.initializer} | {v.name for v in sub.input} | {o for n in sub.node for o in n.output}
-            for n in sub.node:
-                found |= (set(n.input) | _outer_names(n)) - inner - {""}
-    return found
+def _opaque_dims_hint(ctx: ImportContext, message: str) -> str:
+    """What to do when ``message`` names dims of an opaque node's output (a Conv over a symbolic image) that nothing
+    ties to the graph inputs' dims; ``""`` when it names none."""
+    inputs = [n for n in ctx.graph.inputs]
+    at_inputs = {s for n in inputs for d in ctx.graph.types[n].shape for s in dim_symbols(d)}
+    opaque = sorted(s for s in ctx.free if s not in at_inputs and re.search(rf"(?<![A-Za-z0-9_]){re.escape(s)}(?![A-Za-z0-9_])", message))
+    if not opaque:
+        return ""
+    return (
+        f"{', '.join(map(repr, opaque))} {'is a dim' if len(opaque) == 1 else 'are dims'} of an op graphc carries opaquely, not tied to the "
+        f"inputs' dims ({', '.join(sorted(at_inputs)) or 'none'}): give those sizes, from_onnx(..., dims={{'height': 224, ...}}) "
+        "or --static-dim NAME=INT"
+    )
 
 
 def _convert_node(ctx: ImportContext, node: onnx.NodeProto, ins: list, opsets: Mapping[str, int], bound: set[str]) -> None:

@@ -27,11 +27,18 @@ OnnxReference = tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.nda
 """A description of the reference and the function that runs it on graphc's inputs, giving graphc's output names."""
 
 
-def onnx_model_reference(model: str | os.PathLike[str] | onnx.ModelProto, graph: Graph) -> OnnxReference:
-    """The reference run of the ONNX ``model`` that ``graph`` was imported from; see the module doc."""
+def onnx_model_reference(
+    model: str | os.PathLike[str] | onnx.ModelProto, graph: Graph, fixed_inputs: Mapping[str, object] | None = None
+) -> OnnxReference:
+    """The reference run of the ONNX ``model`` that ``graph`` was imported from; see the module doc.  ``fixed_inputs``:
+    the inputs ``from_onnx`` was given values for (fed to the model with those values)."""
+    from graphc.onnx_import.branches import fixed_input_value
+
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load_model(str(model), load_external_data=False)
     init = {t.name for t in proto.graph.initializer}
-    onnx_inputs = [vi.name for vi in proto.graph.input if vi.name not in init]
+    fixed = dict(fixed_inputs or {})
+    given = {vi.name: fixed_input_value(vi, fixed[vi.name]) for vi in proto.graph.input if vi.name in fixed}
+    onnx_inputs = [vi.name for vi in proto.graph.input if vi.name not in init and vi.name not in given]
     onnx_outputs = [vi.name for vi in proto.graph.output]
     if len(onnx_inputs) != len(graph.inputs) or len(onnx_outputs) != len(graph.outputs):
         raise GraphcError(
@@ -43,7 +50,7 @@ def onnx_model_reference(model: str | os.PathLike[str] | onnx.ModelProto, graph:
         run, what = _reference_evaluator(model)
 
     def reference(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds = {o: np.asarray(inputs[g]) for o, g in zip(onnx_inputs, graph.inputs)}
+        feeds = {**given, **{o: np.asarray(inputs[g]) for o, g in zip(onnx_inputs, graph.inputs)}}
         try:
             results = run(feeds)
         except Exception as e:  # noqa: BLE001 - the runtime's own errors, named
