@@ -18,6 +18,7 @@ from .attention import (
     causal_lm_graph,
     cross_attention_graph,
     cross_kv_graph,
+    encoder_from_hf,
     gqa,
     init_weights,
     kv_cache_graph,
@@ -84,5 +85,6 @@ __all__ = [
     "CausalLMConfig",
     "causal_lm_graph",
     "causal_lm_from_hf",
+    "encoder_from_hf",
     "__version__",
 ]
