@@ -15,10 +15,14 @@ from .config import PRESETS, AttentionConfig, Preset, RopeConfig, alibi_slopes, 
 from .causal_lm import CausalLMConfig, causal_lm_graph, causal_lm_weight_shapes, init_causal_lm_weights
 from .decoder import DecoderConfig, decoder_layer_graph, decoder_stack_graph, decoder_weight_shapes
 from .encoder import ENCODER_FAMILIES, EncoderConfig, encoder_config_from_hf, encoder_from_hf, encoder_stack_graph, encoder_weights_from_hf
+from .relative import RelativePositionBias, relative_attention_graph, write_relative_position_bias
 from .hf import attention_config_from_hf, decoder_config_from_hf, decoder_configs_from_hf, decoder_weights_from_hf
 from .hf_lm import causal_lm_config_from_hf, causal_lm_from_hf, causal_lm_weights_from_hf
 
 __all__ = [
+    "RelativePositionBias",
+    "relative_attention_graph",
+    "write_relative_position_bias",
     "ENCODER_FAMILIES",
     "EncoderConfig",
     "encoder_config_from_hf",
