@@ -1,6 +1,6 @@
 """Encoders and encoder-decoder parts as torch.onnx writes them: imported, understood and equal to onnxruntime.
 
-Each tiny model (:mod:`encoder_exports`) by both exporters: the file imports, every attention block is one
+Each tiny model (:mod:`encoder_exports`) by its exporters (``EXPORTERS``): the file imports, every attention block is one
 ``Attention`` with the visibility the model means, no softmax is left unexplained, and graphc (NumPy, and onnxruntime
 on its re-export) equals onnxruntime on the file at sizes never traced, a padded row included.
 """
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 import onnxruntime as ort  # noqa: E402
-from encoder_exports import ENCODER_FAMILIES, export_encoder, feeds  # noqa: E402
+from encoder_exports import ENCODER_FAMILIES, EXPORTERS, export_encoder, feeds  # noqa: E402
 
 from graphc import Visibility  # noqa: E402
 from graphc.onnx_import import from_onnx  # noqa: E402
@@ -31,12 +31,16 @@ EXPECTED = {
     "whisper_encoder": [False] * 2,
     "bart_decoder": [True, False, True, False],  # per layer: causal self-attention, then cross-attention
     "t5_encoder": [False] * 2,
+    "t5_decoder": [False] * 4,  # its causal mask arrives inside the additive bias with the relative positions: an additive mask
+    "siglip_vision": [False] * 3,  # two layers and the pooling head's one learned query
+    "clip": [False] * 2 + [True] * 2,  # the vision tower, then the text tower
+    "torch_decoder": [True, False, True, False],
+    "torch_mha": [False],
 }
 """Per family, whether each attention (in graph order) is causal."""
 
 
-@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
-@pytest.mark.parametrize("family", ENCODER_FAMILIES)
+@pytest.mark.parametrize("family, exporter", [(f, e) for f in ENCODER_FAMILIES for e in EXPORTERS[f]])
 def test_encoders_import_understood_and_equal_to_onnxruntime(family, exporter, tmp_path):
     path = export_encoder(family, exporter, tmp_path / f"{family}.onnx")
     graph = from_onnx(path)
