@@ -11,7 +11,8 @@ inputs at sizes never traced, the first row padded where the model takes a mask.
 - ``bart_decoder``: BART's decoder (causal self-attention built without an attention mask, cross-attention over
   ``encoder_hidden_states`` with the encoder's padding mask);
 - ``t5_encoder``: T5's encoder (a relative-position bias added to the unscaled scores, the padding in it);
-- ``t5_decoder``: T5's decoder (the causal mask inside the additive bias; cross-attention over the encoder's padding);
+- ``t5_decoder``: T5's decoder (the relative bias where the causal mask keeps a key, ``finfo.min`` elsewhere;
+  cross-attention over the encoder's padding);
 - ``siglip_vision``: SigLIP's vision tower (its pooling head attends with one learned query);
 - ``clip``: CLIP's two towers in one file (text causal with padding, vision; the image-text logits out);
 - ``torch_decoder``: torch's own ``nn.TransformerDecoder`` (a causal ``tgt_mask``, the memory's padding), dynamo only;

@@ -31,7 +31,7 @@ EXPECTED = {
     "whisper_encoder": [False] * 2,
     "bart_decoder": [True, False, True, False],  # per layer: causal self-attention, then cross-attention
     "t5_encoder": [False] * 2,
-    "t5_decoder": [False] * 4,  # its causal mask arrives inside the additive bias with the relative positions: an additive mask
+    "t5_decoder": [True, False, True, False],  # Where(causal, relative bias, fill): causal, the bias the additive term
     "siglip_vision": [False] * 3,  # two layers and the pooling head's one learned query
     "clip": [False] * 2 + [True] * 2,  # the vision tower, then the text tower
     "torch_decoder": [True, False, True, False],
@@ -51,6 +51,8 @@ def test_encoders_import_understood_and_equal_to_onnxruntime(family, exporter, t
     assert all(op.visibility.aligned_to(0) for op in ops if op.visibility.is_causal)  # the offset: no past
     if family == "t5_encoder":  # the relative-position bias with the padding in it: the additive term
         assert {op.visibility for op in ops} == {Visibility(mask="additive")}
+    if family == "t5_decoder":  # the self-attention's bias (the cross-attention's: the encoder's padding)
+        assert [op.visibility for op in ops][::2] == [Visibility(causal_offset=0, mask="additive")] * 2
     assert unfused_softmaxes(kept, lowered=True) == []
     f = feeds(family)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, f)[0]

@@ -38,7 +38,7 @@ from graphc.tensor_ops import BroadcastTo
 
 from .cleanup import only_reader, remove_if_dead
 from .infra import Miss, PassContext, RewritePass, Rule
-from .masks import MaskSplit, split_additive_mask, split_bool_mask
+from .masks import MaskSplit, split_additive_mask, split_bool_mask, split_masked_bias
 
 __all__ = ["fuse_attention", "FUSE_ATTENTION_RULE", "AttentionMatch"]
 
@@ -306,8 +306,11 @@ def _absorb_additive_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss |
     if len(cands) != 1:
         return Miss(f"{node.name!r} adds two score-shaped tensors; cannot tell the mask from the scores")
     pos = cands[0]
-    split = None if sc.vis.is_causal else split_additive_mask(graph, node.inputs[1 - pos])
     m = sc.masks
+    masked = None if sc.vis.is_causal or m.first is not None or sc.scale != 1.0 else split_masked_bias(graph, node.inputs[1 - pos])
+    if masked is not None:  # T5's decoder: Where(causal, bias, fill), the bias the op's additive term
+        return _masked_bias(graph, node, pos, sc, *masked)
+    split = None if sc.vis.is_causal else split_additive_mask(graph, node.inputs[1 - pos])
     if m.first is not None and (m.split_from is not None or split is None) and sc.scale == 1.0 and sc.vis.mask == "bool":
         return _bias_beside_bool_mask(graph, node, pos, sc)
     if m.first is not None:  # a bias (ALiBi) found nearer the softmax: this add may still be the position mask
@@ -360,6 +363,19 @@ def _bias_beside_bool_mask(graph: Graph, node: Node, pos: int, sc: _Scores) -> s
     m.hiding = tuple((x, m.negate) for x in keep)
     m.first, m.more, m.negate, m.split_from = None, (bias,), False, None
     sc.vis = replace(sc.vis, mask="additive")
+    return node.inputs[pos]
+
+
+def _masked_bias(graph: Graph, node: Node, pos: int, sc: _Scores, split: MaskSplit, bias: str) -> str | Miss:
+    """``s + Where(keep, bias, fill)``: ``bias`` (seen through the views passed) is the op's additive mask, ``keep``'s
+    half-planes its causal offset and window, and keep's other conjuncts hide keys beside them."""
+    seen = _through_views(graph, bias, sc)
+    if isinstance(seen, Miss):
+        return seen
+    m = sc.masks
+    m.first, m.more, m.negate, m.split_from = None, (bias,), False, None
+    _positions_beside_bias(sc, split)
+    sc.view_for_rows = sc.view_for_rows or graph.types[node.name].shape
     return node.inputs[pos]
 
 

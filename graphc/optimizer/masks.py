@@ -37,7 +37,7 @@ from graphc.visibility import KeyBound, Visibility
 
 from .patterns import Bindings, Pat, one_element
 
-__all__ = ["MaskSplit", "split_additive_mask", "split_bool_mask", "FILL_LIMIT"]
+__all__ = ["MaskSplit", "split_additive_mask", "split_bool_mask", "split_masked_bias", "FILL_LIMIT"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,8 @@ HIDDEN_BESIDE = (
 ``Where(hide, fill, c)``."""
 FLOAT_MASK_HIDDEN = Pat.op(Where, inputs=(Pat.op(Cast, where=lambda op: op.dtype == "bool", inputs=(Pat.var("m", _is_float),)), FINITE_FILL, ZERO))
 """``Where(Cast(m, bool), fill, 0)``: hidden where the float mask ``m`` (zeros and a finite fill) is nonzero."""
+MASKED_BIAS = Pat.op(Where, inputs=(Pat.var("keep", _is_bool), Pat.var("bias", _is_float), FILL))
+"""T5's decoder: its relative-position bias where the causal mask keeps a key, the fill elsewhere."""
 MASK_VALUE = Pat.through((BroadcastTo, Reshape), Pat.var("mask"), check=_adds_unit_axes)
 """A mask as the scores take it, expanded or viewed with unit axes in front."""
 
@@ -328,6 +330,18 @@ def split_bool_mask(graph: Graph, keep: str) -> tuple[list[KeyBound], tuple[str,
     if not bounds:
         return None
     return bounds, tuple(p for p, pl in planes if pl is None)
+
+
+def split_masked_bias(graph: Graph, value: str) -> tuple[MaskSplit, str] | None:
+    """:data:`MASKED_BIAS` added to the scores, read as ``(the split of its keep-mask, the bias)``: the op's additive
+    term is the bias, its causal offset and window come from the keep-mask's half-planes, the other conjuncts hide keys
+    beside them.  ``None`` when ``value`` is not that form or its keep-mask holds no half-plane."""
+    b = _match(MASKED_BIAS, graph, _unexpanded(graph, value))
+    if b is None or graph.is_constant(b["bias"]):
+        return None
+    found = split_bool_mask(graph, b["keep"])
+    split = None if found is None else MaskSplit.of(found[0], bool(np.all(np.isfinite(b["fill"]))), found[1])
+    return None if split is None else (split, b["bias"])
 
 
 # ------------------------------------------------------------------ transformers' older masks
