@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from .inputs import check_inputs
 from .ort_weights import SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .ort_options import OrtOptions
+from .ort_session_cache import commit, entry_for, load_options, ready, save_into
 from .runner import Runner, StepFn
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER", "bfloat16_cache"]
@@ -85,13 +87,16 @@ class _Sessions:
         self,
         name: str,
         graph: Graph,
-        model: bytes,
+        model: Callable[[], bytes],
         weights: SessionWeights,
         provider: str,
         options: OrtOptions,
         bfloat16_io: bool = False,
+        cache: Path | None = None,
     ) -> None:
-        self.name, self.graph, self.model, self.provider = name, graph, model, provider
+        self.name, self.graph, self.provider = name, graph, provider
+        self._model, self.cache = model, cache
+        self._model_bytes: bytes | None = None
         self.threads, self.isolate, self.spin = options.threads, options.isolate, options.spin
         self.weights = weights
         self.tf32, self.cuda_graph, self.note = options.tf32, options.cuda_graph, ""
@@ -109,11 +114,15 @@ class _Sessions:
             self.session(False)
 
     @property
+    def model(self) -> bytes:
+        """The exported model, serialized on first need (a session loaded from the cache needs none)."""
+        if self._model_bytes is None:
+            self._model_bytes = self._model()
+        return self._model_bytes
+
+    @property
     def disabled_optimizers(self) -> list[str]:
-        """onnxruntime's QDQ propagation is off for a graph that quantizes activations (``Quantize``): at opset 21 and
-        later it writes a ``QuantizeLinear`` whose ``output_dtype`` contradicts its zero point and then rejects the
-        model (as it rejects ``quantize_static``'s own files converted to opset 21)."""
-        return ["QDQPropagationTransformer"] if "Quantize" in self.graph.op_counts() else []
+        return disabled_optimizers(self.graph)
 
     @property
     def providers(self) -> list[Any]:
@@ -141,12 +150,18 @@ class _Sessions:
                 so.add_session_config_entry("session.intra_op.allow_spinning", "0")
             if basic:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-            handed = self.weights.session_options(so)
+            cached = self.cache is not None and not basic and ready(self.cache)
+            staging = save_into(so, self.cache) if self.cache is not None and not basic and not cached else None
+            handed = [] if cached else self.weights.session_options(so)
+            source = load_options(so, self.cache) if cached and self.cache is not None else self.model
             try:
-                sess = ort.InferenceSession(self.model, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers)
+                sess = ort.InferenceSession(source, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers)
             except Exception as e:  # noqa: BLE001
                 raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
             del handed  # onnxruntime copied them
+            if staging is not None and self.cache is not None:
+                commit(staging, self.cache)
+            self.note += "; the session loaded from the cache" if cached else "; the session saved to the cache" if staging else ""
             used, version, self.outputs = sess.get_providers(), ort.__version__, [o.name for o in sess.get_outputs()]
             out_names = list(self.outputs)
             options = None
@@ -165,6 +180,13 @@ class _Sessions:
             self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "") + graphs
         self.built[basic] = run
         return run
+
+
+def disabled_optimizers(graph: Graph) -> list[str]:
+    """onnxruntime's QDQ propagation is off for a graph that quantizes activations (``Quantize``): at opset 21 and
+    later it writes a ``QuantizeLinear`` whose ``output_dtype`` contradicts its zero point and then rejects the
+    model (as it rejects ``quantize_static``'s own files converted to opset 21)."""
+    return ["QDQPropagationTransformer"] if "Quantize" in graph.op_counts() else []
 
 
 def bfloat16_cache(graph: Graph) -> frozenset[str]:
@@ -202,6 +224,13 @@ def _bound_run(session: Any, names: list[str], inputs: Mapping[str, np.ndarray],
 
 def _narrowed(step: StepFn, names: frozenset[str], inputs: Mapping[str, Any], keep: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
     return {k: (v.astype("bfloat16") if k in names else v) for k, v in step(inputs, keep).items()}
+
+
+def _cache_entry(proto: Any, weights: SessionWeights, provider: str, graph: Graph) -> Path | None:
+    """The session cache's entry for this model (:mod:`lowering.backends.ort_session_cache`), before any weight is converted."""
+    arrays = [*weights.handed.values(), *weights.low.values()]
+    folder = None if weights.widen else weights.folder  # a conversion's folder is new each time; its arrays are keyed instead
+    return entry_for(proto.SerializeToString(), arrays, folder, provider, disabled_optimizers(graph))
 
 
 def prepare_ort(
@@ -247,16 +276,19 @@ def prepare_ort(
         )
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     proto = export(widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
-    if weights.widen:
-        weights.widen_casts(proto)
     if weights.inline_bytes >= _PROTOBUF_LIMIT:
         raise BackendError(
             f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "
             "lower inline_weights_max_bytes (or leave isolate off, so computed weights are handed over)"
         )
-    model = proto.SerializeToString()
-    del proto
-    sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept))
+    cache = None if isolate else _cache_entry(proto, weights, provider, graph)
+
+    def model() -> bytes:  # a session loaded from the cache converts and serializes nothing
+        if weights.widen:
+            weights.widen_casts(proto)
+        return proto.SerializeToString()
+
+    sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept), cache=cache)
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}
     # a size only the data gives (an imported NonZero's count: the tokens one expert gets) may be zero on any run

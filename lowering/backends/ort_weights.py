@@ -24,7 +24,8 @@ onnxruntime would fold into float32 copies while the low-precision ones are
 still mapped, then transpose and pack.  With ``widen=True`` (the CPU provider)
 graphc converts such weights itself instead, streaming, into float32 files in
 a cache folder (``GRAPHC_WEIGHT_CACHE`` or the system's temporary folder,
-removed with the session), drops the ``Cast`` nodes, and points the session
+removed with the session; with ``GRAPHC_WEIGHT_CACHE`` set, a later session of the same graph loads the saved
+session instead and converts nothing: :mod:`lowering.backends.ort_session_cache`), drops the ``Cast`` nodes, and points the session
 there: onnxruntime then holds only its packed float32 copy, twice the
 checkpoint's bytes (the float32 weights it computes with), and the conversion
 (exact: every bfloat16 or float16 value is a float32 value) gives the same

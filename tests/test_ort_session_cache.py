@@ -1,0 +1,81 @@
+"""onnxruntime sessions saved once into ``GRAPHC_WEIGHT_CACHE`` and loaded from then on: the same numbers as a session
+built anew, one entry per graph and weights, nothing written without the variable, nothing written through a link."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import installed
+from safetensors.numpy import save_file
+
+import graphc
+from graphc.errors import BackendError
+from graphc.weights import load_weights
+from lowering import prepare
+
+pytestmark = [pytest.mark.core, pytest.mark.skipif(not installed("ort-cpu"), reason="onnxruntime is not installed")]
+
+CFG = graphc.gqa(64, 8, 2)
+
+
+def _inputs(g: graphc.Graph) -> dict[str, np.ndarray]:
+    x = np.random.default_rng(1).standard_normal((2, 5, 64)).astype(np.float32)
+    return {g.inputs[0]: x.astype(g.types[g.inputs[0]].dtype)}
+
+
+def _entries(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "sessions").iterdir() if not p.name.startswith(".")) if (root / "sessions").exists() else []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_second_session_loads_what_the_first_saved_and_computes_the_same(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    g = graphc.optimize(graphc.attention_layer_graph(CFG, seed=3, dtype=dtype)).graph
+    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    assert "the session saved to the cache" in first.provider
+    second = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    assert "the session loaded from the cache" in second.provider
+    assert len(_entries(tmp_path / "cache")) == 1
+    inputs = _inputs(g)
+    want = prepare(g, "numpy").run(inputs)
+    for name, ref in want.items():
+        np.testing.assert_array_equal(second.run(inputs)[name], first.run(inputs)[name])
+        np.testing.assert_allclose(second.run(inputs)[name].astype(np.float32), ref.astype(np.float32), atol=2e-2 if dtype != "float32" else 1e-5)
+
+
+def test_other_weights_and_a_changed_checkpoint_file_are_other_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    for seed in (0, 1):  # handed-over weights: keyed by their bytes
+        prepare(graphc.attention_layer_graph(CFG, seed=seed), "ort-cpu", inline_weights_max_bytes=0)
+    assert len(_entries(tmp_path / "cache")) == 2
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for seed in (5, 6):  # weights read from the checkpoint file: keyed by the file (the same name, new contents)
+        built = graphc.attention_layer_graph(CFG, seed=seed)
+        save_file({k: np.ascontiguousarray(v) for k, v in built.initializers.items()}, str(folder / "model.safetensors"))
+        g = graphc.attention_layer_graph(CFG, weights=load_weights(folder))
+        runner = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+        assert "saved to the cache" in runner.provider
+        np.testing.assert_allclose(runner.run(_inputs(g))["out_BSM"], prepare(g, "numpy").run(_inputs(g))["out_BSM"], atol=1e-5)
+    assert len(_entries(tmp_path / "cache")) == 4
+
+
+def test_without_the_variable_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRAPHC_WEIGHT_CACHE", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    runner = prepare(graphc.attention_layer_graph(CFG), "ort-cpu", inline_weights_max_bytes=0)
+    assert "cache" not in runner.provider
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sessions_link_is_refused(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "sessions").symlink_to(elsewhere)
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(BackendError, match=r"sessions is a link; graphc writes its session cache only inside"):
+        prepare(graphc.attention_layer_graph(CFG), "ort-cpu", inline_weights_max_bytes=0)
+    assert list(elsewhere.iterdir()) == []
