@@ -140,11 +140,18 @@ def _model(args: argparse.Namespace, request: _Request) -> Graph:
 
 @dataclass(frozen=True)
 class _Row:
-    """One backend's generation with what it cost: seconds to prepare, peak resident bytes while it ran."""
+    """One backend's generation with what it cost: seconds to prepare, the first (cold) prefill's seconds, peak resident
+    bytes while it ran."""
 
     generation: Any
     prepare_seconds: float
     peak_bytes: int | None
+    first_prefill_seconds: float = 0.0
+
+    @property
+    def first_token_seconds(self) -> float:
+        """From the start of ``prepare`` to the first token's logits: prepare, then the first prefill."""
+        return self.prepare_seconds + self.first_prefill_seconds
 
 
 def _table(rows: list[tuple[str, _Row | str]], graph: Graph, prompts: list[list[int]], new: int) -> str:
@@ -153,19 +160,20 @@ def _table(rows: list[tuple[str, _Row | str]], graph: Graph, prompts: list[list[
     lines = [
         f"model {graph.name}: {layers} layers, vocab {graph.types['logits'].shape[-1]}, {graph.types['present.0.key'].dtype}, "
         f"weights {format_bytes(weights)}; {len(prompts)} prompt(s), up to {new} new tokens, greedy",
-        f"{'backend':<14}  {'prepare s':>9}  {'prefill ms':>10}  {'ms/token':>8}  {'tokens/s':>8}  {'peak RSS':>10}  provider / reason",
-        f"{'':<14}  {'':>9}  {'':>10}  {'(median)':>8}  {'(mean)':>8}  {'(x weights)':>10}",
-        f"{'-' * 14}  {'-' * 9}  {'-' * 10}  {'-' * 8}  {'-' * 8}  {'-' * 10}  {'-' * 17}",
+        f"{'backend':<14}  {'prepare s':>9}  {'first token s':>13}  {'prefill ms':>10}  {'ms/token':>8}  {'tokens/s':>8}  {'peak RSS':>10}  "
+        "provider / reason",
+        f"{'':<14}  {'':>9}  {'(cold)':>13}  {'(warm)':>10}  {'(median)':>8}  {'(mean)':>8}  {'(x weights)':>10}",
+        f"{'-' * 14}  {'-' * 9}  {'-' * 13}  {'-' * 10}  {'-' * 8}  {'-' * 8}  {'-' * 10}  {'-' * 17}",
     ]
     for backend, r in rows:
         if isinstance(r, str):
-            lines.append(f"{backend:<14}  {'-':>9}  {'-':>10}  {'-':>8}  {'-':>8}  {'-':>10}  {r}")
+            lines.append(f"{backend:<14}  {'-':>9}  {'-':>13}  {'-':>10}  {'-':>8}  {'-':>8}  {'-':>10}  {r}")
             continue
         g = r.generation
         peak = "-" if r.peak_bytes is None else f"{format_bytes(r.peak_bytes)}" + (f" {r.peak_bytes / weights:.2f}x" if weights else "")
         lines.append(
-            f"{backend:<14}  {r.prepare_seconds:9.2f}  {g.prefill_seconds * 1e3:10.2f}  {g.ms_per_token:8.2f}  {g.tokens_per_second:8.1f}  "
-            f"{peak:>10}  {g.provider}"
+            f"{backend:<14}  {r.prepare_seconds:9.2f}  {r.first_token_seconds:13.2f}  {g.prefill_seconds * 1e3:10.2f}  {g.ms_per_token:8.2f}  "
+            f"{g.tokens_per_second:8.1f}  {peak:>10}  {g.provider}"
         )
     return "\n".join(lines)
 
@@ -201,20 +209,23 @@ def _text(rows: list[tuple[str, _Row | str]], texts: list[str], tokenizer: Any) 
     return "\n".join(lines)
 
 
-def _warm_and_generate(graph: Graph, request: _Request, args: argparse.Namespace, runner: Any, progress: Progress, tag: str) -> Any:
-    """Two untimed tokens (compiles, allocations, first calls), then the timed generation with progress lines."""
+def _warm_and_generate(
+    graph: Graph, request: _Request, args: argparse.Namespace, runner: Any, progress: Progress, tag: str
+) -> tuple[Any, float]:
+    """Two untimed tokens (compiles, allocations, first calls), then the timed generation with progress lines; returns
+    it and the first (cold) prefill's seconds."""
     from lowering import generate
 
     prompts = request.prompts
     options = {"pad_token_id": request.pad_token_id, "eos_token_id": request.eos_token_id, "runner": runner}
-    generate(graph, prompts, min(2, args.max_new_tokens), **options)
+    cold = generate(graph, prompts, min(2, args.max_new_tokens), **options).prefill_seconds
     every = max(1, args.max_new_tokens // 4)
 
     def report(step: int, total: int) -> None:
         if step % every == 0 or step == 1:
             progress(f"{tag}: token {step}/{total}")
 
-    return generate(graph, prompts, args.max_new_tokens, progress=report, **options)
+    return generate(graph, prompts, args.max_new_tokens, progress=report, **options), cold
 
 
 def _sharded_row(graph: Graph, request: _Request, args: argparse.Namespace, progress: Progress) -> tuple[str, _Row | str]:
@@ -229,7 +240,8 @@ def _sharded_row(graph: Graph, request: _Request, args: argparse.Namespace, prog
         start = time.perf_counter()
         with sharded_runner(graph, args.shards, args.shard_backend) as runner:
             prepared = time.perf_counter() - start
-            return label, _Row(_warm_and_generate(graph, request, args, runner, progress, label), prepared, None)  # workers' memory is theirs
+            generation, cold = _warm_and_generate(graph, request, args, runner, progress, label)
+            return label, _Row(generation, prepared, None, cold)  # workers' memory is theirs
     except BackendUnavailableError as e:
         return label, f"skipped: {e}"
 
@@ -249,10 +261,10 @@ def _backend_row(
     options = {**decode_options(backend, sizes, args.threads), **backend_options(backend, tf32=args.tf32 or None, cuda_graph=args.cuda_graph or None)}
     runner = prepare(graph, backend, **options)
     prepared = time.perf_counter() - start
-    generation = _warm_and_generate(graph, request, args, runner, progress, tag)
+    generation, cold = _warm_and_generate(graph, request, args, runner, progress, tag)
     peak = resident_peak_bytes()
     del runner
-    return _Row(generation, prepared, peak)
+    return _Row(generation, prepared, peak, cold)
 
 
 def run(args: argparse.Namespace) -> int:
