@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from graphc.attention_op import Attention
-from graphc.dims import dim_symbols, is_symbol
+from graphc.dims import Dim, dim_prod, dim_symbols, eval_dim, is_symbol, normalize_dim
 from graphc.errors import ExecutionError, GraphcError
 from graphc.graph import Graph
 from graphc.mapped import release_pages
@@ -35,9 +35,9 @@ from graphc.quantized import QuantizedMatMul
 from graphc.tensor_ops import Gather
 
 from ..kernels.attention_kernel import attention_kernel
-from ..kernels.contraction import contract
+from ..kernels.contraction import FEW_ROWS, contract
 from .inputs import InputChecker
-from ..kernels.softmax import masked_softmax
+from ..kernels.softmax import blas_threads, default_threads, masked_softmax
 from ..kernels.quantized import quantized_matmul
 from ..kernels.low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
 
@@ -50,7 +50,7 @@ Kernel = Callable[[Any, Sequence[np.ndarray], Mapping[str, int], "int | None"], 
 def _einsum(op: Einsum, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
     if any(isinstance(x, StoredWeight) for x in a):
         return (contract_stored(op.parsed, list(a), threads),)
-    return (contract(op.parsed, *a),)
+    return (contract(op.parsed, *a, threads=threads),)
 
 
 def _gather(op: Gather, a: Sequence[np.ndarray], dims: Mapping[str, int], threads: int | None) -> tuple[np.ndarray, ...]:
@@ -107,6 +107,7 @@ class NumpyInterpreter:
             if not graph.is_output(name):
                 self._free_after[idx].append(name)
         self._data_dims = _data_dependent_dims(graph, self.order)
+        self._weight_rows = _weight_rows(graph, self.order, set(self._weights))
 
     def _precompute_constants(self, order: list[Any]) -> list[Any]:
         """Run once, here, the nodes that read only weights (the float32 casts of low-precision weights); return the rest."""
@@ -162,8 +163,19 @@ class NumpyInterpreter:
         return op.evaluate_all(args, dims)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the graph on ``feeds`` (checked first) and return its outputs by name."""
+        """Run the graph on ``feeds`` (checked first) and return its outputs by name.
+
+        Threads: in a run whose weight products have many rows (a prefill), graphc's own threads (``threads``, default
+        the cores) do every parallel part: a large GEMM's blocks (:mod:`lowering.kernels.contraction`), attention's
+        and softmax's row blocks, with BLAS held to one thread for the whole run, so no second pool spins beside
+        graphc's and a core another process slows takes fewer blocks.  In a run of few rows (a decode step, bound by
+        reading the weights) BLAS's own ``threads`` threads split each product."""
         dims = dict(self._check(feeds))
+        few = max((eval_dim(d, dims) for d in self._weight_rows if dim_symbols(d) <= dims.keys()), default=0) <= FEW_ROWS
+        with blas_threads(self.threads or default_threads() if few else 1):
+            return self._run(feeds, dims)
+
+    def _run(self, feeds: Mapping[str, np.ndarray], dims: dict[str, int]) -> dict[str, np.ndarray]:
         env: dict[str, np.ndarray] = dict(self._weights)
         env.update({k: self._cast(v if isinstance(v, np.ndarray) else np.asarray(v)) for k, v in feeds.items()})  # a KV prefix stays one
         for idx, node in enumerate(self.order):
@@ -186,6 +198,16 @@ def run_numpy(
 ) -> dict[str, np.ndarray]:
     """One-shot convenience: ``NumpyInterpreter(graph, compute_dtype, threads, reference).run(feeds)`` (no lowering)."""
     return NumpyInterpreter(graph, compute_dtype, threads, reference).run(feeds)
+
+
+def _weight_rows(graph: Graph, order: list[Any], weights: set[str]) -> set[Dim]:
+    """The row counts (product of all but the last output axis) of the einsums that multiply by a weight, symbolic and
+    distinct: what says whether a run is a prefill or a decode step."""
+    rows: set[Dim] = set()
+    for node in order:
+        if isinstance(node.op, Einsum) and any(i in weights for i in node.inputs) and graph.types[node.outputs[0]].rank >= 2:
+            rows.add(normalize_dim(dim_prod(graph.types[node.outputs[0]].shape[:-1])))
+    return rows
 
 
 def _data_dependent_dims(graph: Graph, order: list[Any]) -> list[list[tuple[int, int, str]]]:

@@ -7,6 +7,11 @@ attention shapes this is 8-17x faster than unoptimized ``np.einsum`` or plain
 ``opt_einsum.contract`` on 2 cores.  A grouped einsum such as
 ``bngqd,bnkd->bngqk`` puts ``g`` and ``q`` side by side as free labels, so the
 group axis folds into the GEMM's M dimension without a copy.
+
+With ``threads``, a large unbatched GEMM (a prefill's projections and MLP) is cut into blocks of output columns (the
+weight's rows, each packed by one block only) that graphc's own threads take one at a time, BLAS held to one thread
+inside each (:func:`~lowering.kernels.softmax.run_blocks`): a thread slowed by another process on its core takes fewer
+blocks, where BLAS's own split gives each thread a fixed half and waits for the slower one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import numpy as np
 import opt_einsum
 
 from graphc.einsum_spec import EinsumSpec, parse_einsum
+
+from .softmax import blas_threads, default_threads, run_blocks
 
 __all__ = ["MatmulPlan", "plan_matmul", "contract_pair", "contract", "contraction_order"]
 
@@ -81,8 +88,51 @@ def _prod(shape: tuple[int, ...]) -> int:
     return n
 
 
-def contract_pair(spec: EinsumSpec | str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Evaluate a two-operand einsum with one batched ``np.matmul``."""
+BLOCKED_MIN_FLOPS = 1 << 24
+"""Multiply-adds from which a GEMM is cut into blocks for graphc's threads (smaller ones run whole on the caller)."""
+FEW_ROWS = 16
+"""Products of fewer rows (a decode step's) are bound by reading the weight: BLAS's own threads split them best, so
+they run on ``threads`` BLAS threads, not in graphc's blocks."""
+_BLOCK_COLUMNS = 256
+
+
+def _matmul(a2: np.ndarray, b2: np.ndarray, threads: int | None) -> np.ndarray:
+    """``a2 @ b2`` (2-D, or batched over a leading axis) on ``threads`` threads: column blocks of a 2-D product, batch
+    entries of a batched one, wherever the work is large enough (:data:`BLOCKED_MIN_FLOPS`); a product of
+    :data:`FEW_ROWS` rows or fewer on ``threads`` BLAS threads."""
+    n = threads or default_threads()
+    m, k, cols = a2.shape[-2], a2.shape[-1], b2.shape[-1]
+    flops = m * k * cols * (a2.shape[0] if a2.ndim == 3 else 1)
+    if a2.ndim == 2 and m <= FEW_ROWS:
+        with blas_threads(n):
+            return np.matmul(a2, b2)
+    if n == 1 or a2.ndim != b2.ndim or a2.ndim not in (2, 3):
+        return np.matmul(a2, b2)
+    if a2.ndim == 3:
+        if a2.shape[0] < 2 or a2.shape[0] != b2.shape[0] or flops < BLOCKED_MIN_FLOPS:
+            return np.matmul(a2, b2)
+        out = np.empty((a2.shape[0], m, cols), np.result_type(a2, b2))
+
+        def entry(i: int) -> None:
+            np.matmul(a2[i], b2[i], out=out[i])
+
+        run_blocks(entry, list(range(a2.shape[0])), n, pin_blas=True)
+        return out
+    if cols < 2 * _BLOCK_COLUMNS or flops < BLOCKED_MIN_FLOPS:
+        return np.matmul(a2, b2)
+    width = max(_BLOCK_COLUMNS, -(-cols // (4 * n)))
+    starts = list(range(0, cols, width))
+    parts: list[np.ndarray] = [np.empty(0)] * len(starts)
+
+    def block(j: int) -> None:
+        parts[j] = np.matmul(a2, b2[:, starts[j] : starts[j] + width])
+
+    run_blocks(block, list(range(len(starts))), n, pin_blas=True)
+    return np.concatenate(parts, axis=1)
+
+
+def contract_pair(spec: EinsumSpec | str, a: np.ndarray, b: np.ndarray, threads: int | None = 1) -> np.ndarray:
+    """Evaluate a two-operand einsum with one batched ``np.matmul`` (row blocks on ``threads`` threads where large)."""
     s = parse_einsum(spec) if isinstance(spec, str) else spec
     p = plan_matmul(s)
     ta, tb = s.inputs
@@ -101,7 +151,11 @@ def contract_pair(spec: EinsumSpec | str, a: np.ndarray, b: np.ndarray) -> np.nd
     k = _prod(at.shape[nb + nfa :])
     a2 = at.reshape(batch_shape + (_prod(a_free_shape), k))
     b2 = bt.reshape(batch_shape + (k, _prod(b_free_shape)))
-    c = np.matmul(a2, b2)
+    if len(batch_shape) <= 1:
+        c = _matmul(a2, b2, threads)
+    else:
+        entries = _prod(batch_shape)
+        c = _matmul(a2.reshape((entries,) + a2.shape[-2:]), b2.reshape((entries,) + b2.shape[-2:]), threads)
     c = c.reshape(batch_shape + a_free_shape + b_free_shape)
     return c.transpose(p.out_perm) if p.needs_out_transpose else c
 
@@ -113,18 +167,19 @@ def contraction_order(spec: EinsumSpec | str, shapes: list[tuple[int, ...]], opt
     return [(tuple(step[0]), step[2]) for step in info.contraction_list]
 
 
-def contract(spec: EinsumSpec | str, *operands: np.ndarray, optimize: str = "auto") -> np.ndarray:
-    """Evaluate any einsum: one operand with ``np.einsum``, two as a GEMM, more in opt_einsum's order."""
+def contract(spec: EinsumSpec | str, *operands: np.ndarray, optimize: str = "auto", threads: int | None = 1) -> np.ndarray:
+    """Evaluate any einsum: one operand with ``np.einsum``, two as a GEMM, more in opt_einsum's order.  ``threads``:
+    graphc's threads for a large GEMM's row blocks (``None``: the cores; 1: BLAS's own threads)."""
     s = parse_einsum(spec) if isinstance(spec, str) else spec
     if len(operands) == 1:
         return np.einsum(str(s), operands[0])
     if len(operands) == 2:
-        return contract_pair(s, *operands)
+        return contract_pair(s, *operands, threads=threads)
     ops = list(operands)
     for positions, step in contraction_order(s, [o.shape for o in ops], optimize):
         args = [ops[i] for i in positions]
         for i in sorted(positions, reverse=True):
             del ops[i]
-        ops.append(contract(step, *args))
+        ops.append(contract(step, *args, threads=threads))
     (result,) = ops
     return result

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import numpy as np
@@ -23,7 +24,7 @@ from graphc.visibility import Visibility
 
 from .crew import crew
 
-__all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads", "blas_description"]
+__all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads", "blas_description", "blas_threads"]
 
 T = TypeVar("T")
 
@@ -51,6 +52,12 @@ def blas_description() -> str:
             arch = info.get("architecture")
             return f"{info.get('internal_api', 'BLAS')} {info.get('version', '')}" + (f" {arch} kernels" if arch else "")
     return "no BLAS found"
+
+
+def blas_threads(threads: int | None) -> AbstractContextManager[object]:
+    """BLAS held to ``threads`` threads inside the ``with`` (nothing changed for ``None``): a backend told its thread
+    count passes it on to the GEMMs it does not split itself."""
+    return _blas_controller().limit(limits=threads, user_api="blas") if threads else nullcontext()
 
 
 def _blas_controller() -> ThreadpoolController:
