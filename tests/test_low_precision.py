@@ -22,6 +22,7 @@ from graphc.optimizer import lower
 from lowering import generate, prepare
 from lowering.kernels import compiled, low_precision
 from lowering.backends import numpy_interpreter
+from lowering.kernels.bf16_gemm import MIN_ROWS, bf16_gemm_description
 from lowering.kernels.low_precision import StoredWeight, contract_stored, stored_operand
 from lowering.backends.numpy_interpreter import NumpyInterpreter
 from lowering.exporter.targets import NUMPY_TARGET
@@ -90,7 +91,25 @@ def test_a_linear_einsum_over_a_stored_weight_equals_the_float32_copy(spec, dtyp
     dense[p], dense[1 - p] = w.astype(np.float64), x.astype(np.float64)
     want = np.einsum(spec, *dense)
     assert got.shape == want.shape and got.dtype == np.float32
+    if dtype == "bfloat16" and x.size // sizes["m"] >= MIN_ROWS and bf16_gemm_description() is not None:
+        # a prefill's product in bfloat16 (lowering.kernels.bf16_gemm): x rounded to bfloat16 as well, the sum rounded once
+        dense[1 - p] = x.astype("bfloat16").astype(np.float64)
+        np.testing.assert_allclose(got, np.einsum(spec, *dense), rtol=1e-2, atol=2e-2)
+        return
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prefill_product_in_bfloat16_where_the_cpu_has_it_and_float32_when_turned_off(monkeypatch):
+    """The bfloat16 GEMM path against the float32 one on the same operands: within bfloat16's rounding, and
+    ``GRAPHC_BF16_MATMUL=0`` gives the float32 numbers exactly."""
+    w = _weight(300, 64, "bfloat16")
+    x = np.random.default_rng(4).standard_normal((64, 64)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    if bf16_gemm_description() is not None:
+        np.testing.assert_allclose(contract_stored(parse_einsum("sm,nm->sn"), [x, StoredWeight(w)], threads=2), want, rtol=2e-2, atol=5e-2)
+    monkeypatch.setenv("GRAPHC_BF16_MATMUL", "0")
+    assert bf16_gemm_description() is None
+    np.testing.assert_allclose(contract_stored(parse_einsum("sm,nm->sn"), [x, StoredWeight(w)], threads=2), want, rtol=1e-4, atol=1e-4)
 
 
 def test_only_a_linear_layers_matrix_is_a_stored_operand():

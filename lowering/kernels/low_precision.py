@@ -33,6 +33,7 @@ from graphc.ops import Einsum
 from graphc.tensor_ops import Gather
 
 from .compiled import bf16_matmul, use_compiled
+from .bf16_gemm import MIN_ROWS, bf16_gemm_description, bf16_linear
 from .softmax import default_threads, run_blocks
 
 __all__ = ["StoredWeight", "LOW_PRECISION", "MIN_STORED_BYTES", "COMPILED_MAX_ROWS", "stored_operand", "contract_stored", "keeps_stored"]
@@ -115,6 +116,8 @@ def stored_matmul(x: np.ndarray, weight: StoredWeight, threads: int | None) -> n
     w = weight.stored
     if w.dtype.name == "bfloat16" and x.shape[0] <= COMPILED_MAX_ROWS and use_compiled():
         return bf16_matmul(x, w.view(np.uint16), threads)
+    if w.dtype.name == "bfloat16" and x.shape[0] >= MIN_ROWS and bf16_gemm_description() is not None:
+        return bf16_linear(x, w, threads)
     rows, k = w.shape
     out = np.empty((rows, x.shape[0]), np.float32)  # transposed: each block writes whole rows
     step = max(16, _BLOCK_BYTES // max(1, 4 * k))
