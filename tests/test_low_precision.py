@@ -184,3 +184,22 @@ def test_bfloat16_bits_widen_exactly():
         pytest.skip("compiled kernels off")
     got = compiled.bf16_matmul(np.ones((1, 1), np.float32), w.view(np.uint16), 1)
     np.testing.assert_array_equal(got[0], w.astype(np.float32)[:, 0])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_layer_with_a_padding_mask_is_one_attention_on_numpy(dtype):
+    """The graph computes in float32 between low-precision values, so its -inf fill reaches the mask's Where through a
+    Cast: still a fill, and the layer is one Attention for the NumPy kernel, equal to the float32 layer's numbers."""
+    cfg = graphc.gqa(64, 8, 2)
+    layer = graphc.attention_layer_graph(cfg, seed=1, dtype=dtype, mask="bool", mask_per_query=False)
+    lowered = lower(graphc.optimize(layer).graph, NUMPY_TARGET, {"batch": 2, "seq": 40})
+    assert lowered.op_counts().get("Attention") == 1 and "Softmax" not in lowered.op_counts()
+    rng = np.random.default_rng(2)
+    keep = np.ones((2, 1, 1, 40), bool)
+    keep[0, ..., :5] = False
+    x = rng.standard_normal((2, 40, 64)).astype(np.float32)
+    got = prepare(layer, "numpy").run({"x_BSM": x.astype(dtype), "attn_mask": keep})["out_BSM"].astype(np.float32)
+    wide_weights = {k: v.astype(np.float32) for k, v in layer.initializers.items() if k.endswith(".weight")}
+    wide = graphc.attention_layer_graph(cfg, weights=wide_weights, mask="bool", mask_per_query=False)
+    want = prepare(wide, "numpy", compute_dtype="float64").run({"x_BSM": x.astype(dtype).astype(np.float32), "attn_mask": keep})["out_BSM"]
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)

@@ -33,7 +33,7 @@ from graphc.visibility import Visibility, VisibilityError
 from graphc.dims import Dim, dim_div, dim_prod, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import FILL_LIMIT
-from graphc.ops import FLOAT_DTYPES, Binary, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
+from graphc.ops import FLOAT_DTYPES, Binary, Cast, CausalMask, Concat, Einsum, Repeat, Reshape, Scale, Softmax, Transpose, Unary, Where
 from graphc.tensor_ops import BroadcastTo
 
 from .cleanup import only_reader, remove_if_dead
@@ -89,13 +89,22 @@ class KVCache:
     moved: tuple[str, ...] = ()  # readers of the Concats before the PV einsum (a present cut to a window), moved after the op
 
 
+def _constant(graph: Graph, name: str) -> np.ndarray | None:
+    """The value of constant ``name``, seen through a ``Cast`` (a low-precision graph's fill widened for float32
+    compute), or None."""
+    node = graph.producer(name)
+    if node is not None and isinstance(node.op, Cast) and graph.is_constant(node.inputs[0]):
+        return np.asarray(graph.initializers[node.inputs[0]]).astype(node.op_as(Cast).dtype)
+    return np.asarray(graph.initializers[name]) if graph.is_constant(name) else None
+
+
 def _fill_rows(graph: Graph, name: str) -> str | None:
     """What a row of keys all hidden by ``Where(keep, s, name)`` gives: ``"zero"`` for a ``-inf`` fill (graphc's
     rows with no visible key), ``"mean"`` for a finite fill that swamps every score (``finfo.min``: the row's scores
     are all equal, its softmax uniform), ``None`` when ``name`` is no such constant."""
-    if not graph.is_constant(name) or str(graph.types[name].dtype) not in FLOAT_DTYPES:
+    arr = _constant(graph, name)
+    if arr is None or str(graph.types[name].dtype) not in FLOAT_DTYPES:
         return None
-    arr = graph.initializers[name]
     if arr.size < 1 or not np.all(arr == arr.reshape(-1)[0]):
         return None
     fill = float(arr.reshape(-1)[0])
@@ -264,7 +273,8 @@ def _absorb_bool_mask(graph: Graph, node: Node, sc: _Scores) -> str | Miss:
         return Miss(f"{node.name!r} is a Where that is not (mask, scores, -inf or a fill that swamps every score)")
     if sc.vis.mask == "additive":
         return Miss("a bool mask and an additive mask on one softmax")
-    why = f"{node.name!r} fills hidden keys with {graph.initializers[b].reshape(-1)[0]:g}, another mask on the softmax otherwise"
+    fill = _constant(graph, b)
+    why = f"{node.name!r} fills hidden keys with {float(fill.reshape(-1)[0]) if fill is not None else b!r}, another mask on the softmax otherwise"
     split = split_bool_mask(graph, cond)  # an index grid's causal bound among the conjuncts
     part = Visibility(mask="bool", empty_rows=rows) if split is None else Visibility.from_bounds(split[0], "bool" if split[1] else "none", rows)
     both = None if part is None else _conjunction(sc.vis, part, why)
