@@ -68,3 +68,17 @@ def test_an_encoder_checkpoint_with_a_task_head_and_bad_ones_are_named(tmp_path)
         encoder_config_from_hf({"model_type": "llama"})
     with pytest.raises(WeightError, match=r"activation 'relu'"):
         encoder_config_from_hf({"model_type": "bert", "hidden_act": "relu", "hidden_size": 64, "num_attention_heads": 4})
+
+
+def test_the_command_line_takes_an_encoder_checkpoint_folder(tmp_path, capsys):
+    from graphc.cli import main
+
+    _model("bert").save_pretrained(tmp_path / "bert")
+    _model("vit").save_pretrained(tmp_path / "vit")
+    assert main(["compare", str(tmp_path / "bert"), "--batch", "2", "--seq", "9", "--backends", "numpy,ort-cpu", "--quiet"]) == 0
+    assert "all backends agree" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "vit")]) == 0
+    out = capsys.readouterr().out
+    assert "pixel_values [batch, 3, 32, 32]" in out and "2 x not causal" in out and "softmax left unfused: 0" in out
+    assert main(["compare", str(tmp_path / "vit"), "--decode"]) == 2
+    assert "--decode describe a decoder; a vit encoder is built whole" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..attention import PRESETS
+from ..attention.encoder import ENCODER_FAMILIES
 from ..attention.hf import HFConfig
 from ..attention_op import Attention
 from ..graph import Graph
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     source = GraphSource.from_args(args, reads_weights=False)  # a checkpoint folder's config alone
     if source.model is not None or source.graph:
         print(describe_graph(source.imported(), source.model or str(source.graph)))
+        return 0
+    if source.hf is not None and source.hf.get("model_type") in ENCODER_FAMILIES:  # an encoder: the graph its checkpoint builds
+        print(describe_graph(GraphSource.from_args(args).build()[0], str(source.checkpoint_folder or source.hf_config)))
         return 0
     cfg = source.config()
     seq = 4096 if source.seq is None else source.seq

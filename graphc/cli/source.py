@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..attention import AttentionConfig, attention_layer_graph, kv_cache_graph, preset, preset_names, sdpa_graph
+from ..attention.encoder import ENCODER_FAMILIES
 from ..attention.hf import HF_FAMILIES, HFConfig, read_hf_config
 from ..dims import dim_symbols
 from ..graph import Graph
@@ -221,6 +222,10 @@ class GraphSource:
         if self.weights and not self.hf_config:
             raise UsageError("--weights needs --hf-config (the model config the weights belong to)")
         step = {"batch": self.batch, "seq": seq, "past_seq": self.past} if self.decode else {"batch": self.batch, "seq": seq}
+        if self.hf_config and self.hf is not None and self.hf.get("model_type") in ENCODER_FAMILIES:
+            graph = self._encoder()
+            used = {s for n in graph.inputs for d in graph.types[n].shape for s in dim_symbols(d)}
+            return graph, {k: v for k, v in step.items() if k in used}
         if self.hf_config:
             return self._hf_stack(), step
         if self.model is not None or self.graph:
@@ -257,6 +262,18 @@ class GraphSource:
                 f"--dim names {', '.join(unknown)}, which the graph's inputs do not use; its symbolic dims: {', '.join(sorted(symbols)) or 'none'}"
             )
         return g, {**sizes, **given}
+
+    def _encoder(self) -> Graph:
+        """The encoder of ``--hf-config`` (BERT, DistilBERT, ViT) with the checkpoint's weights."""
+        from ..attention.encoder import encoder_from_hf
+        from ..weights import load_weights
+
+        given = [flag for flag, on in (("--decode", self.decode), ("--core", self.core), ("--layers", self.layers is not None)) if on]
+        if given:
+            raise UsageError(f"{', '.join(given)} describe a decoder; a {self.hf.get('model_type') if self.hf else ''} encoder is built whole")
+        if not self.weights:
+            raise UsageError("an encoder is built from its checkpoint's weights: give the checkpoint folder (or --weights DIR)")
+        return encoder_from_hf(self.hf, load_weights(self.weights, dtype=self.dtype))
 
     def _hf_stack(self) -> Graph:
         """The decoder stack of ``--hf-config`` (first ``--layers`` layers) with ``--weights`` or seeded random weights."""
