@@ -36,6 +36,7 @@ EXPECTED = {
     "clip": [False] * 2 + [True] * 2,  # the vision tower, then the text tower
     "torch_decoder": [True, False, True, False],
     "torch_mha": [False],
+    "modernbert": [False] * 2,  # the local layer's window stays in its bool mask (read as a mask, not as a band)
 }
 """Per family, whether each attention (in graph order) is causal."""
 
