@@ -13,11 +13,24 @@ and reported as its own column, never as the main figure.
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
+
+
+def machine() -> str:
+    """``x86_64 Intel(R) Xeon(R) Processor, 2 cores``: the architecture, the CPU's model name and the cores this process may use."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    return f"{platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores"
 
 
 def median_ms(fn: Callable[[dict], object], feeds_list: Sequence[dict], repeats: int) -> float:

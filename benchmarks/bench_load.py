@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,10 +72,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "load.md"))
     args = ap.parse_args()
     config = json.loads(Path(args.checkpoint, "config.json").read_text())
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     lines = [
         "# `python benchmarks/bench_load.py`: one run\n",
-        f"machine: {platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores; checkpoint {config.get('model_type')} "
+        f"machine: {machine()}; checkpoint {config.get('model_type')} "
         f"({config.get('num_hidden_layers')} layers, hidden {config.get('hidden_size')}, {config.get('torch_dtype') or config.get('dtype')}); "
         f"prompt {args.prompt} tokens\n",
         "| runtime | load s | prefill s | first token s |",

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,10 +93,9 @@ def main() -> None:
     a16, b16 = torch.from_numpy(a32).to(torch.bfloat16), torch.from_numpy(b32).to(torch.bfloat16)
     peak16 = _peak(lambda: a16 @ b16, 2 * 512 * 2048 * 5632)
     flops = 2 * params * args.prompt
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     lines = [
         "# `python benchmarks/bench_prefill_dtype.py`: one run\n",
-        f"machine: {platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores, {blas_description()}; "
+        f"machine: {machine()}, {blas_description()}; "
         f"{bf16_gemm_description() or 'no bfloat16 GEMMs'}; {graph.name} in bfloat16, {params / 1e6:.0f} M weight-product parameters, "
         f"prompt {args.prompt}; measured peaks: float32 {peak32:.0f} GFLOP/s (NumPy's BLAS), bfloat16 {peak16:.0f} GFLOP/s (torch)\n",
         "| runtime | prefill s | weight GFLOP/s | share of the peak of its dtype |",

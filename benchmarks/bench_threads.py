@@ -14,8 +14,6 @@ process that spins on one core first.  Writes the table to ``--out``.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -24,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,10 +94,9 @@ def main() -> None:
     for feeds in cases.values():
         for run in runs.values():
             run(feeds)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
     lines = [
         "# `python benchmarks/bench_threads.py`: one run\n",
-        f"machine: {platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores, {blas_description()}; "
+        f"machine: {machine()}, {blas_description()}; "
         f"{graph.name}; ms per call, median of {args.blocks} alternating blocks\n",
         "| case | " + " | ".join(runs) + " |",
         "|---|" + "---|" * len(runs),

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import builtins
 import json
-import os
-import platform
 import subprocess
 import sys
 import warnings
@@ -29,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import machine  # noqa: E402
 from bench_real_exports import ROOT_DOCS  # noqa: E402
 from real_exports_corpus import tool_python  # noqa: E402
 
@@ -171,8 +170,7 @@ def main() -> None:
         lines.append(text)
 
     work = Path(args.work).resolve()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "")
-    print(f"machine: {platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores; optimum-onnx 0.1.0 exports (its venv: "
+    print(f"machine: {machine()}; optimum-onnx 0.1.0 exports (its venv: "
           f"transformers < 4.58), checked with onnxruntime {ort.__version__}; sizes {json.dumps(SIZES)}\n")  # fmt: skip
     print("| file | imports | attention blocks | softmax left | numpy max err | ort-cpu max err |\n|---|---|---|---|---|---|")
     for family in args.families.split(","):
