@@ -1,0 +1,52 @@
+"""Large GEMMs cut into blocks for graphc's threads (column blocks of a 2-D product, batch entries of a batched one) give
+NumPy's own product, and the NumPy backend's thread count reaches BLAS."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphc
+from graphc.einsum_spec import parse_einsum
+from lowering import prepare
+from lowering.kernels import contraction
+from lowering.kernels.contraction import contract
+from lowering.kernels.softmax import _blas_controller, blas_threads
+
+pytestmark = pytest.mark.core
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 70), inner=st.integers(1, 40), cols=st.integers(1, 1200), batch=st.integers(0, 3), threads=st.sampled_from([2, 3]))
+def test_blocked_products_equal_numpys(rows, inner, cols, batch, threads):
+    saved = contraction.BLOCKED_MIN_FLOPS
+    contraction.BLOCKED_MIN_FLOPS = 1  # every product large enough to be cut
+    try:
+        rng = np.random.default_rng(rows * 1000 + cols)
+        lead = (batch,) if batch else ()
+        a = rng.standard_normal((*lead, rows, inner)).astype(np.float32)
+        b = rng.standard_normal((*lead, cols, inner)).astype(np.float32)  # a weight as stored: [out, in]
+        spec = "zmk,znk->zmn" if batch else "mk,nk->mn"
+        got = contract(parse_einsum(spec), a, b, threads=threads)
+        np.testing.assert_allclose(got, np.einsum(spec, a.astype(np.float64), b.astype(np.float64)), rtol=1e-4, atol=1e-4)
+    finally:
+        contraction.BLOCKED_MIN_FLOPS = saved
+
+
+def test_blas_threads_holds_blas_to_the_count_asked_for():
+    with blas_threads(1):
+        assert {i["num_threads"] for i in _blas_controller().info() if i["user_api"] == "blas"} == {1}
+    with blas_threads(None):  # nothing changed
+        pass
+
+
+def test_a_prefill_with_blocked_products_equals_the_reference():
+    """A layer whose projections pass the blocking threshold, on 2 threads, against the float64 reference."""
+    g = graphc.attention_layer_graph(graphc.gqa(512, 8, 2), seed=0)
+    x = np.random.default_rng(1).standard_normal((1, 96, 512)).astype(np.float32)
+    got = prepare(g, "numpy", threads=2).run({"x_BSM": x})["out_BSM"]
+    want = prepare(g, "numpy", compute_dtype="float64", reference=True).run({"x_BSM": x})["out_BSM"]
+    assert 96 * 512 * 512 >= contraction.BLOCKED_MIN_FLOPS  # the q and o projections are cut into blocks
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
