@@ -694,8 +694,9 @@ for _name, _numpy, _onnx, _torch in (
     ("sin", np.sin, "Sin", "sin"),
     ("erf", lambda x: _erf(x), "Erf", "erf"),
     ("log", lambda x: _log(x), "Log", "log"),
+    ("abs", np.abs, "Abs", "abs"),
 ):
-    register_unary(_name, _numpy, _onnx, _torch, on_ints=_name == "neg")
+    register_unary(_name, _numpy, _onnx, _torch, on_ints=_name in ("neg", "abs"))
 
 
 def _log(x: np.ndarray) -> np.ndarray:

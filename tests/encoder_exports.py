@@ -16,7 +16,7 @@ inputs at sizes never traced, the first row padded where the model takes a mask.
 - ``siglip_vision``: SigLIP's vision tower (its pooling head attends with one learned query);
 - ``clip``: CLIP's two towers in one file (text causal with padding, vision; the image-text logits out);
 - ``torch_decoder``: torch's own ``nn.TransformerDecoder`` (a causal ``tgt_mask``, the memory's padding), dynamo only;
-- ``modernbert``: ModernBERT (global attention, then a local layer whose window of 4 tokens is written into its mask);
+- ``modernbert``: ModernBERT (global attention, then a local layer that keeps ``|i - j| <= 2``, written into its mask);
 - ``torch_mha``: torch's ``nn.MultiheadAttention`` as cross-attention with a key padding mask, dynamo only (the
   legacy exporter writes both modules' batch size into a ``Reshape``: the file fails in onnxruntime at another batch).
 """

@@ -30,7 +30,7 @@ import numpy as np
 from graphc.dims import Dim, dim_add, dim_is_nonnegative, dim_sub, normalize_dim
 from graphc.graph import Graph, Node
 from graphc.numerics import FILL_LIMIT, hides_keys
-from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Concat, Reshape, Where
+from graphc.ops import FLOAT_DTYPES, Binary, Cast, Compare, Concat, Reshape, Unary, Where
 from graphc.rotary import Positions
 from graphc.tensor_ops import Arange, BroadcastTo, ShapeValues
 from graphc.visibility import KeyBound, Visibility
@@ -133,6 +133,13 @@ COMPARE = Pat.op(Compare, where=lambda op: op.fn != "equal", name="compare", inp
 """A comparison of key positions with query positions (:func:`_half_plane`)."""
 DIFFERENCE = _binary("sub", Pat.var("x"), Pat.var("y"))
 """``x - y``: a Trilu's ``cols - rows``."""
+ABS_BAND = Pat.op(
+    Compare,
+    where=lambda op: op.fn in ("less_equal", "less"),
+    name="compare",
+    inputs=(Pat.op(Unary, where=lambda op: op.fn == "abs", inputs=(DIFFERENCE,)), Pat.var("c")),
+)
+"""``|x - y| <= c`` of key and query positions: a band of keys around each query (ModernBERT's local attention)."""
 SHAPE_DIM = Pat.op(ShapeValues, where=lambda op: len(op.values) == 1, name="shape")
 """One run-time dim."""
 KEEP_MASK = Pat.op(Where, inputs=(Pat.var("keep"), ZERO, FILL))
@@ -258,6 +265,20 @@ def _half_plane(graph: Graph, value: str) -> KeyBound | None:
     }[fn]
 
 
+def _band(graph: Graph, value: str) -> list[KeyBound] | None:
+    """The two :class:`KeyBound` s of :data:`ABS_BAND`: ``|(j + a) - (i + b)| <= c`` keeps ``i + d - c <= j <= i + d + c``
+    with ``d = b - a`` (``c - 1`` for ``<``)."""
+    b = _match(ABS_BAND, graph, _unexpanded(graph, value))
+    if b is None:
+        return None
+    c, x, y = _dim_scalar(graph, b["c"]), _positions(graph, b["x"]), _positions(graph, b["y"])
+    if c is None or x is None or y is None or {x[0], y[0]} != {-1, -2}:
+        return None
+    key, query = (x, y) if x[0] == -1 else (y, x)
+    d, w = dim_sub(query[1], key[1]), c if b["compare"].op.fn == "less_equal" else dim_sub(c, 1)
+    return [KeyBound(True, dim_add(d, w)), KeyBound(False, dim_sub(d, w))]
+
+
 # ------------------------------------------------------------------ conjunctions
 
 
@@ -291,6 +312,18 @@ def _disjuncts(graph: Graph, value: str, out: list[str], depth: int = 0) -> None
     _disjuncts(graph, b["b"], out, depth + 1)
 
 
+def _read_conjuncts(graph: Graph, parts: list[str]) -> tuple[list[KeyBound], list[str]]:
+    """The key bounds among conjuncts ``parts`` (a half-plane, or a band's two) and the conjuncts that are neither."""
+    bounds: list[KeyBound] = []
+    rest: list[str] = []
+    for p in parts:
+        plane = _half_plane(graph, p)
+        found = [plane] if plane is not None else _band(graph, p)
+        bounds += found or []
+        rest += [] if found else [p]
+    return bounds, rest
+
+
 def _planes(graph: Graph, value: str) -> tuple[list[KeyBound], list[str], np.ndarray] | None:
     """The half-planes a ``Where`` mask keeps, its other bool conjuncts and its fill: :data:`KEEP_MASK` with ``keep`` a
     conjunction, or :data:`HIDE_MASK` with ``hide`` a disjunction of half-planes (graphc's own export: ``j > i +
@@ -299,8 +332,8 @@ def _planes(graph: Graph, value: str) -> tuple[list[KeyBound], list[str], np.nda
     if b is not None:
         parts: list[str] = []
         _conjuncts(graph, b["keep"], parts)
-        planes = [(p, _half_plane(graph, p)) for p in parts]
-        return [pl for _, pl in planes if pl is not None], [p for p, pl in planes if pl is None], b["fill"]
+        bounds, rest = _read_conjuncts(graph, parts)
+        return bounds, rest, b["fill"]
     b = _match(HIDE_MASK, graph, value)
     if b is None:
         return None
@@ -314,9 +347,8 @@ def _planes(graph: Graph, value: str) -> tuple[list[KeyBound], list[str], np.nda
     for n in negations:
         if n is not None:
             _conjuncts(graph, n["k"], conjuncts)
-    kept = [(p, _half_plane(graph, p)) for p in conjuncts]
-    bounds = [pl.complement() for pl in found if pl] + [pl for _, pl in kept if pl is not None]
-    return bounds, [p for p, pl in kept if pl is None], b["fill"]
+    kept, rest = _read_conjuncts(graph, conjuncts)
+    return [pl.complement() for pl in found if pl] + kept, rest, b["fill"]
 
 
 def split_bool_mask(graph: Graph, keep: str) -> tuple[list[KeyBound], tuple[str, ...]] | None:
@@ -325,11 +357,8 @@ def split_bool_mask(graph: Graph, keep: str) -> tuple[list[KeyBound], tuple[str,
     dynamo writes BART's and Whisper's) is a causal bound.  ``None`` when no conjunct is a half-plane."""
     parts: list[str] = []
     _conjuncts(graph, keep, parts)
-    planes = [(p, _half_plane(graph, p)) for p in parts]
-    bounds = [pl for _, pl in planes if pl is not None]
-    if not bounds:
-        return None
-    return bounds, tuple(p for p, pl in planes if pl is None)
+    bounds, rest = _read_conjuncts(graph, parts)
+    return (bounds, tuple(rest)) if bounds else None
 
 
 def split_masked_bias(graph: Graph, value: str) -> tuple[MaskSplit, str] | None:
