@@ -37,7 +37,7 @@ from .inputs import check_inputs
 from .ort_weights import SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .ort_options import OrtOptions
-from .ort_session_cache import commit, entry_for, load_options, ready, save_into
+from .ort_session_cache import cache_root, commit, entry_for, load_options, ready, save_into
 from .runner import Runner, StepFn
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER", "bfloat16_cache"]
@@ -226,11 +226,23 @@ def _narrowed(step: StepFn, names: frozenset[str], inputs: Mapping[str, Any], ke
     return {k: (v.astype("bfloat16") if k in names else v) for k, v in step(inputs, keep).items()}
 
 
-def _cache_entry(proto: Any, weights: SessionWeights, provider: str, graph: Graph) -> Path | None:
-    """The session cache's entry for this model (:mod:`lowering.backends.ort_session_cache`), before any weight is converted."""
-    arrays = [*weights.handed.values(), *weights.low.values()]
-    folder = None if weights.widen else weights.folder  # a conversion's folder is new each time; its arrays are keyed instead
-    return entry_for(proto.SerializeToString(), arrays, folder, provider, disabled_optimizers(graph))
+def _model_and_cache(proto: Any, weights: SessionWeights, root: Path | None, graph: Graph) -> tuple[Callable[[], bytes], Path | None]:
+    """The exported model's bytes, made on first need (a session loaded from the cache converts and serializes
+    nothing), and its entry in the session cache under ``root`` (:mod:`lowering.backends.ort_session_cache`), keyed
+    before any weight is converted; the key's bytes are the model's unless weights are converted."""
+    keyed = None if root is None else proto.SerializeToString()
+    cache = None
+    if root is not None and keyed is not None:
+        folder = None if weights.widen else weights.folder  # a conversion's folder is new each time; its arrays are keyed instead
+        cache = entry_for(root, keyed, [*weights.handed.values(), *weights.low.values()], folder, disabled_optimizers(graph))
+
+    def model() -> bytes:
+        if weights.widen:
+            weights.widen_casts(proto)
+            return proto.SerializeToString()
+        return keyed if keyed is not None else proto.SerializeToString()
+
+    return model, cache
 
 
 def prepare_ort(
@@ -281,13 +293,7 @@ def prepare_ort(
             f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "
             "lower inline_weights_max_bytes (or leave isolate off, so computed weights are handed over)"
         )
-    cache = None if isolate else _cache_entry(proto, weights, provider, graph)
-
-    def model() -> bytes:  # a session loaded from the cache converts and serializes nothing
-        if weights.widen:
-            weights.widen_casts(proto)
-        return proto.SerializeToString()
-
+    model, cache = _model_and_cache(proto, weights, None if isolate else cache_root(provider), graph)
     sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept), cache=cache)
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}

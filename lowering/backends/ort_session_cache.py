@@ -30,7 +30,7 @@ import numpy as np
 from graphc.errors import BackendError
 from graphc.mapped import mapped_location
 
-__all__ = ["CACHE_ENV", "entry_for", "ready", "save_into", "load_options", "commit"]
+__all__ = ["CACHE_ENV", "cache_root", "entry_for", "ready", "save_into", "load_options", "commit"]
 
 CACHE_ENV = "GRAPHC_WEIGHT_CACHE"
 _MODEL, _DATA = "model.onnx", "weights.bin"
@@ -70,10 +70,11 @@ def _folder_files(folder: str | None, model: bytes) -> Iterable[bytes]:
     return out
 
 
-def _root() -> Path | None:
-    """``GRAPHC_WEIGHT_CACHE/sessions`` (made on first use), or None when the variable is unset."""
+def cache_root(provider: str) -> Path | None:
+    """``GRAPHC_WEIGHT_CACHE/sessions`` (made on first use); None when the variable is unset or the provider is not the
+    CPU's."""
     root = os.environ.get(CACHE_ENV)
-    if not root:
+    if not root or provider != "CPUExecutionProvider":
         return None
     sessions = Path(root) / "sessions"
     if sessions.is_symlink():
@@ -82,12 +83,9 @@ def _root() -> Path | None:
     return sessions
 
 
-def entry_for(model: bytes, arrays: Iterable[np.ndarray], folder: str | None, provider: str, disabled: Iterable[str]) -> Path | None:
-    """The cache entry of a session built from ``model`` (the exported bytes), ``arrays`` (the weights handed over or
-    converted) and the files of ``folder``; ``None`` when no cache is set or the provider is not the CPU's."""
-    root = _root() if provider == "CPUExecutionProvider" else None
-    if root is None:
-        return None
+def entry_for(root: Path, model: bytes, arrays: Iterable[np.ndarray], folder: str | None, disabled: Iterable[str]) -> Path:
+    """The entry under ``root`` (:func:`cache_root`) of a session built from ``model`` (the exported bytes), ``arrays``
+    (the weights handed over or converted) and the files of ``folder``."""
     import onnxruntime as ort
 
     import graphc
