@@ -400,15 +400,11 @@ def _excused(
     import onnx
     from onnx.reference import ReferenceEvaluator
 
-    proto = reference_model if isinstance(reference_model, onnx.ModelProto) else onnx.load_model(str(reference_model))
-    from graphc.onnx_import.branches import fixed_input_value
+    from .backends.onnx_reference import feeds_for_model
 
-    init = {t.name for t in proto.graph.initializer}
-    values = dict(fixed_inputs or {})
-    fixed = {vi.name: fixed_input_value(vi, values[vi.name]) for vi in proto.graph.input if vi.name in values}
-    names = [vi.name for vi in proto.graph.input if vi.name not in init and vi.name not in fixed]
+    proto = reference_model if isinstance(reference_model, onnx.ModelProto) else onnx.load_model(str(reference_model))
     try:
-        ReferenceEvaluator(proto).run(None, {**fixed, **{o: np.asarray(inputs[g]) for o, g in zip(names, graph.inputs)}})
+        ReferenceEvaluator(proto).run(None, feeds_for_model(proto, graph, fixed_inputs)[1](inputs))
     except Exception as e:  # noqa: BLE001 - the evaluator's own failure, quoted
         reason = f"ONNX's reference evaluator cannot run the original model either ({type(e).__name__}: {str(e)[:160]})"
         return BackendResult(result.backend, "skipped", provider=result.provider, reason=reason)

@@ -21,7 +21,7 @@ import onnx
 from graphc.errors import BackendError, GraphcError
 from graphc.graph import Graph
 
-__all__ = ["onnx_model_reference", "OnnxReference"]
+__all__ = ["onnx_model_reference", "feeds_for_model", "OnnxReference"]
 
 OnnxReference = tuple[str, Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]
 """A description of the reference and the function that runs it on graphc's inputs, giving graphc's output names."""
@@ -32,13 +32,8 @@ def onnx_model_reference(
 ) -> OnnxReference:
     """The reference run of the ONNX ``model`` that ``graph`` was imported from; see the module doc.  ``fixed_inputs``:
     the inputs ``from_onnx`` was given values for (fed to the model with those values)."""
-    from graphc.onnx_import.branches import fixed_input_value
-
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load_model(str(model), load_external_data=False)
-    init = {t.name for t in proto.graph.initializer}
-    fixed = dict(fixed_inputs or {})
-    given = {vi.name: fixed_input_value(vi, fixed[vi.name]) for vi in proto.graph.input if vi.name in fixed}
-    onnx_inputs = [vi.name for vi in proto.graph.input if vi.name not in init and vi.name not in given]
+    onnx_inputs, model_feeds = feeds_for_model(proto, graph, fixed_inputs)
     onnx_outputs = [vi.name for vi in proto.graph.output]
     if len(onnx_inputs) != len(graph.inputs) or len(onnx_outputs) != len(graph.outputs):
         raise GraphcError(
@@ -50,14 +45,28 @@ def onnx_model_reference(
         run, what = _reference_evaluator(model)
 
     def reference(inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds = {**given, **{o: np.asarray(inputs[g]) for o, g in zip(onnx_inputs, graph.inputs)}}
         try:
-            results = run(feeds)
+            results = run(model_feeds(inputs))
         except Exception as e:  # noqa: BLE001 - the runtime's own errors, named
             raise BackendError(f"the reference ({what}) failed on the original model: {type(e).__name__}: {e}") from None
         return {g: np.asarray(r) for g, r in zip(graph.outputs, results)}
 
     return f"{what} on the original ONNX model (independent of graphc's import)", reference
+
+
+def feeds_for_model(
+    proto: onnx.ModelProto, graph: Graph, fixed_inputs: Mapping[str, object] | None = None
+) -> tuple[list[str], Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
+    """How graphc's inputs feed the ONNX model ``graph`` was imported from: the model's inputs that graphc's match by
+    position (initializers and ``fixed_inputs`` left out), and the function from graphc's inputs to the model's feeds
+    (the fixed inputs with the values ``from_onnx`` was given)."""
+    from graphc.onnx_import.branches import fixed_input_value
+
+    init = {t.name for t in proto.graph.initializer}
+    fixed = dict(fixed_inputs or {})
+    given = {vi.name: fixed_input_value(vi, fixed[vi.name]) for vi in proto.graph.input if vi.name in fixed}
+    names = [vi.name for vi in proto.graph.input if vi.name not in init and vi.name not in given]
+    return names, lambda inputs: {**given, **{o: np.asarray(inputs[g]) for o, g in zip(names, graph.inputs)}}
 
 
 def _onnxruntime(model: str | os.PathLike[str] | onnx.ModelProto) -> tuple[Callable | None, str]:
