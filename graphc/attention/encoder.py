@@ -22,7 +22,7 @@ from graphc.errors import WeightError
 from graphc.graph import Graph, Value
 from graphc.tensor_ops import BroadcastTo, Gather, Slice
 
-from .blocks import activation, layer_norm
+from .blocks import layer_norm, plain_mlp
 from .builders import declare_weights, weight_shapes, write_self_attention
 from .config import AttentionConfig
 from .hf import read_hf_config
@@ -213,8 +213,7 @@ def _write_layer(g: Graph, cfg: EncoderConfig, x: Value, mask: Value | None) -> 
     h = g.add(x, a, name=g.fresh_name("residual_attn_BSM"))
     if not cfg.pre_norm:
         h = norm(h, "attn_norm")
-    up = g.add(g.einsum("bsm,nm->bsn", norm(h, "mlp_norm") if cfg.pre_norm else h, "mlp.up_proj.weight"), "mlp.up_proj.bias")
-    down = g.add(g.einsum("bsn,mn->bsm", activation(g, up, cfg.activation), "mlp.down_proj.weight"), "mlp.down_proj.bias")
+    down = plain_mlp(g, norm(h, "mlp_norm") if cfg.pre_norm else h, "mlp.", cfg.activation, bias=True)
     out = g.add(h, down, name=g.fresh_name("residual_mlp_BSM"))
     return out if cfg.pre_norm else norm(out, "mlp_norm")
 

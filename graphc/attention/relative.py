@@ -21,6 +21,7 @@ from graphc.errors import WeightError
 from graphc.graph import Graph, Value
 from graphc.tensor_ops import Arange, Gather
 
+from .blocks import _const
 from .builders import declare_weights, init_weights, weight_shapes, write_self_attention
 from .config import AttentionConfig
 
@@ -43,10 +44,6 @@ class RelativePositionBias:
                 f"relative position buckets {self.buckets} (bidirectional={self.bidirectional}) and max_distance {self.max_distance}: "
                 f"need at least one exact bucket per side and a max_distance beyond them"
             )
-
-
-def _const(g: Graph, base: str, value: object, dtype: str) -> Value:
-    return g.constant(g.fresh_name(base), np.array(value, dtype))
 
 
 def _buckets(g: Graph, spec: RelativePositionBias, queries: Dim, keys: Dim, past: Dim) -> Value:
