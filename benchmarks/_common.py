@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,18 @@ def machine() -> str:
         lines = []
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
     return f"{platform.machine()} {cpu}, {len(os.sched_getaffinity(0))} cores"
+
+
+def lm_feeds(graph: Any, rows: int, past: int = 0) -> dict[str, np.ndarray]:
+    """A causal LM graph's inputs for one sequence: ``rows`` new tokens (seeded random ids) after ``past`` cached
+    positions (seeded random keys and values), every position attended."""
+    ids = np.random.default_rng(0).integers(3, 1000, (1, rows))
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, past + rows), np.int64), "position_ids": np.arange(past, past + rows)[None]}
+    for n in graph.inputs:
+        if n.startswith("past_key_values"):
+            shape = graph.types[n].shape
+            feeds[n] = np.random.default_rng(1).standard_normal((1, shape[1], past, shape[3])).astype(graph.types[n].dtype)
+    return feeds
 
 
 def median_ms(fn: Callable[[dict], object], feeds_list: Sequence[dict], repeats: int) -> float:

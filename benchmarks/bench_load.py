@@ -28,13 +28,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys, time
 import numpy as np
+sys.path.insert(0, "benchmarks")
+from _common import lm_feeds
 runtime, folder, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ids = np.random.default_rng(0).integers(3, 1000, (1, prompt))
 t0 = time.perf_counter()
 if runtime == "transformers":
     import torch, transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype="auto").eval()
     t1 = time.perf_counter()
+    ids = np.random.default_rng(0).integers(3, 1000, (1, prompt))  # lm_feeds' ids
     with torch.no_grad():
         model(torch.from_numpy(ids)).logits[:, -1]
 else:
@@ -44,11 +46,7 @@ else:
     g = graphc.optimize(graphc.causal_lm_from_hf(f"{folder}/config.json", load_weights(folder), logits="last")).graph
     runner = prepare(g, "ort-cpu")
     t1 = time.perf_counter()
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(prompt)[None]}
-    for n in g.inputs:
-        if n.startswith("past_key_values"):
-            feeds[n] = np.zeros((1, g.types[n].shape[1], 0, g.types[n].shape[3]), g.types[n].dtype)
-    runner.run(feeds)
+    runner.run(lm_feeds(g, prompt))
 t2 = time.perf_counter()
 print(json.dumps({"load": t1 - t0, "prefill": t2 - t1}))
 """

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import lm_feeds, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,14 +59,10 @@ def main() -> None:
     built = graphc.causal_lm_from_hf(f"{folder}/config.json", load_weights(folder, dtype="bfloat16"), logits="last", dtype="bfloat16")
     graph = graphc.optimize(built).graph
     params = sum(a.size for n, a in graph.initializers.items() if a.ndim == 2 and "embed" not in n)
-    ids = np.random.default_rng(0).integers(3, 1000, (1, args.prompt))
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(args.prompt)[None]}
-    for n in graph.inputs:
-        if n.startswith("past_key_values"):
-            feeds[n] = np.zeros((1, graph.types[n].shape[1], 0, graph.types[n].shape[3]), graph.types[n].dtype)
+    feeds = lm_feeds(graph, args.prompt)
     runner = prepare(graph, "numpy")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    tokens = torch.from_numpy(ids)
+    tokens = torch.from_numpy(feeds["input_ids"])
 
     def float32_products() -> Any:
         os.environ["GRAPHC_BF16_MATMUL"] = "0"

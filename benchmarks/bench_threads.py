@@ -24,19 +24,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import lm_feeds, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _feeds(graph: Any, rows: int, past: int) -> dict[str, np.ndarray]:
-    ids = np.random.default_rng(0).integers(3, 1000, (1, rows))
-    feeds = {"input_ids": ids, "attention_mask": np.ones((1, past + rows), np.int64), "position_ids": np.arange(past, past + rows)[None]}
-    for n in graph.inputs:
-        if n.startswith("past_key_values"):
-            shape = graph.types[n].shape
-            feeds[n] = np.random.default_rng(1).standard_normal((1, shape[1], past, shape[3])).astype(np.float32)
-    return feeds
 
 
 def _blas_whole(runner: Any) -> Any:
@@ -90,7 +80,7 @@ def main() -> None:
         runs[f"numpy t{t}, BLAS's threads"] = _blas_whole(runner)
     for t in (1, 2):
         runs[f"ort-cpu t{t}"] = prepare(graph, "ort-cpu", threads=t).run
-    cases = {f"prefill {args.prompt}": _feeds(graph, args.prompt, 0), f"decode over {args.past}": _feeds(graph, 1, args.past)}
+    cases = {f"prefill {args.prompt}": lm_feeds(graph, args.prompt), f"decode over {args.past}": lm_feeds(graph, 1, args.past)}
     for feeds in cases.values():
         for run in runs.values():
             run(feeds)
