@@ -79,3 +79,25 @@ def test_a_sessions_link_is_refused(tmp_path, monkeypatch):
     with pytest.raises(BackendError, match=r"sessions is a link; graphc writes its session cache only inside"):
         prepare(graphc.attention_layer_graph(CFG), "ort-cpu", inline_weights_max_bytes=0)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_link_planted_in_the_cache_is_never_followed(tmp_path, monkeypatch):
+    """An entry, or its model or weights file, that is a link to a folder outside the cache: not loaded from, not
+    written through; the session is built from the graph (its numbers), and the outside files stay as they were."""
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    g = graphc.attention_layer_graph(CFG, seed=7)
+    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    (entry,) = _entries(tmp_path / "cache")
+    outside = tmp_path / "outside"
+    entry.rename(outside)  # a complete saved session, now outside the cache
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    entry.symlink_to(outside)
+    linked = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    assert "loaded from the cache" not in linked.provider
+    entry.unlink()
+    entry.mkdir()
+    (entry / "model.onnx").symlink_to(outside / "model.onnx")
+    assert "loaded from the cache" not in prepare(g, "ort-cpu", inline_weights_max_bytes=0).provider
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+    inputs = _inputs(g)
+    np.testing.assert_array_equal(linked.run(inputs)["out_BSM"], first.run(inputs)["out_BSM"])

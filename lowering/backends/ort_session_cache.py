@@ -12,7 +12,8 @@ The entry's key (:func:`entry_for`) covers what the session is built from: the e
 every weight handed over or converted (or, for a weight mapped from a file, the file's path, size and modification
 time), and the onnxruntime and graphc versions, the CPU's model and flags.  Anything else gives another entry; an
 entry is written to a temporary folder beside it and renamed into place when complete, so a run that stops half way
-leaves no entry behind.  Writes stay inside the cache folder: a ``sessions`` entry there that is a link is refused.
+leaves no entry behind.  Reads and writes stay inside the cache folder: a ``sessions`` entry there that is a link is
+refused, and an entry (or its files) that is a link is not loaded from.
 """
 
 from __future__ import annotations
@@ -99,8 +100,11 @@ def entry_for(root: Path, model: bytes, arrays: Iterable[np.ndarray], folder: st
 
 
 def ready(entry: Path | None) -> bool:
-    """Whether ``entry`` holds a complete saved session."""
-    return entry is not None and (entry / _MODEL).is_file() and not (entry / _MODEL).is_symlink()
+    """Whether ``entry`` holds a complete saved session, read inside the cache folder only: neither the entry nor its
+    files may be links (one planted there is not followed; the session is then built again, and the entry kept as it is)."""
+    if entry is None or entry.is_symlink() or any((entry / f).is_symlink() for f in (_MODEL, _DATA)):
+        return False
+    return (entry / _MODEL).is_file()
 
 
 def save_into(so: Any, entry: Path) -> Path:
