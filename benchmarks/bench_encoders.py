@@ -1,7 +1,7 @@
 """onnxruntime CPU on encoders and encoder-decoder parts exported by torch.onnx: as exported, re-exported by graphc, and
 after onnxruntime's transformers optimizer.
 
-    python benchmarks/bench_encoders.py [--blocks N] [--calls N] [--threads T] [--families vit,clip_text,...]
+    python benchmarks/bench_encoders.py [--blocks N] [--calls N] [--threads T] [--families bert,vit,clip_text,...]
 
 Each family of ``tests/encoder_exports.py`` at its ``base`` shape (hidden 256, 4 layers, 4 heads, MLP 1024; ViT on
 64x64 images, 64 patches; Whisper's encoder on 256 mel frames, 128 positions) by the legacy exporter, run at batch 1
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from bench_real_exports import ROOT_DOCS, Row, session, timed_rows, variants  # noqa: E402
 
-ORT_MODEL_TYPES = {"vit": "vit", "clip_text": "clip", "whisper_encoder": "bart", "bart_decoder": "bart", "t5_encoder": "t5"}
+ORT_MODEL_TYPES = {"bert": "bert", "vit": "vit", "clip_text": "clip", "whisper_encoder": "bart", "bart_decoder": "bart", "t5_encoder": "t5"}
 """The model type onnxruntime's transformers optimizer is told for each family."""
 SEQ = 128
 

@@ -16,6 +16,7 @@ inputs at sizes never traced, the first row padded where the model takes a mask.
 - ``siglip_vision``: SigLIP's vision tower (its pooling head attends with one learned query);
 - ``clip``: CLIP's two towers in one file (text causal with padding, vision; the image-text logits out);
 - ``torch_decoder``: torch's own ``nn.TransformerDecoder`` (a causal ``tgt_mask``, the memory's padding), dynamo only;
+- ``bert``: BERT (its padding mask);
 - ``modernbert``: ModernBERT (global attention, then a local layer that keeps ``|i - j| <= 2``, written into its mask);
 - ``torch_mha``: torch's ``nn.MultiheadAttention`` as cross-attention with a key padding mask, dynamo only (the
   legacy exporter writes both modules' batch size into a ``Reshape``: the file fails in onnxruntime at another batch).
@@ -38,7 +39,7 @@ except ImportError:  # not POSIX: each test process keeps its own exports
     fcntl = None
 
 ENCODER_FAMILIES = ("vit", "clip_text", "whisper_encoder", "bart_decoder", "t5_encoder")
-ENCODER_FAMILIES += ("t5_decoder", "siglip_vision", "clip", "torch_decoder", "torch_mha", "modernbert")
+ENCODER_FAMILIES += ("t5_decoder", "siglip_vision", "clip", "torch_decoder", "torch_mha", "modernbert", "bert")
 EXPORTERS = {family: ("legacy", "dynamo") for family in ENCODER_FAMILIES} | {"torch_decoder": ("dynamo",), "torch_mha": ("dynamo",)}
 """The exporters each family is written by."""
 VOCAB = 100
@@ -48,7 +49,7 @@ WHISPER_FRAMES = {"tiny": 32, "base": 256}
 """Mel frames of Whisper's input (its encoder's positions are half as many, after the strided Conv1d; fixed, as Whisper's)."""
 SIZES = {"vit": (3, None, None), "clip_text": (3, 9, None), "whisper_encoder": (3, None, None), "bart_decoder": (3, 6, 9), "t5_encoder": (3, 9, None),
          "t5_decoder": (3, 6, 9), "siglip_vision": (3, None, None), "clip": (3, 9, None), "torch_decoder": (3, 6, 9),
-         "torch_mha": (3, 6, 9), "modernbert": (3, 9, None)}  # fmt: skip
+         "torch_mha": (3, 6, 9), "modernbert": (3, 9, None), "bert": (3, 9, None)}  # fmt: skip
 """(batch, sequence, encoder length) of the untraced run (traced: batch 2, sequence 5 or 7)."""
 
 
@@ -113,6 +114,9 @@ def _more_models(family: str, shape: str):  # noqa: ANN202 - as _model
     hidden, layers, ff, image = SHAPES[shape]
     small = dict(num_hidden_layers=layers, num_attention_heads=4, intermediate_size=ff, hidden_size=hidden)
     text = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    if family == "bert":
+        m = _wrap("text", tf.BertModel(tf.BertConfig(**small, vocab_size=VOCAB), add_pooling_layer=False).eval())
+        return m, (torch.randint(0, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)), ["input_ids", "attention_mask"], text
     if family == "modernbert":
         cfg = tf.ModernBertConfig(**small, vocab_size=VOCAB, global_attn_every_n_layers=2, local_attention=4, max_position_embeddings=256,
                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)  # fmt: skip
@@ -160,6 +164,10 @@ def _modules():  # noqa: ANN202 - the wrappers, defined once torch is imported
         def forward(self, pixel_values):  # noqa: ANN001, ANN201
             return self.model(pixel_values=pixel_values).pooler_output
 
+    class Text(Hidden):
+        def forward(self, input_ids, attention_mask):  # noqa: ANN001, ANN201
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
     class Logits(Hidden):
         def forward(self, input_ids, attention_mask, pixel_values):  # noqa: ANN001, ANN201
             return self.model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values).logits_per_image
@@ -182,11 +190,11 @@ def _modules():  # noqa: ANN202 - the wrappers, defined once torch is imported
         def forward(self, x, memory, memory_mask):  # noqa: ANN001, ANN201
             return self.attention(x, memory, memory, key_padding_mask=memory_mask == 0, need_weights=False)[0]
 
-    return Hidden, Pooled, Logits, Decoder, TorchDecoder, TorchCross
+    return Hidden, Pooled, Text, Logits, Decoder, TorchDecoder, TorchCross
 
 
 def _wrap(kind: str, arg):  # noqa: ANN001, ANN202 - a wrapper module (hidden, logits, decoder, torch_decoder, torch_cross) around arg
-    names = ("hidden", "pooled", "logits", "decoder", "torch_decoder", "torch_cross")
+    names = ("hidden", "pooled", "text", "logits", "decoder", "torch_decoder", "torch_cross")
     return _modules()[names.index(kind)](arg).eval()
 
 

@@ -36,6 +36,7 @@ EXPECTED = {
     "clip": [False] * 2 + [True] * 2,  # the vision tower, then the text tower
     "torch_decoder": [True, False, True, False],
     "torch_mha": [False],
+    "bert": [False] * 2,
     "modernbert": [False, True],  # global, then a local layer: |i - j| <= 2 read as the band i-2..i+2 (a shifted causal window)
 }
 """Per family, whether each attention (in graph order) is causal."""
