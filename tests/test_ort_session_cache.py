@@ -63,8 +63,10 @@ def test_other_weights_and_a_changed_checkpoint_file_are_other_entries(tmp_path,
 
 
 def test_without_the_variable_nothing_is_written(tmp_path, monkeypatch):
+    import tempfile
+
     monkeypatch.delenv("GRAPHC_WEIGHT_CACHE", raising=False)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where any temporary folder would go
     runner = prepare(graphc.attention_layer_graph(CFG), "ort-cpu", inline_weights_max_bytes=0)
     assert "cache" not in runner.provider
     assert list(tmp_path.iterdir()) == []
