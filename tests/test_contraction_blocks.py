@@ -3,6 +3,8 @@ NumPy's own product, and the NumPy backend's thread count reaches BLAS."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,8 +23,9 @@ pytestmark = pytest.mark.core
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 70), inner=st.integers(1, 40), cols=st.integers(1, 1200), batch=st.integers(0, 3), threads=st.sampled_from([2, 3]))
 def test_blocked_products_equal_numpys(rows, inner, cols, batch, threads):
-    saved = contraction.BLOCKED_MIN_FLOPS
+    saved = contraction.BLOCKED_MIN_FLOPS, os.environ.get("GRAPHC_ADAPTIVE_THREADS")
     contraction.BLOCKED_MIN_FLOPS = 1  # every product large enough to be cut
+    os.environ["GRAPHC_ADAPTIVE_THREADS"] = "0"  # and cut on every call (not run whole where one thread was faster)
     try:
         rng = np.random.default_rng(rows * 1000 + cols)
         lead = (batch,) if batch else ()
@@ -32,7 +35,11 @@ def test_blocked_products_equal_numpys(rows, inner, cols, batch, threads):
         got = contract(parse_einsum(spec), a, b, threads=threads)
         np.testing.assert_allclose(got, np.einsum(spec, a.astype(np.float64), b.astype(np.float64)), rtol=1e-4, atol=1e-4)
     finally:
-        contraction.BLOCKED_MIN_FLOPS = saved
+        contraction.BLOCKED_MIN_FLOPS = saved[0]
+        if saved[1] is None:
+            os.environ.pop("GRAPHC_ADAPTIVE_THREADS")
+        else:
+            os.environ["GRAPHC_ADAPTIVE_THREADS"] = saved[1]
 
 
 def test_blas_threads_holds_blas_to_the_count_asked_for():

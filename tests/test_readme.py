@@ -51,3 +51,14 @@ def test_every_relative_link_points_to_what_exists(doc):
         assert dest.exists(), f"{doc.name} links {target}, which does not exist"
         if anchor and dest.suffix == ".md":
             assert anchor in _anchors(dest), f"{doc.name} links {target}: {dest.name} has no heading {anchor!r}"
+
+
+def test_the_first_commands_output_is_graphcs_table_alone():
+    """The block of what the README's first command prints holds graphc's table, not pip's output pasted with it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"this table on stdout:\n\n```\n(.*?)```", text, re.S)
+    assert block is not None, "README: the first command's output block is missing"
+    lines = block.group(1).splitlines()
+    assert lines[0].startswith("graph "), lines[0]
+    assert lines[1].split()[:2] == ["backend", "status"], lines[1]
+    assert not any(line.startswith(("Collecting", "Installing", "Successfully", "Looking in")) for line in lines)

@@ -39,6 +39,7 @@ from ..kernels.contraction import FEW_ROWS, contract
 from .inputs import InputChecker
 from ..kernels.softmax import blas_threads, default_threads, masked_softmax
 from ..kernels.quantized import quantized_matmul
+from ..kernels.thread_choice import ThreadChoice, adaptive_threads_enabled
 from ..kernels.low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
 
 __all__ = ["NumpyInterpreter", "FAST_KERNELS", "REFERENCE_KERNELS", "run_numpy", "Kernel"]
@@ -108,6 +109,7 @@ class NumpyInterpreter:
                 self._free_after[idx].append(name)
         self._data_dims = _data_dependent_dims(graph, self.order)
         self._weight_rows = _weight_rows(graph, self.order, set(self._weights))
+        self._few_row_threads = ThreadChoice(threads or default_threads())
 
     def _precompute_constants(self, order: list[Any]) -> list[Any]:
         """Run once, here, the nodes that read only weights (the float32 casts of low-precision weights); return the rest."""
@@ -154,10 +156,10 @@ class NumpyInterpreter:
             return arr.astype(self.compute_dtype, copy=False)
         return arr
 
-    def _run_node(self, op: Op, args: list[np.ndarray], dims: Mapping[str, int]) -> tuple[np.ndarray, ...]:
+    def _run_node(self, op: Op, args: list[np.ndarray], dims: Mapping[str, int], threads: int | None = None) -> tuple[np.ndarray, ...]:
         kernel = self.kernels.get(type(op))
         if kernel is not None:
-            return kernel(op, args, dims, self.threads)
+            return kernel(op, args, dims, threads or self.threads)
         if isinstance(op, Cast) and self.compute_dtype and op.dtype in FLOAT_DTYPES:
             return (args[0].astype(self.compute_dtype),)
         return op.evaluate_all(args, dims)
@@ -169,18 +171,29 @@ class NumpyInterpreter:
         the cores) do every parallel part: a large GEMM's blocks (:mod:`lowering.kernels.contraction`), attention's
         and softmax's row blocks, with BLAS held to one thread for the whole run, so no second pool spins beside
         graphc's and a core another process slows takes fewer blocks.  In a run of few rows (a decode step, bound by
-        reading the weights) BLAS's own ``threads`` threads split each product."""
+        reading the weights) BLAS's own threads split each product: ``threads`` of them, or one where one ran such
+        runs faster lately (another process busy on a core; :mod:`lowering.kernels.thread_choice`)."""
         dims = dict(self._check(feeds))
-        few = max((eval_dim(d, dims) for d in self._weight_rows if dim_symbols(d) <= dims.keys()), default=0) <= FEW_ROWS
-        with blas_threads(self.threads or default_threads() if few else 1):
-            return self._run(feeds, dims)
+        rows = max((eval_dim(d, dims) for d in self._weight_rows if dim_symbols(d) <= dims.keys()), default=0)
+        if rows > FEW_ROWS:
+            with blas_threads(1):
+                return self._run(feeds, dims, self.threads)
+        if not adaptive_threads_enabled():
+            with blas_threads(self.threads or default_threads()):
+                return self._run(feeds, dims, self.threads)
 
-    def _run(self, feeds: Mapping[str, np.ndarray], dims: dict[str, int]) -> dict[str, np.ndarray]:
+        def run_on(threads: int) -> dict[str, np.ndarray]:
+            with blas_threads(threads):
+                return self._run(feeds, dims, threads)
+
+        return self._few_row_threads.timed(rows, run_on)
+
+    def _run(self, feeds: Mapping[str, np.ndarray], dims: dict[str, int], threads: int | None) -> dict[str, np.ndarray]:
         env: dict[str, np.ndarray] = dict(self._weights)
         env.update({k: self._cast(v if isinstance(v, np.ndarray) else np.asarray(v)) for k, v in feeds.items()})  # a KV prefix stays one
         for idx, node in enumerate(self.order):
             try:
-                results = self._run_node(node.op, [env[i] for i in node.inputs], dims)
+                results = self._run_node(node.op, [env[i] for i in node.inputs], dims, threads)
             except Exception as e:  # noqa: BLE001 - re-raised with the node attached
                 shapes = ", ".join(f"{i}{list(env[i].shape)}" for i in node.inputs if i in env)
                 raise ExecutionError(f"node {node.name!r} ({node.op}) failed on operands {shapes}: {type(e).__name__}: {e}", node.name) from e

@@ -181,5 +181,5 @@ def blocked_attention(
         pv /= total
         ob[...] = pv.reshape(b1 - b0, groups, r, e_dim)
 
-    run_blocks(block, _tasks(lead, range(0, sq, rows), threads), threads, pin_blas=True)
+    run_blocks(block, _tasks(lead, range(0, sq, rows), threads), threads, pin_blas=True, key=("attention", q.shape, k.shape, visibility.is_causal))
     return out.reshape(*batch, rows_total, e_dim)

@@ -24,6 +24,7 @@ import opt_einsum
 from graphc.einsum_spec import EinsumSpec, parse_einsum
 
 from .softmax import blas_threads, default_threads, run_blocks
+from .thread_choice import adaptive_threads_enabled, shared_choice
 
 __all__ = ["MatmulPlan", "plan_matmul", "contract_pair", "contract", "contraction_order"]
 
@@ -99,36 +100,48 @@ _BLOCK_COLUMNS = 256
 def _matmul(a2: np.ndarray, b2: np.ndarray, threads: int | None) -> np.ndarray:
     """``a2 @ b2`` (2-D, or batched over a leading axis) on ``threads`` threads: column blocks of a 2-D product, batch
     entries of a batched one, wherever the work is large enough (:data:`BLOCKED_MIN_FLOPS`); a product of
-    :data:`FEW_ROWS` rows or fewer on ``threads`` BLAS threads."""
+    :data:`FEW_ROWS` rows or fewer on ``threads`` BLAS threads.
+
+    A product cut into blocks runs on ``threads`` threads or on the caller alone, whichever ran products of its shape
+    faster lately (:func:`~lowering.kernels.thread_choice.shared_choice`, as ``run_blocks`` does with a ``key``)."""
     n = threads or default_threads()
     m, k, cols = a2.shape[-2], a2.shape[-1], b2.shape[-1]
     flops = m * k * cols * (a2.shape[0] if a2.ndim == 3 else 1)
     if a2.ndim == 2 and m <= FEW_ROWS:
         with blas_threads(n):
             return np.matmul(a2, b2)
-    if n == 1 or a2.ndim != b2.ndim or a2.ndim not in (2, 3):
+    if n == 1 or a2.ndim != b2.ndim or a2.ndim not in (2, 3) or flops < BLOCKED_MIN_FLOPS:
         return np.matmul(a2, b2)
+    if a2.ndim == 3 and (a2.shape[0] < 2 or a2.shape[0] != b2.shape[0]):
+        return np.matmul(a2, b2)
+    if a2.ndim == 2 and cols < 2 * _BLOCK_COLUMNS:
+        return np.matmul(a2, b2)
+    if not adaptive_threads_enabled():
+        return _blocked_matmul(a2, b2, n)
+    # on one thread, the product whole: BLAS packs the rows once, not once per column block
+    return shared_choice(n).timed(("matmul", a2.shape, b2.shape), lambda t: _blocked_matmul(a2, b2, t) if t > 1 else np.matmul(a2, b2))
+
+
+def _blocked_matmul(a2: np.ndarray, b2: np.ndarray, n: int) -> np.ndarray:
+    """``a2 @ b2`` in blocks on ``n`` threads, BLAS held to one thread in each: batch entries of a 3-D product, blocks
+    of output columns of a 2-D one, each written in place in the result."""
+    out = np.empty((*a2.shape[:-1], b2.shape[-1]), np.result_type(a2, b2))
     if a2.ndim == 3:
-        if a2.shape[0] < 2 or a2.shape[0] != b2.shape[0] or flops < BLOCKED_MIN_FLOPS:
-            return np.matmul(a2, b2)
-        out = np.empty((a2.shape[0], m, cols), np.result_type(a2, b2))
 
         def entry(i: int) -> None:
             np.matmul(a2[i], b2[i], out=out[i])
 
         run_blocks(entry, list(range(a2.shape[0])), n, pin_blas=True)
         return out
-    if cols < 2 * _BLOCK_COLUMNS or flops < BLOCKED_MIN_FLOPS:
-        return np.matmul(a2, b2)
+    cols = b2.shape[-1]
     width = max(_BLOCK_COLUMNS, -(-cols // (4 * n)))
     starts = list(range(0, cols, width))
-    parts: list[np.ndarray] = [np.empty(0)] * len(starts)
 
     def block(j: int) -> None:
-        parts[j] = np.matmul(a2, b2[:, starts[j] : starts[j] + width])
+        np.matmul(a2, b2[:, j : j + width], out=out[:, j : j + width])
 
-    run_blocks(block, list(range(len(starts))), n, pin_blas=True)
-    return np.concatenate(parts, axis=1)
+    run_blocks(block, starts, n, pin_blas=True)
+    return out
 
 
 def contract_pair(spec: EinsumSpec | str, a: np.ndarray, b: np.ndarray, threads: int | None = 1) -> np.ndarray:

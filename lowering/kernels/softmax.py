@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
@@ -23,6 +23,7 @@ from threadpoolctl import ThreadpoolController
 from graphc.visibility import Visibility
 
 from .crew import crew
+from .thread_choice import adaptive_threads_enabled, shared_choice
 
 __all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads", "blas_description", "blas_threads"]
 
@@ -86,8 +87,13 @@ def softmax_rows_(s: np.ndarray) -> None:
     s /= exp_rows_(s)
 
 
-def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | None, pin_blas: bool = False) -> None:
+def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | None, pin_blas: bool = False, key: Hashable | None = None) -> None:
     """Call ``block(start)`` for every start, on ``threads`` threads (the caller's and a pool's) when there is more than one block.
+
+    With a ``key`` naming the work (the kernel and its operands' shapes), the blocks run on ``threads`` threads or on
+    the caller alone, whichever ran work of that key faster lately (:func:`~lowering.kernels.thread_choice.shared_choice`):
+    with another process busy on a core, a helper that takes a block and is then put off its core holds the call up
+    for the scheduler's time slice, and one thread is faster (``GRAPHC_ADAPTIVE_THREADS=0``: always ``threads``).
 
     The calling thread works through the blocks beside its helpers, which
     stay awake for a moment between calls (:mod:`lowering.kernels.crew`: handing
@@ -100,6 +106,9 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
     if n == 1 or len(starts) <= 1:
         for i0 in starts:
             block(i0)
+        return
+    if key is not None and adaptive_threads_enabled():
+        shared_choice(n).timed(key, lambda t: run_blocks(block, starts, t, pin_blas))
         return
     if pin_blas:
         with _blas_controller().limit(limits=1, user_api="blas"):
@@ -157,5 +166,5 @@ def masked_softmax(x: np.ndarray, visibility: Visibility = Visibility(), threads
                 np.copyto(v, neg_inf, where=hidden)
         softmax_rows_(v)
 
-    run_blocks(block, range(0, sq, rows), threads)
+    run_blocks(block, range(0, sq, rows), threads, key=("softmax", x3.shape, visibility.is_causal))
     return out.reshape(x.shape)

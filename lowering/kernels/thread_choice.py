@@ -1,0 +1,130 @@
+"""How many threads a run of few rows (a decode step) gets: the count asked for, or one, whichever ran faster lately.
+
+A decode step is bound by reading the weights, and BLAS splits each of its
+products evenly over its threads.  On a quiet machine two threads halve the
+step; with another process busy on one of the two cores, the thread that shares
+that core finishes its even half late, and the step takes longer than on one
+thread (a Qwen2.5-0.5B step: 610 ms on two threads against 394 ms on one).  No
+fixed count is right on both machines, and the load changes while a model
+generates.  :class:`ThreadChoice` times the runs themselves: it keeps a smoothed
+time for each candidate count, runs the faster one, and now and then tries the
+other once, so a load that starts is followed within a few tokens and one that
+stops within :data:`EXPLORE_MOST`.  The count asked for is a ceiling, never
+exceeded.  ``GRAPHC_ADAPTIVE_THREADS=0`` turns the choice off (always the count
+asked for).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+__all__ = ["EXPLORE_EVERY", "EXPLORE_MOST", "SMOOTHING", "ThreadChoice", "adaptive_threads_enabled", "shared_choice"]
+
+EXPLORE_EVERY = 16
+"""Runs of one kind before the count not chosen is tried again; doubled each time the try loses."""
+EXPLORE_MOST = 128
+"""The longest gap, in runs, between two tries of the count not chosen."""
+SMOOTHING = 0.5
+"""Weight of a new time in a candidate's smoothed time."""
+
+R = TypeVar("R")
+
+
+def adaptive_threads_enabled() -> bool:
+    """False when ``GRAPHC_ADAPTIVE_THREADS=0``: few-row runs then always use the thread count asked for."""
+    return os.environ.get("GRAPHC_ADAPTIVE_THREADS", "1").strip() != "0"
+
+
+@dataclass
+class _Kind:
+    """What one kind of run has shown: runs so far, a smoothed time per count, when to try the other count next."""
+
+    runs: int = 0
+    smoothed: dict[int, float] = field(default_factory=dict)
+    gap: int = EXPLORE_EVERY
+    next_try: int = EXPLORE_EVERY
+    trying: bool = False
+
+
+class ThreadChoice:
+    """Per kind of run (any hashable key, e.g. the rows of its products), the thread count that ran it faster lately.
+
+    Use :meth:`timed` around a run, or :meth:`pick` before it and :meth:`record` after.  The first run of a kind is
+    a warm-up and is not recorded; then each candidate is tried once (the count asked for first), and from there the
+    faster runs.  A chosen count that slows below the other's last time loses at once (a load that starts); the other
+    is tried again after :data:`EXPLORE_EVERY` runs, a gap that doubles up to :data:`EXPLORE_MOST` each time the try
+    loses (so a load that stops is found, and a quiet machine pays a slow try rarely).
+    """
+
+    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Candidates ``threads`` and 1 (just 1 when ``threads`` is 1); ``clock`` gives seconds (a test passes its own)."""
+        self.candidates: tuple[int, ...] = (threads, 1) if threads > 1 else (1,)
+        self._clock = clock
+        self._kinds: dict[Hashable, _Kind] = {}
+        self._lock = threading.Lock()
+
+    def pick(self, key: Hashable) -> int:
+        """The thread count for the next run of kind ``key``."""
+        with self._lock:
+            kind = self._kinds.setdefault(key, _Kind())
+            if len(self.candidates) == 1 or kind.runs == 0:
+                return self.candidates[0]
+            untried = [c for c in self.candidates if c not in kind.smoothed]
+            if untried:
+                return untried[0]
+            best = self._best(kind)
+            if kind.runs >= kind.next_try:
+                kind.trying = True
+                return next(c for c in self.candidates if c != best)
+            return best
+
+    def record(self, key: Hashable, threads: int, seconds: float) -> None:
+        """Note that a run of kind ``key`` on ``threads`` threads took ``seconds`` (the first run of a kind is dropped)."""
+        with self._lock:
+            kind = self._kinds.setdefault(key, _Kind())
+            kind.runs += 1
+            if kind.runs == 1:
+                return
+            old = kind.smoothed.get(threads)
+            kind.smoothed[threads] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+            if kind.trying:
+                kind.trying = False
+                kind.gap = EXPLORE_EVERY if self._best(kind) == threads else min(2 * kind.gap, EXPLORE_MOST)
+                kind.next_try = kind.runs + kind.gap
+
+    def chosen(self, key: Hashable) -> int | None:
+        """The count with the lower smoothed time for ``key`` (None before every candidate is timed)."""
+        with self._lock:
+            kind = self._kinds.get(key)
+            if kind is None or any(c not in kind.smoothed for c in self.candidates):
+                return None
+            return self._best(kind)
+
+    def _best(self, kind: _Kind) -> int:
+        return min(self.candidates, key=lambda c: kind.smoothed[c])
+
+    def timed(self, key: Hashable, run: Callable[[int], R]) -> R:
+        """``run(threads)`` on the picked count, its time recorded; returns what ``run`` returns."""
+        threads = self.pick(key)
+        start = self._clock()
+        result = run(threads)
+        self.record(key, threads, self._clock() - start)
+        return result
+
+
+_SHARED: dict[int, ThreadChoice] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_choice(threads: int) -> ThreadChoice:
+    """The process's choice for kernels asked to run on ``threads`` threads (one per count, made on first use): the
+    kernels' blocks of one shape recur layer after layer, so what one layer's run showed serves the next."""
+    with _SHARED_LOCK:
+        if threads not in _SHARED:
+            _SHARED[threads] = ThreadChoice(threads)
+        return _SHARED[threads]
