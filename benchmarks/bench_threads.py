@@ -5,8 +5,9 @@ with a second process burning one core, beside BLAS's own threads (what the back
 
 The checkpoint's whole model (``causal_lm_from_hf``, the last position's logits), optimized.  Contenders, each
 prepared once: ``numpy tN`` (graphc's threads: a prefill's GEMMs in blocks on N threads with BLAS held to one
-thread, a decode step's products on N BLAS threads), ``numpy tN, BLAS's threads`` (the same graph with every GEMM
-handed to BLAS whole and BLAS left to its own thread count, as before), ``ort-cpu tN``.  Each case times blocks of
+thread, a decode step's products on N BLAS threads or on one, whichever ran faster lately), ``numpy t2, fixed
+count`` (a decode step always on 2 BLAS threads, ``GRAPHC_ADAPTIVE_THREADS=0``), ``numpy tN, BLAS's threads`` (the
+same graph with every GEMM handed to BLAS whole and BLAS left to its own thread count, as before), ``ort-cpu tN``.  Each case times blocks of
 back-to-back calls, the contenders alternating, and reports the median of the blocks; the loaded case starts a
 process that spins on one core first.  Writes the table to ``--out``.
 """
@@ -14,6 +15,7 @@ process that spins on one core first.  Writes the table to ``--out``.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -36,14 +38,37 @@ def _blas_whole(runner: Any) -> Any:
     import lowering.kernels.contraction as contraction
 
     def run(feeds: dict[str, np.ndarray]) -> Any:
-        saved = (contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads)
+        saved = (contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads, os.environ.get("GRAPHC_ADAPTIVE_THREADS"))
         contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads = 1 << 62, lambda n: nullcontext()
+        os.environ["GRAPHC_ADAPTIVE_THREADS"] = "0"
         try:
             return runner.run(feeds)
         finally:
-            contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads = saved
+            contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads = saved[:2]
+            _restore_choice(saved[2])
 
     return run
+
+
+def _fixed_count(runner: Any) -> Any:
+    """``runner.run`` with a decode step always on the thread count asked for (``GRAPHC_ADAPTIVE_THREADS=0``)."""
+
+    def run(feeds: dict[str, np.ndarray]) -> Any:
+        saved = os.environ.get("GRAPHC_ADAPTIVE_THREADS")
+        os.environ["GRAPHC_ADAPTIVE_THREADS"] = "0"
+        try:
+            return runner.run(feeds)
+        finally:
+            _restore_choice(saved)
+
+    return run
+
+
+def _restore_choice(saved: str | None) -> None:
+    if saved is None:
+        os.environ.pop("GRAPHC_ADAPTIVE_THREADS", None)
+    else:
+        os.environ["GRAPHC_ADAPTIVE_THREADS"] = saved
 
 
 def _median_blocks(runs: dict[str, Any], feeds: dict[str, np.ndarray], blocks: int, calls: int) -> dict[str, float]:
@@ -77,6 +102,8 @@ def main() -> None:
     for t in (1, 2):
         runner = prepare(graph, "numpy", threads=t)
         runs[f"numpy t{t}"] = runner.run
+        if t > 1:
+            runs[f"numpy t{t}, fixed count"] = _fixed_count(runner)
         runs[f"numpy t{t}, BLAS's threads"] = _blas_whole(runner)
     for t in (1, 2):
         runs[f"ort-cpu t{t}"] = prepare(graph, "ort-cpu", threads=t).run
@@ -97,7 +124,7 @@ def main() -> None:
         try:
             time.sleep(0.5)
             for case, feeds in cases.items():
-                ms = _median_blocks(runs, feeds, args.blocks, 1 if case.startswith("prefill") else 5)
+                ms = _median_blocks(runs, feeds, args.blocks, 1 if case.startswith("prefill") else 10)
                 line = f"| {case}, {load} | " + " | ".join(f"{ms[k]:.0f}" for k in runs) + " |"
                 print(line, flush=True)
                 lines.append(line)
