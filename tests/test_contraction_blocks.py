@@ -57,3 +57,19 @@ def test_a_prefill_with_blocked_products_equals_the_reference():
     want = prepare(g, "numpy", compute_dtype="float64", reference=True).run({"x_BSM": x})["out_BSM"]
     assert 96 * 512 * 512 >= contraction.BLOCKED_MIN_FLOPS  # the q and o projections are cut into blocks
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_products_that_sum_no_label_equal_numpys_einsum(data):
+    """A norm's weight (``abc,c->abc``), a row's scale (``ab,abc->abc``), an outer product: one broadcast multiply."""
+    labels = data.draw(st.permutations("abcd"))
+    a_labels = "".join(data.draw(st.lists(st.sampled_from(labels), min_size=1, max_size=3, unique=True)))
+    b_labels = "".join(data.draw(st.lists(st.sampled_from(labels), min_size=1, max_size=3, unique=True)))
+    out = "".join(data.draw(st.permutations(sorted(set(a_labels) | set(b_labels)))))
+    sizes = dict(zip("abcd", data.draw(st.lists(st.integers(1, 5), min_size=4, max_size=4))))
+    rng = np.random.default_rng(len(out))
+    a = rng.standard_normal([sizes[c] for c in a_labels]).astype(np.float32)
+    b = rng.standard_normal([sizes[c] for c in b_labels]).astype(np.float32)
+    spec = f"{a_labels},{b_labels}->{out}"
+    np.testing.assert_allclose(contract(spec, a, b, threads=2), np.einsum(spec, a, b), rtol=1e-6, atol=1e-6)

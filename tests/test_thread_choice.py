@@ -143,3 +143,12 @@ def test_a_product_cut_into_blocks_or_run_whole_equals_numpys():
     finally:
         contraction.BLOCKED_MIN_FLOPS = saved
     assert thread_choice.shared_choice(2).chosen(("matmul", (64, 300), (300, 1100))) in (1, 2)
+
+
+def test_a_choice_remembers_a_bounded_number_of_kinds():
+    machine = _Machine({2: 1.0, 1: 2.0})
+    choice = ThreadChoice(2, clock=machine.clock)
+    for past in range(thread_choice.MAX_KINDS + 50):  # a decode step's attention: a new shape each token
+        choice.timed(("attention", past), machine.run)
+    assert len(choice._kinds) == thread_choice.MAX_KINDS
+    assert ("attention", 0) not in choice._kinds and ("attention", thread_choice.MAX_KINDS + 49) in choice._kinds

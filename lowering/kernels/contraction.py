@@ -94,7 +94,8 @@ BLOCKED_MIN_FLOPS = 1 << 24
 FEW_ROWS = 16
 """Products of fewer rows (a decode step's) are bound by reading the weight: BLAS's own threads split them best, so
 they run on ``threads`` BLAS threads, not in graphc's blocks."""
-_BLOCK_COLUMNS = 256
+_BLOCK_COLUMNS = 64
+"""The narrowest column block (a k/v projection of 256 columns is still cut in four)."""
 
 
 def _matmul(a2: np.ndarray, b2: np.ndarray, threads: int | None) -> np.ndarray:
@@ -149,6 +150,8 @@ def contract_pair(spec: EinsumSpec | str, a: np.ndarray, b: np.ndarray, threads:
     s = parse_einsum(spec) if isinstance(spec, str) else spec
     p = plan_matmul(s)
     ta, tb = s.inputs
+    if not p.contract and not p.a_sum and not p.b_sum:
+        return _broadcast_product(ta, tb, s.output, a, b)
     if p.swap:
         a, b, ta, tb = b, a, tb, ta
     if p.a_sum:
@@ -171,6 +174,19 @@ def contract_pair(spec: EinsumSpec | str, a: np.ndarray, b: np.ndarray, threads:
         c = _matmul(a2.reshape((entries,) + a2.shape[-2:]), b2.reshape((entries,) + b2.shape[-2:]), threads)
     c = c.reshape(batch_shape + a_free_shape + b_free_shape)
     return c.transpose(p.out_perm) if p.needs_out_transpose else c
+
+
+def _broadcast_product(ta: str, tb: str, out: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a * b`` for an einsum that sums no label (every label of each operand is in the output, none shared by a GEMM's
+    inner dimension): a norm's weight or a row's scale, ``abc,c->abc``.  As a GEMM it would be one product of an inner
+    dimension 1 per entry of the batch: thousands of tiny products for one elementwise pass."""
+
+    def aligned(x: np.ndarray, labels: str) -> np.ndarray:
+        order = [labels.index(c) for c in out if c in labels]
+        shape = [x.shape[labels.index(c)] if c in labels else 1 for c in out]
+        return x.transpose(order).reshape(shape)
+
+    return np.multiply(aligned(a, ta), aligned(b, tb))
 
 
 def contraction_order(spec: EinsumSpec | str, shapes: list[tuple[int, ...]], optimize: str = "auto") -> list[tuple[tuple[int, ...], str]]:

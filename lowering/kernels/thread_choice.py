@@ -1,19 +1,23 @@
-"""How many threads a run of few rows (a decode step) gets: the count asked for, or one, whichever ran faster lately.
+"""How many threads a run gets: the count asked for, or one, whichever ran work of its kind faster lately.
 
 A decode step is bound by reading the weights, and BLAS splits each of its
 products evenly over its threads.  On a quiet machine two threads halve the
 step; with another process busy on one of the two cores, the thread that shares
 that core finishes its even half late, and the step takes longer than on one
-thread (a Qwen2.5-0.5B step: 610 ms on two threads against 394 ms on one).  No
-fixed count is right on both machines, and the load changes while a model
-generates.  :class:`ThreadChoice` times the runs themselves: it keeps a smoothed
-time for each candidate count, runs the faster one, and now and then tries the
-other once, so a load that starts is followed within a few tokens and one that
-stops within :data:`EXPLORE_MOST`.  The count asked for is a ceiling, never
-exceeded.  ``GRAPHC_ADAPTIVE_THREADS=0`` turns the choice off (always the count
+thread (a Qwen2.5-0.5B step: 610 ms on two threads against 394 ms on one).  A
+prefill's blocked kernels fare the same way: a helper thread that takes a block
+and is then put off its core holds the product up for the scheduler's time
+slice.  No fixed count is right on both machines, and the load changes while a
+model generates.  :class:`ThreadChoice` times the runs themselves: it keeps a
+smoothed time for each candidate count, runs the faster one, and now and then
+tries the other once, so a load that starts is followed within a few runs and
+one that stops within :data:`EXPLORE_MOST`.  The count asked for is a ceiling,
+never exceeded.  The NumPy backend keeps one choice for its decode steps (the
+BLAS threads) and one per thread count for its blocked kernels
+(:func:`shared_choice`, keyed by kernel and shapes, which recur layer after
+layer).  ``GRAPHC_ADAPTIVE_THREADS=0`` turns the choice off (always the count
 asked for).
 """
-
 from __future__ import annotations
 
 import os
@@ -23,7 +27,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["EXPLORE_EVERY", "EXPLORE_MOST", "SMOOTHING", "ThreadChoice", "adaptive_threads_enabled", "shared_choice"]
+__all__ = ["EXPLORE_EVERY", "EXPLORE_MOST", "MAX_KINDS", "SMOOTHING", "ThreadChoice", "adaptive_threads_enabled", "shared_choice"]
 
 EXPLORE_EVERY = 16
 """Runs of one kind before the count not chosen is tried again; doubled each time the try loses."""
@@ -31,12 +35,14 @@ EXPLORE_MOST = 128
 """The longest gap, in runs, between two tries of the count not chosen."""
 SMOOTHING = 0.5
 """Weight of a new time in a candidate's smoothed time."""
+MAX_KINDS = 4096
+"""Kinds of run a choice remembers; the oldest is forgotten past this (a decode step's attention is a new shape each token)."""
 
 R = TypeVar("R")
 
 
 def adaptive_threads_enabled() -> bool:
-    """False when ``GRAPHC_ADAPTIVE_THREADS=0``: few-row runs then always use the thread count asked for."""
+    """False when ``GRAPHC_ADAPTIVE_THREADS=0``: every run then uses the thread count asked for."""
     return os.environ.get("GRAPHC_ADAPTIVE_THREADS", "1").strip() != "0"
 
 
@@ -68,10 +74,18 @@ class ThreadChoice:
         self._kinds: dict[Hashable, _Kind] = {}
         self._lock = threading.Lock()
 
+    def _kind(self, key: Hashable) -> _Kind:
+        kind = self._kinds.get(key)
+        if kind is None:
+            if len(self._kinds) >= MAX_KINDS:
+                del self._kinds[next(iter(self._kinds))]  # the oldest kind
+            kind = self._kinds[key] = _Kind()
+        return kind
+
     def pick(self, key: Hashable) -> int:
         """The thread count for the next run of kind ``key``."""
         with self._lock:
-            kind = self._kinds.setdefault(key, _Kind())
+            kind = self._kind(key)
             if len(self.candidates) == 1 or kind.runs == 0:
                 return self.candidates[0]
             untried = [c for c in self.candidates if c not in kind.smoothed]
@@ -86,7 +100,7 @@ class ThreadChoice:
     def record(self, key: Hashable, threads: int, seconds: float) -> None:
         """Note that a run of kind ``key`` on ``threads`` threads took ``seconds`` (the first run of a kind is dropped)."""
         with self._lock:
-            kind = self._kinds.setdefault(key, _Kind())
+            kind = self._kind(key)
             kind.runs += 1
             if kind.runs == 1:
                 return
