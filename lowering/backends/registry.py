@@ -72,9 +72,9 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
     interp = NumpyInterpreter(lowered, compute_dtype=compute_dtype, threads=threads, reference=reference)
     provider = f"numpy {np.__version__}" + (f" ({compute_dtype})" if compute_dtype else "")
     provider += "" if reference else f", {kernels_description()}, {blas_description()}"
-    bf16 = None if reference or compute_dtype else bf16_gemm_description()
-    if bf16 is not None and any(str(a.dtype) == "bfloat16" for a in graph.initializers.values()):
-        provider += f", {bf16} for a prefill's bfloat16 weights"
+    if not (reference or compute_dtype) and any(str(a.dtype) == "bfloat16" for a in graph.initializers.values()):
+        bf16 = bf16_gemm_description()
+        provider += f", {bf16} for a prefill's bfloat16 weights" if bf16 else ""
     if reference:
         provider += ", reference mode: attention decomposed, no fused kernels"
     return Runner("numpy", provider, graph, interp.run, caches=numpy_cache)

@@ -13,6 +13,8 @@ without the instructions).
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import os
 import warnings
 
@@ -38,11 +40,13 @@ def _cpu_flags() -> frozenset[str]:
 
 @functools.lru_cache(maxsize=1)
 def _torch_version() -> str | None:
-    try:
-        import torch
-    except ImportError:
+    """torch's installed version, read from its metadata: importing torch takes 1-2 s, paid only by a first product."""
+    if importlib.util.find_spec("torch") is None:
         return None
-    return str(torch.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def bf16_gemm_description() -> str | None:
