@@ -38,7 +38,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 NEEDS = {
     "transformers": {"test_hf_parity", "test_causal_lm", "test_generate_text", "test_chat_templates", "test_prequantized",
                      "test_rotary", "test_attention_features", "test_examples", "test_sharding", "test_onnx_torch_export",
-                     "test_encoder_exports"},
+                     "test_encoder_exports", "test_torch_attention"},
     "corpus": {"test_real_exports", "test_latent_attention", "test_sharding", "test_encoder_exports"},
     "real_size": {"test_real_size"},
     "gpu": {"test_cuda"},

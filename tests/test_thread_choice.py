@@ -43,7 +43,7 @@ def test_a_quiet_machine_keeps_the_count_asked_for_and_rarely_tries_one():
     machine = _Machine({2: 1.0, 1: 2.0})
     choice = ThreadChoice(2, clock=machine.clock)
     picks = _steps(choice, machine, 600)
-    assert picks[:3] == [2, 2, 1]  # warm-up, then each count timed once, the asked one first
+    assert picks[:4] == [2, 2, 1, 1]  # each count's warm-up and its first timed run, the asked one first
     assert choice.chosen("decode") == 2
     assert picks[3:].count(1) <= 1 + 600 // EXPLORE_MOST + 3  # the gap between tries doubles up to EXPLORE_MOST
 

@@ -25,6 +25,7 @@ from graphc.visibility import Visibility
 
 from . import compiled
 from .softmax import default_threads, exp_rows_, run_blocks
+from .torch_attention import attention_on_the_faster_kernel
 from ..decode.kv_buffers import append, prefix_buffer
 
 __all__ = ["attention_kernel", "blocked_attention", "key_runs", "is_key_mask_shape", "GEMM_ROWS"]
@@ -66,8 +67,14 @@ def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: Vis
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv if hkv else 1
-    out = blocked_attention(q.reshape(b, hkv, group * sq, d), k, v, sq, vis, None, threads, softcap=op.softcap)
-    return out.reshape(b, hq, sq, v.shape[-1])
+
+    def graphcs() -> np.ndarray:
+        out = blocked_attention(q.reshape(b, hkv, group * sq, d), k, v, sq, vis, None, threads, softcap=op.softcap)
+        return out.reshape(b, hq, sq, v.shape[-1])
+
+    if op.softcap is not None:
+        return graphcs()
+    return attention_on_the_faster_kernel(q, k, v, vis, threads, graphcs)  # a plain prefill: torch's SDPA where faster here
 
 
 def is_key_mask_shape(shape: Sequence[object]) -> bool:

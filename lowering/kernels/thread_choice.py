@@ -25,9 +25,9 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
-__all__ = ["EXPLORE_EVERY", "EXPLORE_MOST", "MAX_KINDS", "SMOOTHING", "ThreadChoice", "adaptive_threads_enabled", "shared_choice"]
+__all__ = ["EXPLORE_EVERY", "EXPLORE_MOST", "MAX_KINDS", "SMOOTHING", "ThreadChoice", "TimedChoice", "adaptive_threads_enabled", "shared_choice"]
 
 EXPLORE_EVERY = 16
 """Runs of one kind before the count not chosen is tried again; doubled each time the try loses."""
@@ -39,6 +39,7 @@ MAX_KINDS = 4096
 """Kinds of run a choice remembers; the oldest is forgotten past this (a decode step's attention is a new shape each token)."""
 
 R = TypeVar("R")
+C = TypeVar("C", bound=Hashable)
 
 
 def adaptive_threads_enabled() -> bool:
@@ -47,34 +48,35 @@ def adaptive_threads_enabled() -> bool:
 
 
 @dataclass
-class _Kind:
-    """What one kind of run has shown: runs so far, a smoothed time per count, when to try the other count next."""
+class _Kind(Generic[C]):
+    """What one kind of run has shown: runs so far, a smoothed time per candidate, when to try another next."""
 
     runs: int = 0
-    smoothed: dict[int, float] = field(default_factory=dict)
+    warmed: set[C] = field(default_factory=set)
+    smoothed: dict[C, float] = field(default_factory=dict)
     gap: int = EXPLORE_EVERY
     next_try: int = EXPLORE_EVERY
     trying: bool = False
 
 
-class ThreadChoice:
-    """Per kind of run (any hashable key, e.g. the rows of its products), the thread count that ran it faster lately.
+class TimedChoice(Generic[C]):
+    """Per kind of run (any hashable key, e.g. a kernel and its shapes), the candidate that ran it faster lately.
 
-    Use :meth:`timed` around a run, or :meth:`pick` before it and :meth:`record` after.  The first run of a kind is
-    a warm-up and is not recorded; then each candidate is tried once (the count asked for first), and from there the
-    faster runs.  A chosen count that slows below the other's last time loses at once (a load that starts); the other
-    is tried again after :data:`EXPLORE_EVERY` runs, a gap that doubles up to :data:`EXPLORE_MOST` each time the try
-    loses (so a load that stops is found, and a quiet machine pays a slow try rarely).
+    Use :meth:`timed` around a run, or :meth:`pick` before it and :meth:`record` after.  Each candidate's first run of
+    a kind is a warm-up and is not recorded; each is run until it has a time (in the order given), and from there the
+    faster runs.  A chosen candidate that slows below another's last time loses at once (a load that starts); the others are
+    tried again after :data:`EXPLORE_EVERY` runs, a gap that doubles up to :data:`EXPLORE_MOST` each time the try loses
+    (so a load that stops is found, and a quiet machine pays a slow try rarely).
     """
 
-    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
-        """Candidates ``threads`` and 1 (just 1 when ``threads`` is 1); ``clock`` gives seconds (a test passes its own)."""
-        self.candidates: tuple[int, ...] = (threads, 1) if threads > 1 else (1,)
+    def __init__(self, candidates: tuple[C, ...], clock: Callable[[], float] = time.perf_counter) -> None:
+        """``candidates`` in the order they are first tried; ``clock`` gives seconds (a test passes its own)."""
+        self.candidates = candidates
         self._clock = clock
-        self._kinds: dict[Hashable, _Kind] = {}
+        self._kinds: dict[Hashable, _Kind[C]] = {}
         self._lock = threading.Lock()
 
-    def _kind(self, key: Hashable) -> _Kind:
+    def _kind(self, key: Hashable) -> _Kind[C]:
         kind = self._kinds.get(key)
         if kind is None:
             if len(self._kinds) >= MAX_KINDS:
@@ -82,11 +84,11 @@ class ThreadChoice:
             kind = self._kinds[key] = _Kind()
         return kind
 
-    def pick(self, key: Hashable) -> int:
-        """The thread count for the next run of kind ``key``."""
+    def pick(self, key: Hashable) -> C:
+        """The candidate for the next run of kind ``key``."""
         with self._lock:
             kind = self._kind(key)
-            if len(self.candidates) == 1 or kind.runs == 0:
+            if len(self.candidates) == 1:
                 return self.candidates[0]
             untried = [c for c in self.candidates if c not in kind.smoothed]
             if untried:
@@ -94,41 +96,51 @@ class ThreadChoice:
             best = self._best(kind)
             if kind.runs >= kind.next_try:
                 kind.trying = True
-                return next(c for c in self.candidates if c != best)
+                others = [c for c in self.candidates if c != best]
+                return others[(kind.runs // max(1, kind.gap)) % len(others)]
             return best
 
-    def record(self, key: Hashable, threads: int, seconds: float) -> None:
-        """Note that a run of kind ``key`` on ``threads`` threads took ``seconds`` (the first run of a kind is dropped)."""
+    def record(self, key: Hashable, candidate: C, seconds: float) -> None:
+        """Note that a run of kind ``key`` on ``candidate`` took ``seconds`` (a candidate's first run of a kind is dropped)."""
         with self._lock:
             kind = self._kind(key)
             kind.runs += 1
-            if kind.runs == 1:
+            if candidate not in kind.warmed:  # its first run of this kind: page faults, a pool started, a kernel compiled
+                kind.warmed.add(candidate)
                 return
-            old = kind.smoothed.get(threads)
-            kind.smoothed[threads] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
+            old = kind.smoothed.get(candidate)
+            kind.smoothed[candidate] = seconds if old is None else (1 - SMOOTHING) * old + SMOOTHING * seconds
             if kind.trying:
                 kind.trying = False
-                kind.gap = EXPLORE_EVERY if self._best(kind) == threads else min(2 * kind.gap, EXPLORE_MOST)
+                kind.gap = EXPLORE_EVERY if self._best(kind) == candidate else min(2 * kind.gap, EXPLORE_MOST)
                 kind.next_try = kind.runs + kind.gap
 
-    def chosen(self, key: Hashable) -> int | None:
-        """The count with the lower smoothed time for ``key`` (None before every candidate is timed)."""
+    def chosen(self, key: Hashable) -> C | None:
+        """The candidate with the lowest smoothed time for ``key`` (None before every candidate is timed)."""
         with self._lock:
             kind = self._kinds.get(key)
             if kind is None or any(c not in kind.smoothed for c in self.candidates):
                 return None
             return self._best(kind)
 
-    def _best(self, kind: _Kind) -> int:
+    def _best(self, kind: _Kind[C]) -> C:
         return min(self.candidates, key=lambda c: kind.smoothed[c])
 
-    def timed(self, key: Hashable, run: Callable[[int], R]) -> R:
-        """``run(threads)`` on the picked count, its time recorded; returns what ``run`` returns."""
-        threads = self.pick(key)
+    def timed(self, key: Hashable, run: Callable[[C], R]) -> R:
+        """``run(candidate)`` on the picked candidate, its time recorded; returns what ``run`` returns."""
+        candidate = self.pick(key)
         start = self._clock()
-        result = run(threads)
-        self.record(key, threads, self._clock() - start)
+        result = run(candidate)
+        self.record(key, candidate, self._clock() - start)
         return result
+
+
+class ThreadChoice(TimedChoice[int]):
+    """Per kind of run, the thread count that ran it faster lately: the count asked for, or one."""
+
+    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Candidates ``threads`` and 1 (just 1 when ``threads`` is 1); ``clock`` gives seconds (a test passes its own)."""
+        super().__init__((threads, 1) if threads > 1 else (1,), clock)
 
 
 _SHARED: dict[int, ThreadChoice] = {}
