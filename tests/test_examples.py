@@ -56,3 +56,11 @@ def test_checkpoint_memory_example_reads_the_weights_from_the_files_on_onnxrunti
     tokens = {line.split("tokens ")[1] for line in lines if "prepared in" in line}
     assert len(tokens) == 1 and len([line for line in lines if "prepared in" in line]) >= 2, proc.stdout
     assert "MiB read from the checkpoint files in" in proc.stdout
+
+
+def test_first_token_example_loads_cold_and_warm_and_gives_the_same_tokens():
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "first_token.py")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("load")[0].strip() for line in proc.stdout.splitlines() if " first token " in line]
+    assert rows == ["ort-cpu, no cache", "ort-cpu, cache cold", "ort-cpu, cache warm", "numpy"], proc.stdout
+    assert "every row gives the same tokens" in proc.stdout
