@@ -136,6 +136,36 @@ def gemm_probe(n: int = 2048) -> Callable[[dict], object]:
     return lambda feeds: np.matmul(a, a)
 
 
+PEAK_SHAPE = (512, 2048, 5632)
+"""The product the peaks are measured on (rows, inner, columns): a 512-token prompt through a 1B model's MLP."""
+
+
+def matmul_peaks() -> dict[str, float]:
+    """The machine's measured matrix-product GFLOP/s per dtype on :data:`PEAK_SHAPE`: ``float32`` through NumPy's BLAS
+    (what graphc's NumPy backend and, near enough, onnxruntime's MLAS reach) and ``bfloat16`` through torch where it is
+    installed (its oneDNN kernels use the CPU's AMX or AVX-512 bfloat16 instructions where present).  Each is the
+    rate of five back-to-back products after one warm-up."""
+    m, k, n = PEAK_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = rng.random((m, k), dtype=np.float32), rng.random((k, n), dtype=np.float32)
+    peaks = {"float32": _rate(lambda: a @ b, 2 * m * k * n)}
+    try:
+        import torch
+    except ImportError:
+        return peaks
+    a16, b16 = torch.from_numpy(a).to(torch.bfloat16), torch.from_numpy(b).to(torch.bfloat16)
+    peaks["bfloat16"] = _rate(lambda: a16 @ b16, 2 * m * k * n)
+    return peaks
+
+
+def _rate(fn: Callable[[], object], flops: float) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        fn()
+    return flops * 5 / (time.perf_counter() - t0) / 1e9
+
+
 def torch_sdpa(feeds_list: Sequence[dict], threads: int, causal: bool) -> Callable[[dict], np.ndarray] | None:
     """torch's ``scaled_dot_product_attention(enable_gqa=True)`` on the same inputs, or None without torch.
 

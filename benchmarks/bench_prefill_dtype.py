@@ -25,17 +25,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import lm_feeds, machine  # noqa: E402
+from _common import lm_feeds, machine, matmul_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _peak(fn: Any, flops: float) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        fn()
-    return flops * 5 / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> None:
@@ -84,10 +76,8 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    a32, b32 = np.random.rand(512, 2048).astype(np.float32), np.random.rand(2048, 5632).astype(np.float32)
-    peak32 = _peak(lambda: a32 @ b32, 2 * 512 * 2048 * 5632)
-    a16, b16 = torch.from_numpy(a32).to(torch.bfloat16), torch.from_numpy(b32).to(torch.bfloat16)
-    peak16 = _peak(lambda: a16 @ b16, 2 * 512 * 2048 * 5632)
+    peaks = matmul_peaks()
+    peak32, peak16 = peaks["float32"], peaks["bfloat16"]
     flops = 2 * params * args.prompt
     lines = [
         "# `python benchmarks/bench_prefill_dtype.py`: one run\n",

@@ -16,6 +16,9 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
 - ``graphc numpy`` / ``graphc ort-cpu``: what ``graphc generate DIR`` runs: ``causal_lm_from_hf`` over the
   memory-mapped folder, ``optimize`` for the decode step, ``lowering.prepare`` (ort-cpu: weights read by
   onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.generate``;
+- ``graphc ort-cpu cold`` / ``graphc ort-cpu warm``: the same with ``GRAPHC_WEIGHT_CACHE`` set to a folder under
+  ``--work``, emptied before the cold run (the session built and saved with its packed weights) and read by the warm
+  one (the saved session loaded), then removed;
 - ``transformers sdpa``: ``from_pretrained`` in the checkpoint's dtype, ``generate(do_sample=False)``;
 - ``optimum ort-cpu``: optimum's ``text-generation-with-past`` export (in its own venv; float32 checkpoints
   only: its export of a bfloat16 one is float32 weights on onnxruntime's CPU kernels anyway), run by the
@@ -25,7 +28,11 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
 
 Per runtime: **load s** (folder in, ready to run: build, optimize, session; exports by optimum and
 genai are timed apart when they are made, in "export s", and reused by later runs), **prefill ms** (a
-``--prompt``-token prompt in, first token out), **time to first token** (load + prefill), **ms/token**
+``--prompt``-token prompt in, first token out), **prefill GFLOP/s** (the layers' weight products, ``2 * params *
+tokens``, over the prefill) as a share of the machine's **peak** in the dtype the runtime multiplies in
+(``_common.matmul_peaks``, measured in the parent before each model: float32 through NumPy's BLAS, bfloat16 through
+torch; graphc's NumPy backend multiplies a bfloat16 checkpoint in bfloat16 where the CPU and torch allow,
+onnxruntime, optimum and genai in float32), **time to first token** (load + prefill), **ms/token**
 (median decode step over ``--blocks`` generations of ``--new`` tokens, back to back), **peak RSS** (the
 child's ``VmHWM``) against the weights' bytes, and decode **GB/s** with its **% of the read bandwidth**
 (``torch.sum`` over 1 GiB, measured in the same process just before the decode blocks; a step reads every
@@ -45,6 +52,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import matmul_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -74,7 +83,7 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 MODELS["tinyllama-bf16"] = ("bfloat16", "LlamaConfig", MODELS["tinyllama-f32"][2])
 DEFAULT_MODELS = "tinyllama-f32,tinyllama-bf16,llama3.2-1b-bf16,qwen2.5-1.5b-bf16"
-RUNTIMES = ("graphc numpy", "graphc ort-cpu", "transformers sdpa", "optimum ort-cpu", "genai")
+RUNTIMES = ("graphc numpy", "graphc ort-cpu", "graphc ort-cpu cold", "graphc ort-cpu warm", "transformers sdpa", "optimum ort-cpu", "genai")
 BATCH = [[5, 17, 33, 2001, 901], [7, 1, 90, 44, 12, 60, 311, 4, 18]]  # the left-padded parity batch
 
 CHECKPOINT = r"""
@@ -158,8 +167,9 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _graphc(hf: Path, backend: str, prompt: list[int], new: int, blocks: int) -> dict[str, Any]:
+def _graphc(hf: Path, backend: str, dtype: str, prompt: list[int], new: int, blocks: int) -> dict[str, Any]:
     import graphc
+    from lowering.kernels.bf16_gemm import bf16_gemm_description
     from graphc.weights import load_weights
     from lowering import generate, prepare
     from lowering.backends.registry import decode_options
@@ -183,6 +193,7 @@ def _graphc(hf: Path, backend: str, prompt: list[int], new: int, blocks: int) ->
         "bandwidth_gbs": bandwidth,
         "provider": runner.provider,
         "weights": getattr(runner, "weights", ""),
+        "prefill_dtype": "bfloat16" if backend == "numpy" and dtype == "bfloat16" and bf16_gemm_description() else "float32",
     }
 
 
@@ -202,7 +213,7 @@ def _transformers(hf: Path, dtype: str, prompt: list[int], new: int, blocks: int
                              pad_token_id=0)  # fmt: skip
     run = transformers_runs(hf, impls=("sdpa",), model=model)["transformers sdpa"]
     provider = f"transformers {transformers.__version__}, torch {torch.__version__}, sdpa, {dtype}"
-    return {**_tool(run, load, 0.0, provider, prompt, new, blocks), "batch_tokens": out[:, ids.shape[1] :].tolist()}
+    return {**_tool(run, load, 0.0, provider, prompt, new, blocks), "batch_tokens": out[:, ids.shape[1] :].tolist(), "prefill_dtype": dtype}
 
 
 def _tool(run_fn: Any, load: float, export: float, provider: str, prompt: list[int], new: int, blocks: int) -> dict[str, Any]:
@@ -218,6 +229,7 @@ def _tool(run_fn: Any, load: float, export: float, provider: str, prompt: list[i
         "tokens": times[-1][1],
         "bandwidth_gbs": bandwidth,
         "provider": provider,
+        "prefill_dtype": "float32",
     }
 
 
@@ -227,7 +239,7 @@ def worker(runtime: str, hf: Path, work: Path, model: str, prompt: list[int], ne
 
     dtype = MODELS[model][0]
     if runtime.startswith("graphc "):
-        out = _graphc(hf, runtime.split()[1], prompt, new, blocks)
+        out = _graphc(hf, runtime.split()[1], dtype, prompt, new, blocks)
     elif runtime == "transformers sdpa":
         out = _transformers(hf, dtype, prompt, new, blocks)
     elif runtime == "optimum ort-cpu":
@@ -253,7 +265,15 @@ def _child(runtime: str, hf: Path, args: argparse.Namespace, model: str, prompt:
     cmd = [sys.executable, __file__, "--worker", runtime, "--hf", str(hf), "--work", args.work, "--model-name", model,
            "--prompt", str(args.prompt), "--new", str(args.new), "--blocks", str(args.blocks)]  # fmt: skip
     print(f"{model}: {runtime} ...", file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHC_WEIGHT_CACHE"}
+    cache = Path(args.work) / "session-cache" / model
+    if runtime.endswith((" cold", " warm")):  # the session cache: emptied for the cold run, read by the warm one
+        if runtime.endswith(" cold"):
+            shutil.rmtree(cache, ignore_errors=True)
+        env["GRAPHC_WEIGHT_CACHE"] = str(cache)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if runtime.endswith(" warm"):
+        shutil.rmtree(cache, ignore_errors=True)  # twice the weights' bytes: not left for the next model
     if r.returncode:
         lines = (r.stderr or r.stdout).strip().splitlines()
         return {"error": (lines[-1] if lines else f"exit {r.returncode}")[:200]}
@@ -271,16 +291,32 @@ def _read_bytes(hf: Path, compute_f32: bool) -> tuple[int, int]:
     return total, read
 
 
+def _prefill_flops(hf: Path, prompt: int) -> int:
+    """A prompt's weight-product multiply-adds, ``2 * params * tokens`` over every layer's matrices (the embedding, the
+    head's one row and attention's scores, 2% at 512 tokens, left out)."""
+    from graphc.weights import load_weights
+
+    w = load_weights(hf)
+    return 2 * prompt * sum(a.size for n, a in w.items() if a.ndim == 2 and "embed_tokens" not in n and "lm_head" not in n)
+
+
+def _prefill_rate(r: dict[str, Any], m: dict[str, Any]) -> str:
+    dtype = r.get("prefill_dtype", "float32")
+    rate = m["prefill_flops"] / (r["prefill_ms"] / 1e3) / 1e9
+    peak = m.get("peaks", {}).get(dtype)
+    return f"{rate:.0f} ({100 * rate / peak:.0f}% of {peak:.0f}, {dtype})" if peak else f"{rate:.0f} ({dtype})"
+
+
 def table(results: dict[str, dict[str, Any]], header: str) -> str:
     """The markdown table: one row per model and runtime."""
-    columns = ["model", "runtime", "load s", "export s", "prefill ms", "first token s", "ms/token", "tokens/s", "decode GB/s (% of read bw)",
-               "peak RSS GB (x weights)", "tokens = transformers"]  # fmt: skip
-    lines = [header, "", "| " + " | ".join(columns) + " |", "| --- | --- |" + " ---: |" * 8 + " --- |"]
+    columns = ["model", "runtime", "load s", "export s", "prefill ms", "prefill GFLOP/s (% of peak, dtype)", "first token s", "ms/token",
+               "tokens/s", "decode GB/s (% of read bw)", "peak RSS GB (x weights)", "tokens = transformers"]  # fmt: skip
+    lines = [header, "", "| " + " | ".join(columns) + " |", "| --- | --- |" + " ---: |" * 9 + " --- |"]
     for model, m in results.items():
         want = m["runtimes"].get("transformers sdpa", {})
         for name, r in m["runtimes"].items():
             if "error" in r or "skipped" in r:
-                lines.append(f"| {model} | {name} | {r.get('skipped') or 'failed: ' + r['error']} | | | | | | | | |")
+                lines.append(f"| {model} | {name} | {r.get('skipped') or 'failed: ' + r['error']} | | | | | | | | | |")
                 continue
             reads = m["read_bytes_f32"] if name.startswith(("graphc ort", "optimum", "genai")) else m["read_bytes"]  # they compute on float32 weights
             gbs = reads / (r["ms_per_token"] / 1e3) / 1e9
@@ -288,7 +324,7 @@ def table(results: dict[str, dict[str, Any]], header: str) -> str:
             if "batch_tokens" in r and "batch_tokens" in want and name != "transformers sdpa":
                 same += ", batch " + ("yes" if r["batch_tokens"] == want["batch_tokens"] else "no")
             lines.append(
-                f"| {model} | {name} | {r['load_s']:.1f} | {r.get('export_s', 0):.0f} | {r['prefill_ms']:.0f} | "
+                f"| {model} | {name} | {r['load_s']:.1f} | {r.get('export_s', 0):.0f} | {r['prefill_ms']:.0f} | {_prefill_rate(r, m)} | "
                 f"{r['load_s'] + r['prefill_ms'] / 1e3:.1f} | {r['ms_per_token']:.1f} | {1e3 / r['ms_per_token']:.1f} | "
                 f"{gbs:.1f} ({100 * gbs / r['bandwidth_gbs']:.0f}% of {r['bandwidth_gbs']:.1f}) | "
                 f"{r['peak_rss'] / 1e9:.2f} ({r['peak_rss'] / m['weight_bytes']:.2f}x) | {same} |"
@@ -322,7 +358,8 @@ def main() -> None:
         hf = checkpoint(work, model)
         dtype = MODELS[model][0]
         total, read = _read_bytes(hf, False)
-        results[model] = {"dtype": dtype, "weight_bytes": total, "read_bytes": read, "read_bytes_f32": _read_bytes(hf, True)[1], "runtimes": {}}
+        results[model] = {"dtype": dtype, "weight_bytes": total, "read_bytes": read, "read_bytes_f32": _read_bytes(hf, True)[1],
+                          "prefill_flops": _prefill_flops(hf, args.prompt), "peaks": matmul_peaks(), "runtimes": {}}  # fmt: skip
         for runtime in args.runtimes.split(","):
             if runtime in ("optimum ort-cpu", "genai") and dtype != "float32":
                 results[model]["runtimes"][runtime] = {"skipped": "float32 checkpoints only (see the module doc)"}

@@ -1,7 +1,11 @@
 """graphc against torch SDPA and onnxruntime's fused attention ops: one process, one method, ratios to the best peer.
 
     python benchmarks/bench_speed.py [--configs mistral-7b,llama2-70b,falcon-7b,llama2-7b] [--cases ...] [--blocks 5]
-                                     [--threads N] [--out docs/bench/speed]
+                                     [--threads N] [--avx2] [--out docs/bench/speed]
+
+``--avx2`` holds NumPy (its ufuncs and OpenBLAS), numba's kernels and torch (its dispatch, MKL and oneDNN) to AVX2 on a CPU that has
+AVX-512, to compare graphc's NumPy backend with torch SDPA as on an AVX2-only CPU; onnxruntime's MLAS picks its
+kernels from the CPU and has no switch, so its rows stay AVX-512 (the header says which library ran what).
 
 Attention core (Q [B, Hq, Sq, D], K/V [B, Hkv, Skv, D]), float32.  Variants:
 
@@ -406,7 +410,10 @@ def main() -> None:
     ap.add_argument("--layer-cases", default="all", help="decoder-layer and stack cases (speed_layer.py), comma-separated; 'all' or 'none'")
     ap.add_argument("--out", default="docs/bench/speed")
     ap.add_argument("--summarize", metavar="JSON", help="print the tables of an earlier run's JSON instead of running")
+    ap.add_argument("--avx2", action="store_true", help="hold NumPy's BLAS, numba and torch to AVX2 (onnxruntime has no such switch)")
     args = ap.parse_args()
+    if args.avx2 and any(os.environ.get(k) != v for k, v in AVX2_ONLY.items()):  # read when the libraries load: start again with them set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY})
     if args.summarize:
         doc = json.loads(Path(args.summarize).read_text())
         print(doc["machine"])
@@ -432,7 +439,8 @@ def main() -> None:
 
     header = (
         f"machine: {platform.machine()}, {os.cpu_count()} cores; {args.threads} threads per runtime; numpy {np.__version__} "
-        f"({kernels_description()}, {blas_description()}), onnxruntime {ort.__version__}, torch {_torch_version()}; {compile_seconds()}"
+        f"({kernels_description()}, {blas_description()}), onnxruntime {ort.__version__}, torch {_torch_version()}; {compile_seconds()}; "
+        f"instructions: {_instructions(args.avx2)}"
     )
     print(header, flush=True)
     rows: list[dict] = []
@@ -450,10 +458,34 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1))
-    chart, raw = f"[{out.name}.png]({out.name}.png)", f"[{out.name}.json]({out.name}.json)"
-    links = f"Chart: {chart} (time relative to the fastest peer per case).\nRaw figures: {raw}.\n"
-    out.with_suffix(".md").write_text(header + "\n\n" + table + "\n\n" + links)
-    print(chart(rows, out.with_suffix(".png")))
+    drawn = chart(rows, out.with_suffix(".png"))
+    print(drawn)
+    png = f"Chart: [{out.name}.png]({out.name}.png) (time relative to the fastest peer per case).\n" if not drawn.startswith("no chart") else ""
+    out.with_suffix(".md").write_text(header + "\n\n" + table + "\n\n" + png + f"Raw figures: [{out.name}.json]({out.name}.json).\n")
+
+
+AVX2_ONLY = {"OPENBLAS_CORETYPE": "Haswell", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "NUMBA_CPU_NAME": "haswell", "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR"}  # fmt: skip
+"""``--avx2``: what holds each library to AVX2 on a CPU that has AVX-512 (OpenBLAS's kernels, torch's dispatch and its
+MKL and oneDNN, numba's target, NumPy's own ufunc dispatch).  onnxruntime's MLAS reads the CPU itself and has no such switch."""
+
+
+def _instructions(avx2: bool) -> str:
+    """What the run's libraries were allowed: the CPU's AVX-512 flags, and with ``--avx2`` who was held to AVX2."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    cpu = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    try:
+        import torch
+
+        torch_isa = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        torch_isa = "-"
+    setting = os.environ.get("GRAPHC_TORCH_ATTENTION", "")
+    attention = {"1": "torch's SDPA", "0": "graphc's kernel"}.get(setting, "the faster of graphc's kernel and torch's SDPA, timed")
+    if not avx2:
+        return f"the CPU's own ({cpu}; torch dispatches {torch_isa}); graphc numpy's prefill attention: {attention}"
+    return (f"AVX2 for NumPy (ufuncs and BLAS), numba and torch (torch dispatches {torch_isa}) on a CPU with {cpu}; onnxruntime: "
+            f"the CPU's own ({cpu}, no switch); graphc numpy's prefill attention: {attention}")  # fmt: skip
 
 
 def _torch_version() -> str:
