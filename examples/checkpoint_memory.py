@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +63,14 @@ def main(folder: Path) -> None:
         del runner
 
 
-if __name__ == "__main__":
+def on_the_folder_given(main: Callable[[Path], None]) -> None:
+    """``main`` on the checkpoint folder named on the command line, or on a small one written for the run and removed after."""
     if len(sys.argv) > 1:
         main(Path(sys.argv[1]))
     else:
-        with tempfile.TemporaryDirectory() as work:  # the small checkpoint is removed afterwards
+        with tempfile.TemporaryDirectory() as work:
             main(small_checkpoint(Path(work)))
+
+
+if __name__ == "__main__":
+    on_the_folder_given(main)

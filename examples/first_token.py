@@ -21,7 +21,7 @@ from graphc.weights import load_weights
 from lowering import generate, prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_memory import small_checkpoint  # noqa: E402
+from checkpoint_memory import on_the_folder_given  # noqa: E402
 
 PROMPT = list(range(3, 67))
 
@@ -56,8 +56,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        main(Path(sys.argv[1]))
-    else:
-        with tempfile.TemporaryDirectory() as work:  # the small checkpoint is removed afterwards
-            main(small_checkpoint(Path(work)))
+    on_the_folder_given(main)
