@@ -83,3 +83,14 @@ def test_a_folded_bidirectional_prefill_on_torch_equals_the_reference():
     k, v = (rng.standard_normal((1, 2, 80, 16)).astype(np.float32) for _ in range(2))
     want = _reference(q.reshape(1, 8, 80, 16), k, v, 1.0, causal=False).reshape(1, 2, 320, 16)
     np.testing.assert_allclose(ta.torch_attention(q.reshape(1, 2, 320, 16), k, v, False, 2), want, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_is_not_imported_for_the_choice(monkeypatch):
+    """Unless torch is loaded already (or forced), a prefill's attention runs graphc's kernel: no import in a first prefill."""
+    import sys
+
+    monkeypatch.setenv("GRAPHC_TORCH_ATTENTION", "auto")
+    monkeypatch.delitem(sys.modules, "torch")
+    q, k = np.zeros((1, 4, 128, 16), np.float32), np.zeros((1, 2, 128, 16), np.float32)
+    ran = ta.attention_on_the_faster_kernel(q, k, k, Visibility(), 2, lambda: np.ones(1))
+    assert ran.tolist() == [1.0] and "torch" not in sys.modules

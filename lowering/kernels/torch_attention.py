@@ -4,18 +4,21 @@ graphc's row-blocked kernel (:mod:`lowering.kernels.attention_kernel`) is a GEMM
 block, on NumPy's BLAS and ufuncs; torch's ``scaled_dot_product_attention`` is a fused flash kernel.  Which is faster
 depends on the machine, not only on its instructions: on one 2-core AMD EPYC with AVX-512 graphc's kernel took 0.47x
 torch's time for a 1024-token causal prefill at mistral-7b's shape, on a 2-core Intel Xeon with AVX-512 1.5x, and held
-to AVX2 1.2x (``benchmarks/bench_speed.py``, ``--avx2``; docs/export.md has the runs).  So where torch is installed the
+to AVX2 1.2x (``benchmarks/bench_speed.py``, ``--avx2``; docs/export.md has the runs).  So the
 NumPy backend times both on a plain prefill's first calls of each shape and keeps the faster
 (:class:`~lowering.kernels.thread_choice.TimedChoice`: a layer's attention repeats layer after layer, so the choice is
-made within the first prefill and tried again now and then).  A plain prefill: no user mask, no window, no softcap, a
-causal mask aligned at key 0 or none, :data:`MIN_QUERY_ROWS` queries or more, float32; anything else, and every call
-without torch, runs graphc's kernel.  ``GRAPHC_TORCH_ATTENTION=1`` sends every plain prefill to torch, ``0`` none.
+made within the first prefill and tried again now and then), once torch is loaded in the process (by a bfloat16
+model's products, or by the caller; importing it for this would put torch's import into a first prefill). A plain
+prefill: no user mask, no window, no softcap, a causal mask aligned at key 0 or none, :data:`MIN_QUERY_ROWS` queries
+or more, float32; anything else, and every call without torch, runs graphc's kernel. ``GRAPHC_TORCH_ATTENTION=1``
+sends every plain prefill to torch, ``0`` none.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -49,7 +52,10 @@ def attention_on_the_faster_kernel(
 ) -> np.ndarray:
     """``graphcs()`` (graphc's kernel on these operands) or :func:`torch_attention`, as the module doc says."""
     setting = os.environ.get("GRAPHC_TORCH_ATTENTION", "auto").strip().lower()
-    if setting == "0" or importlib.util.find_spec("torch") is None or not plain_prefill(q, k, visibility, None):
+    # torch loaded already (a bfloat16 model's products, the caller's own import): importing it here would put torch's
+    # import into the first prefill, which costs more than the attention it might save
+    loaded = "torch" in sys.modules if setting != "1" else importlib.util.find_spec("torch") is not None
+    if setting == "0" or not loaded or not plain_prefill(q, k, visibility, None):
         return graphcs()
 
     def run(kernel: str) -> np.ndarray:
