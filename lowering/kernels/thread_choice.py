@@ -4,7 +4,7 @@ A decode step is bound by reading the weights, and BLAS splits each of its
 products evenly over its threads.  On a quiet machine two threads halve the
 step; with another process busy on one of the two cores, the thread that shares
 that core finishes its even half late, and the step takes longer than on one
-thread (a Qwen2.5-0.5B step: 610 ms on two threads against 394 ms on one).  A
+thread (a Qwen2.5-0.5B step in `benchmarks/bench_threads.py`: 687 ms on two threads against 441 on one).  A
 prefill's blocked kernels fare the same way: a helper thread that takes a block
 and is then put off its core holds the product up for the scheduler's time
 slice.  No fixed count is right on both machines, and the load changes while a
