@@ -43,7 +43,7 @@ def test_a_quiet_machine_keeps_the_count_asked_for_and_rarely_tries_one():
     machine = _Machine({2: 1.0, 1: 2.0})
     choice = ThreadChoice(2, clock=machine.clock)
     picks = _steps(choice, machine, 600)
-    assert picks[:4] == [2, 2, 1, 1]  # each count's warm-up and its first timed run, the asked one first
+    assert picks[:3] == [2, 2, 1]  # the kind's warm-up, then each count timed once, the asked one first
     assert choice.chosen("decode") == 2
     assert picks[3:].count(1) <= 1 + 600 // EXPLORE_MOST + 3  # the gap between tries doubles up to EXPLORE_MOST
 
@@ -142,7 +142,7 @@ def test_a_product_cut_into_blocks_or_run_whole_equals_numpys():
             np.testing.assert_allclose(contract("mk,nk->mn", a, b, threads=2), want, rtol=1e-4, atol=1e-4)
     finally:
         contraction.BLOCKED_MIN_FLOPS = saved
-    assert thread_choice.shared_choice(2).chosen(("matmul", (64, 300), (300, 1100))) in (1, 2)
+    assert thread_choice.shared_choice(2).chosen(("matmul", (64, 300), (300, 1100), "<f4", "<f4")) in (1, 2)
 
 
 def test_a_choice_remembers_a_bounded_number_of_kinds():
@@ -152,3 +152,21 @@ def test_a_choice_remembers_a_bounded_number_of_kinds():
         choice.timed(("attention", past), machine.run)
     assert len(choice._kinds) == thread_choice.MAX_KINDS
     assert ("attention", 0) not in choice._kinds and ("attention", thread_choice.MAX_KINDS + 49) in choice._kinds
+
+
+def test_products_of_one_shape_in_two_dtypes_are_two_kinds():
+    """A float64 reference run's products (twice the time) must not set the choice for the float32 ones of its shape."""
+    from lowering.kernels import contraction
+    from lowering.kernels.contraction import contract
+
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((40, 256)), rng.standard_normal((1030, 256))
+    saved = contraction.BLOCKED_MIN_FLOPS
+    contraction.BLOCKED_MIN_FLOPS = 1
+    try:
+        for dtype in (np.float64, np.float32):
+            contract("mk,nk->mn", a.astype(dtype), b.astype(dtype), threads=2)
+    finally:
+        contraction.BLOCKED_MIN_FLOPS = saved
+    kinds = [key for key in thread_choice.shared_choice(2)._kinds if key[:3] == ("matmul", (40, 256), (256, 1030))]
+    assert sorted(key[3] for key in kinds) == ["<f4", "<f8"]

@@ -188,5 +188,6 @@ def blocked_attention(
         pv /= total
         ob[...] = pv.reshape(b1 - b0, groups, r, e_dim)
 
-    run_blocks(block, _tasks(lead, range(0, sq, rows), threads), threads, pin_blas=True, key=("attention", q.shape, k.shape, visibility.is_causal))
+    key = ("attention", q.shape, k.shape, q.dtype.str, visibility.is_causal)
+    run_blocks(block, _tasks(lead, range(0, sq, rows), threads), threads, pin_blas=True, key=key)
     return out.reshape(*batch, rows_total, e_dim)

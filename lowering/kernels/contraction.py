@@ -120,7 +120,8 @@ def _matmul(a2: np.ndarray, b2: np.ndarray, threads: int | None) -> np.ndarray:
     if not adaptive_threads_enabled():
         return _blocked_matmul(a2, b2, n)
     # on one thread, the product whole: BLAS packs the rows once, not once per column block
-    return shared_choice(n).timed(("matmul", a2.shape, b2.shape), lambda t: _blocked_matmul(a2, b2, t) if t > 1 else np.matmul(a2, b2))
+    key = ("matmul", a2.shape, b2.shape, a2.dtype.str, b2.dtype.str)  # float64 reference products are another kind
+    return shared_choice(n).timed(key, lambda t: _blocked_matmul(a2, b2, t) if t > 1 else np.matmul(a2, b2))
 
 
 def _blocked_matmul(a2: np.ndarray, b2: np.ndarray, n: int) -> np.ndarray:

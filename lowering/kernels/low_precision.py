@@ -127,5 +127,5 @@ def stored_matmul(x: np.ndarray, weight: StoredWeight, threads: int | None) -> n
         n1 = min(rows, n0 + step)
         np.matmul(weight.rows(n0, n1), x.T, out=out[n0:n1])
 
-    run_blocks(block, range(0, rows, step), n, pin_blas=True, key=("stored matmul", x.shape, w.shape))
+    run_blocks(block, range(0, rows, step), n, pin_blas=True, key=("stored matmul", x.shape, w.shape, x.dtype.str, w.dtype.str))
     return out.T

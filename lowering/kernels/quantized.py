@@ -117,5 +117,5 @@ def _blocked(
         w = dequantize_blocks(packed[n0:n1], scales2[n0:n1], None if zeros2 is None else zeros2[n0:n1], op.bits, op.block_size, op.k)
         out[:, n0:n1] = x @ w.astype(np.float32, copy=False).T
 
-    run_blocks(block, range(0, n, step), threads, pin_blas=True, key=("dequantized matmul", x.shape, packed.shape))
+    run_blocks(block, range(0, n, step), threads, pin_blas=True, key=("dequantized matmul", x.shape, packed.shape, x.dtype.str))
     return out

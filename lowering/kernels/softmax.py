@@ -166,5 +166,5 @@ def masked_softmax(x: np.ndarray, visibility: Visibility = Visibility(), threads
                 np.copyto(v, neg_inf, where=hidden)
         softmax_rows_(v)
 
-    run_blocks(block, range(0, sq, rows), threads, key=("softmax", x3.shape, visibility.is_causal))
+    run_blocks(block, range(0, sq, rows), threads, key=("softmax", x3.shape, x3.dtype.str, visibility.is_causal))
     return out.reshape(x.shape)

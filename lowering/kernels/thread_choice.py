@@ -62,17 +62,21 @@ class _Kind(Generic[C]):
 class TimedChoice(Generic[C]):
     """Per kind of run (any hashable key, e.g. a kernel and its shapes), the candidate that ran it faster lately.
 
-    Use :meth:`timed` around a run, or :meth:`pick` before it and :meth:`record` after.  Each candidate's first run of
-    a kind is a warm-up and is not recorded; each is run until it has a time (in the order given), and from there the
-    faster runs.  A chosen candidate that slows below another's last time loses at once (a load that starts); the others are
-    tried again after :data:`EXPLORE_EVERY` runs, a gap that doubles up to :data:`EXPLORE_MOST` each time the try loses
-    (so a load that stops is found, and a quiet machine pays a slow try rarely).
+    Use :meth:`timed` around a run, or :meth:`pick` before it and :meth:`record` after.  A kind's first run (or each
+    candidate's first, with ``warm_up_each``) is a warm-up and is not recorded; each candidate is run until it has a
+    time (in the order given), and from there the faster runs.  A chosen candidate that slows below another's last
+    time loses at once (a load that starts); the others are tried again after :data:`EXPLORE_EVERY` runs, a gap that
+    doubles up to :data:`EXPLORE_MOST` each time the try loses (so a load that stops is found, and a quiet machine pays
+    a slow try rarely).
     """
 
-    def __init__(self, candidates: tuple[C, ...], clock: Callable[[], float] = time.perf_counter) -> None:
-        """``candidates`` in the order they are first tried; ``clock`` gives seconds (a test passes its own)."""
+    def __init__(self, candidates: tuple[C, ...], clock: Callable[[], float] = time.perf_counter, warm_up_each: bool = True) -> None:
+        """``candidates`` in the order they are first tried; ``clock`` gives seconds (a test passes its own);
+        ``warm_up_each``: every candidate's first run of a kind is a warm-up (kernels that compile or allocate on first
+        use), else only the kind's first run (thread counts: the first run pays for the kind's allocations)."""
         self.candidates = candidates
         self._clock = clock
+        self._warm_up_each = warm_up_each
         self._kinds: dict[Hashable, _Kind[C]] = {}
         self._lock = threading.Lock()
 
@@ -105,7 +109,7 @@ class TimedChoice(Generic[C]):
         with self._lock:
             kind = self._kind(key)
             kind.runs += 1
-            if candidate not in kind.warmed:  # its first run of this kind: page faults, a pool started, a kernel compiled
+            if candidate not in kind.warmed and (self._warm_up_each or not kind.warmed):  # a first run: page faults, compiles
                 kind.warmed.add(candidate)
                 return
             old = kind.smoothed.get(candidate)
@@ -140,7 +144,7 @@ class ThreadChoice(TimedChoice[int]):
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
         """Candidates ``threads`` and 1 (just 1 when ``threads`` is 1); ``clock`` gives seconds (a test passes its own)."""
-        super().__init__((threads, 1) if threads > 1 else (1,), clock)
+        super().__init__((threads, 1) if threads > 1 else (1,), clock, warm_up_each=False)
 
 
 _SHARED: dict[int, ThreadChoice] = {}

@@ -63,7 +63,7 @@ def attention_on_the_faster_kernel(
 
     if setting == "1":
         return run("torch")
-    return _KERNELS.timed(("attention", q.shape, k.shape, visibility.is_causal), run)
+    return _KERNELS.timed(("attention", q.shape, k.shape, q.dtype.str, visibility.is_causal), run)
 
 
 def torch_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, threads: int | None) -> np.ndarray:
