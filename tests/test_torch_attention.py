@@ -92,5 +92,5 @@ def test_torch_is_not_imported_for_the_choice(monkeypatch):
     monkeypatch.setenv("GRAPHC_TORCH_ATTENTION", "auto")
     monkeypatch.delitem(sys.modules, "torch")
     q, k = np.zeros((1, 4, 128, 16), np.float32), np.zeros((1, 2, 128, 16), np.float32)
-    ran = ta.attention_on_the_faster_kernel(q, k, k, Visibility(), 2, lambda: np.ones(1))
+    ran = ta.attention_on_the_faster_kernel(q, k, k, Visibility(), None, 2, lambda: np.ones(1))
     assert ran.tolist() == [1.0] and "torch" not in sys.modules

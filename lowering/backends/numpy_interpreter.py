@@ -39,7 +39,7 @@ from ..kernels.contraction import FEW_ROWS, contract
 from .inputs import InputChecker
 from ..kernels.softmax import blas_threads, default_threads, masked_softmax
 from ..kernels.quantized import quantized_matmul
-from ..kernels.thread_choice import ThreadChoice, adaptive_threads_enabled
+from ..kernels.thread_choice import ThreadChoice
 from ..kernels.low_precision import LOW_PRECISION, MIN_STORED_BYTES, StoredWeight, contract_stored, keeps_stored
 
 __all__ = ["NumpyInterpreter", "FAST_KERNELS", "REFERENCE_KERNELS", "run_numpy", "Kernel"]
@@ -177,9 +177,6 @@ class NumpyInterpreter:
         rows = max((eval_dim(d, dims) for d in self._weight_rows if dim_symbols(d) <= dims.keys()), default=0)
         if rows > FEW_ROWS:
             with blas_threads(1):
-                return self._run(feeds, dims, self.threads)
-        if not adaptive_threads_enabled():
-            with blas_threads(self.threads or default_threads()):
                 return self._run(feeds, dims, self.threads)
 
         def run_on(threads: int) -> dict[str, np.ndarray]:

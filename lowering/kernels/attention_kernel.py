@@ -72,9 +72,7 @@ def _attend(op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, vis: Vis
         out = blocked_attention(q.reshape(b, hkv, group * sq, d), k, v, sq, vis, None, threads, softcap=op.softcap)
         return out.reshape(b, hq, sq, v.shape[-1])
 
-    if op.softcap is not None:
-        return graphcs()
-    return attention_on_the_faster_kernel(q, k, v, vis, threads, graphcs)  # a plain prefill: torch's SDPA where faster here
+    return attention_on_the_faster_kernel(q, k, v, vis, op.softcap, threads, graphcs)  # a plain prefill: torch's SDPA where faster here
 
 
 def is_key_mask_shape(shape: Sequence[object]) -> bool:

@@ -40,7 +40,7 @@ def _cpu_flags() -> frozenset[str]:
 
 @functools.lru_cache(maxsize=1)
 def _torch_version() -> str | None:
-    """torch's installed version, read from its metadata: importing torch takes 1-2 s, paid only by a first product."""
+    """torch's installed version, read from its metadata: torch's slow import is paid by a first product, not by a load."""
     if importlib.util.find_spec("torch") is None:
         return None
     try:

@@ -24,7 +24,7 @@ import opt_einsum
 from graphc.einsum_spec import EinsumSpec, parse_einsum
 
 from .softmax import blas_threads, default_threads, run_blocks
-from .thread_choice import adaptive_threads_enabled, shared_choice
+from .thread_choice import shared_choice
 
 __all__ = ["MatmulPlan", "plan_matmul", "contract_pair", "contract", "contraction_order"]
 
@@ -117,8 +117,6 @@ def _matmul(a2: np.ndarray, b2: np.ndarray, threads: int | None) -> np.ndarray:
         return np.matmul(a2, b2)
     if a2.ndim == 2 and cols < 2 * _BLOCK_COLUMNS:
         return np.matmul(a2, b2)
-    if not adaptive_threads_enabled():
-        return _blocked_matmul(a2, b2, n)
     # on one thread, the product whole: BLAS packs the rows once, not once per column block
     key = ("matmul", a2.shape, b2.shape, a2.dtype.str, b2.dtype.str)  # float64 reference products are another kind
     return shared_choice(n).timed(key, lambda t: _blocked_matmul(a2, b2, t) if t > 1 else np.matmul(a2, b2))

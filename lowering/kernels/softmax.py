@@ -23,7 +23,7 @@ from threadpoolctl import ThreadpoolController
 from graphc.visibility import Visibility
 
 from .crew import crew
-from .thread_choice import adaptive_threads_enabled, shared_choice
+from .thread_choice import shared_choice
 
 __all__ = ["masked_softmax", "softmax_rows_", "exp_rows_", "run_blocks", "default_threads", "blas_description", "blas_threads"]
 
@@ -107,7 +107,7 @@ def run_blocks(block: Callable[[T], None], starts: Sequence[T], threads: int | N
         for i0 in starts:
             block(i0)
         return
-    if key is not None and adaptive_threads_enabled():
+    if key is not None:
         shared_choice(n).timed(key, lambda t: run_blocks(block, starts, t, pin_blas))
         return
     if pin_blas:

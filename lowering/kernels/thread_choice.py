@@ -140,11 +140,18 @@ class TimedChoice(Generic[C]):
 
 
 class ThreadChoice(TimedChoice[int]):
-    """Per kind of run, the thread count that ran it faster lately: the count asked for, or one."""
+    """Per kind of run, the thread count that ran it faster lately: the count asked for, or one (always the count asked
+    for with ``GRAPHC_ADAPTIVE_THREADS=0``)."""
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
         """Candidates ``threads`` and 1 (just 1 when ``threads`` is 1); ``clock`` gives seconds (a test passes its own)."""
         super().__init__((threads, 1) if threads > 1 else (1,), clock, warm_up_each=False)
+
+    def timed(self, key: Hashable, run: Callable[[int], R]) -> R:
+        """``run(threads)`` on the picked count, its time recorded; on the count asked for, untimed, with the choice off."""
+        if not adaptive_threads_enabled():
+            return run(self.candidates[0])
+        return super().timed(key, run)
 
 
 _SHARED: dict[int, ThreadChoice] = {}

@@ -48,14 +48,20 @@ def plain_prefill(q: np.ndarray, k: np.ndarray, visibility: Visibility, softcap:
 
 
 def attention_on_the_faster_kernel(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, visibility: Visibility, threads: int | None, graphcs: Callable[[], np.ndarray]
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    visibility: Visibility,
+    softcap: float | None,
+    threads: int | None,
+    graphcs: Callable[[], np.ndarray],
 ) -> np.ndarray:
     """``graphcs()`` (graphc's kernel on these operands) or :func:`torch_attention`, as the module doc says."""
     setting = os.environ.get("GRAPHC_TORCH_ATTENTION", "auto").strip().lower()
     # torch loaded already (a bfloat16 model's products, the caller's own import): importing it here would put torch's
     # import into the first prefill, which costs more than the attention it might save
     loaded = "torch" in sys.modules if setting != "1" else importlib.util.find_spec("torch") is not None
-    if setting == "0" or not loaded or not plain_prefill(q, k, visibility, None):
+    if setting == "0" or not loaded or not plain_prefill(q, k, visibility, softcap):
         return graphcs()
 
     def run(kernel: str) -> np.ndarray:
