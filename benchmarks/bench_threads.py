@@ -19,7 +19,8 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,13 @@ def _blas_whole(runner: Any) -> Any:
     import lowering.kernels.contraction as contraction
 
     def run(feeds: dict[str, np.ndarray]) -> Any:
-        saved = (contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads, os.environ.get("GRAPHC_ADAPTIVE_THREADS"))
+        saved = (contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads)
         contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads = 1 << 62, lambda n: nullcontext()
-        os.environ["GRAPHC_ADAPTIVE_THREADS"] = "0"
         try:
-            return runner.run(feeds)
+            with _choice_off():
+                return runner.run(feeds)
         finally:
-            contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads = saved[:2]
-            _restore_choice(saved[2])
+            contraction.BLOCKED_MIN_FLOPS, interpreter.blas_threads = saved
 
     return run
 
@@ -54,21 +54,24 @@ def _fixed_count(runner: Any) -> Any:
     """``runner.run`` with a decode step always on the thread count asked for (``GRAPHC_ADAPTIVE_THREADS=0``)."""
 
     def run(feeds: dict[str, np.ndarray]) -> Any:
-        saved = os.environ.get("GRAPHC_ADAPTIVE_THREADS")
-        os.environ["GRAPHC_ADAPTIVE_THREADS"] = "0"
-        try:
+        with _choice_off():
             return runner.run(feeds)
-        finally:
-            _restore_choice(saved)
 
     return run
 
 
-def _restore_choice(saved: str | None) -> None:
-    if saved is None:
-        os.environ.pop("GRAPHC_ADAPTIVE_THREADS", None)
-    else:
-        os.environ["GRAPHC_ADAPTIVE_THREADS"] = saved
+@contextmanager
+def _choice_off() -> Iterator[None]:
+    """``GRAPHC_ADAPTIVE_THREADS=0`` inside the ``with``, the variable as it was after."""
+    saved = os.environ.get("GRAPHC_ADAPTIVE_THREADS")
+    os.environ["GRAPHC_ADAPTIVE_THREADS"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("GRAPHC_ADAPTIVE_THREADS", None)
+        else:
+            os.environ["GRAPHC_ADAPTIVE_THREADS"] = saved
 
 
 def _median_blocks(runs: dict[str, Any], feeds: dict[str, np.ndarray], blocks: int, calls: int) -> dict[str, float]:
