@@ -16,9 +16,11 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
 - ``graphc numpy`` / ``graphc ort-cpu``: what ``graphc generate DIR`` runs: ``causal_lm_from_hf`` over the
   memory-mapped folder, ``optimize`` for the decode step, ``lowering.prepare`` (ort-cpu: weights read by
   onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.generate``;
-- ``graphc ort-cpu cold`` / ``graphc ort-cpu warm``: the same with ``GRAPHC_WEIGHT_CACHE`` set to a folder under
-  ``--work``, emptied before the cold run (the session built and saved with its packed weights) and read by the warm
-  one (the saved session loaded), then removed;
+- ``graphc ort-cpu packed``: the same with ``prepack=True`` (onnxruntime packs every weight while the session is
+  built; graphc's default reads them as stored);
+- ``graphc ort-cpu cold`` / ``graphc ort-cpu warm``: ``graphc ort-cpu`` with ``GRAPHC_WEIGHT_CACHE`` set to a folder
+  under ``--work``, emptied before the cold run (the session built and saved: a bfloat16 checkpoint's float32
+  conversion; a float32 checkpoint's unpacked session saves nothing) and read by the warm one, then removed;
 - ``transformers sdpa``: ``from_pretrained`` in the checkpoint's dtype, ``generate(do_sample=False)``;
 - ``optimum ort-cpu``: optimum's ``text-generation-with-past`` export (in its own venv; float32 checkpoints
   only: its export of a bfloat16 one is float32 weights on onnxruntime's CPU kernels anyway), run by the
@@ -83,7 +85,16 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 MODELS["tinyllama-bf16"] = ("bfloat16", "LlamaConfig", MODELS["tinyllama-f32"][2])
 DEFAULT_MODELS = "tinyllama-f32,tinyllama-bf16,llama3.2-1b-bf16,qwen2.5-1.5b-bf16"
-RUNTIMES = ("graphc numpy", "graphc ort-cpu", "graphc ort-cpu cold", "graphc ort-cpu warm", "transformers sdpa", "optimum ort-cpu", "genai")
+RUNTIMES = (
+    "graphc numpy",
+    "graphc ort-cpu",
+    "graphc ort-cpu packed",
+    "graphc ort-cpu cold",
+    "graphc ort-cpu warm",
+    "transformers sdpa",
+    "optimum ort-cpu",
+    "genai",
+)
 BATCH = [[5, 17, 33, 2001, 901], [7, 1, 90, 44, 12, 60, 311, 4, 18]]  # the left-padded parity batch
 
 CHECKPOINT = r"""
@@ -167,7 +178,7 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _graphc(hf: Path, backend: str, dtype: str, prompt: list[int], new: int, blocks: int) -> dict[str, Any]:
+def _graphc(hf: Path, backend: str, dtype: str, prompt: list[int], new: int, blocks: int, packed: bool = False) -> dict[str, Any]:
     import graphc
     from lowering.kernels.bf16_gemm import bf16_gemm_description
     from graphc.weights import load_weights
@@ -178,7 +189,7 @@ def _graphc(hf: Path, backend: str, dtype: str, prompt: list[int], new: int, blo
     g = graphc.causal_lm_from_hf(hf / "config.json", load_weights(hf), logits="last")
     sizes = {"batch": 1, "seq": 1, "past_seq": len(prompt) + new}
     g = graphc.optimize(g, hints=sizes).graph
-    runner = prepare(g, backend, **decode_options(backend, sizes))
+    runner = prepare(g, backend, **decode_options(backend, sizes), **({"prepack": True} if packed else {}))
     load = time.perf_counter() - t0
     batch = generate(g, BATCH, new, runner=runner).new_tokens.tolist()
     generate(g, [prompt], 2, runner=runner)  # warm: the prompt's shapes
@@ -239,7 +250,7 @@ def worker(runtime: str, hf: Path, work: Path, model: str, prompt: list[int], ne
 
     dtype = MODELS[model][0]
     if runtime.startswith("graphc "):
-        out = _graphc(hf, runtime.split()[1], dtype, prompt, new, blocks)
+        out = _graphc(hf, runtime.split()[1], dtype, prompt, new, blocks, packed=runtime.endswith(" packed"))
     elif runtime == "transformers sdpa":
         out = _transformers(hf, dtype, prompt, new, blocks)
     elif runtime == "optimum ort-cpu":

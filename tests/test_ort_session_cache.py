@@ -18,6 +18,8 @@ from lowering import prepare
 pytestmark = [pytest.mark.core, pytest.mark.skipif(not installed("ort-cpu"), reason="onnxruntime is not installed")]
 
 CFG = graphc.gqa(64, 8, 2)
+PACKED = {"inline_weights_max_bytes": 0, "prepack": True}
+"""Weights read from files or handed over, packed: a session the cache saves whatever the weights' dtype."""
 
 
 def _inputs(g: graphc.Graph) -> dict[str, np.ndarray]:
@@ -33,9 +35,9 @@ def _entries(root: Path) -> list[Path]:
 def test_the_second_session_loads_what_the_first_saved_and_computes_the_same(tmp_path, monkeypatch, dtype):
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
     g = graphc.optimize(graphc.attention_layer_graph(CFG, seed=3, dtype=dtype)).graph
-    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    first = prepare(g, "ort-cpu", **PACKED)
     assert "the session saved to the cache" in first.provider
-    second = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    second = prepare(g, "ort-cpu", **PACKED)
     assert "the session loaded from the cache" in second.provider
     assert len(_entries(tmp_path / "cache")) == 1
     inputs = _inputs(g)
@@ -48,7 +50,7 @@ def test_the_second_session_loads_what_the_first_saved_and_computes_the_same(tmp
 def test_other_weights_and_a_changed_checkpoint_file_are_other_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
     for seed in (0, 1):  # handed-over weights: keyed by their bytes
-        prepare(graphc.attention_layer_graph(CFG, seed=seed), "ort-cpu", inline_weights_max_bytes=0)
+        prepare(graphc.attention_layer_graph(CFG, seed=seed), "ort-cpu", **PACKED)
     assert len(_entries(tmp_path / "cache")) == 2
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -56,7 +58,7 @@ def test_other_weights_and_a_changed_checkpoint_file_are_other_entries(tmp_path,
         built = graphc.attention_layer_graph(CFG, seed=seed)
         save_file({k: np.ascontiguousarray(v) for k, v in built.initializers.items()}, str(folder / "model.safetensors"))
         g = graphc.attention_layer_graph(CFG, weights=load_weights(folder))
-        runner = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+        runner = prepare(g, "ort-cpu", **PACKED)
         assert "saved to the cache" in runner.provider
         np.testing.assert_allclose(runner.run(_inputs(g))["out_BSM"], prepare(g, "numpy").run(_inputs(g))["out_BSM"], atol=1e-5)
     assert len(_entries(tmp_path / "cache")) == 4
@@ -67,7 +69,7 @@ def test_without_the_variable_nothing_is_written(tmp_path, monkeypatch):
 
     monkeypatch.delenv("GRAPHC_WEIGHT_CACHE", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where any temporary folder would go
-    runner = prepare(graphc.attention_layer_graph(CFG), "ort-cpu", inline_weights_max_bytes=0)
+    runner = prepare(graphc.attention_layer_graph(CFG), "ort-cpu", **PACKED)
     assert "cache" not in runner.provider
     assert list(tmp_path.iterdir()) == []
 
@@ -79,7 +81,7 @@ def test_a_sessions_link_is_refused(tmp_path, monkeypatch):
     (tmp_path / "cache" / "sessions").symlink_to(elsewhere)
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
     with pytest.raises(BackendError, match=r"sessions is a link; graphc writes its session cache only inside"):
-        prepare(graphc.attention_layer_graph(CFG), "ort-cpu", inline_weights_max_bytes=0)
+        prepare(graphc.attention_layer_graph(CFG), "ort-cpu", **PACKED)
     assert list(elsewhere.iterdir()) == []
 
 
@@ -88,18 +90,35 @@ def test_a_link_planted_in_the_cache_is_never_followed(tmp_path, monkeypatch):
     written through; the session is built from the graph (its numbers), and the outside files stay as they were."""
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
     g = graphc.attention_layer_graph(CFG, seed=7)
-    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    first = prepare(g, "ort-cpu", **PACKED)
     (entry,) = _entries(tmp_path / "cache")
     outside = tmp_path / "outside"
     entry.rename(outside)  # a complete saved session, now outside the cache
     before = {p.name: p.read_bytes() for p in outside.iterdir()}
     entry.symlink_to(outside)
-    linked = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    linked = prepare(g, "ort-cpu", **PACKED)
     assert "loaded from the cache" not in linked.provider
     entry.unlink()
     entry.mkdir()
     (entry / "model.onnx").symlink_to(outside / "model.onnx")
-    assert "loaded from the cache" not in prepare(g, "ort-cpu", inline_weights_max_bytes=0).provider
+    assert "loaded from the cache" not in prepare(g, "ort-cpu", **PACKED).provider
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
     inputs = _inputs(g)
     np.testing.assert_array_equal(linked.run(inputs)["out_BSM"], first.run(inputs)["out_BSM"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_unpacked_session_is_saved_only_when_it_converts_weights(tmp_path, monkeypatch, dtype):
+    """Unpacked, a float32 session reads the weights as they are (a saved copy would only be read back): no entry; a
+    bfloat16 one converts them to float32 once, then loads the conversion, and computes the same."""
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    g = graphc.optimize(graphc.attention_layer_graph(CFG, seed=4, dtype=dtype)).graph
+    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    second = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    saved = dtype == "bfloat16"
+    assert ("the session saved to the cache" in first.provider) == saved
+    assert ("the session loaded from the cache" in second.provider) == saved
+    assert len(_entries(tmp_path / "cache")) == int(saved)
+    inputs = _inputs(g)
+    for name, got in first.run(inputs).items():
+        np.testing.assert_array_equal(second.run(inputs)[name], got)

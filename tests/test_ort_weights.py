@@ -86,6 +86,34 @@ def test_low_precision_weights_reach_the_cpu_provider_as_float32_files(tmp_path,
     assert not folder.exists()
 
 
+def test_projections_read_their_weights_as_stored_on_the_cpu_provider(tmp_path):
+    """ort-cpu's export writes ``x @ W.T`` over an ``[out, in]`` weight as ``FusedMatMul(transB=1)``: no ``Transpose``
+    of a weight is left for onnxruntime to fold into a copy.  The default export keeps the standard ops, and the two
+    compute the same numbers (onnxruntime on both, against NumPy), packed or not."""
+    import onnxruntime as ort
+
+    g = _mapped_layer(tmp_path / "ckpt")
+    inputs = _inputs(g)
+    weights = set(g.initializers)
+    fused = export(g, fused_matmul=True)
+    standard = export(g)
+    assert not [n for n in fused.graph.node if n.op_type == "Transpose" and n.input[0] in weights]
+    products = [n for n in fused.graph.node if n.op_type == "FusedMatMul"]
+    assert {n.input[1] for n in products} == {n.input[0] for n in standard.graph.node if n.op_type == "Transpose" and n.input[0] in weights}
+    assert all(n.domain == "com.microsoft" and {a.name: a.i for a in n.attribute}["transB"] == 1 for n in products)
+    assert "com.microsoft" not in {o.domain for o in standard.opset_import} and "FusedMatMul" not in {n.op_type for n in standard.graph.node}
+    ref = prepare(g, "numpy").run(inputs)
+    runs = {}
+    for name, model in (("fused", fused), ("standard", standard)):
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        runs[name] = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, inputs)))
+    for packed in (False, True):
+        runs[f"prepack={packed}"] = prepare(g, "ort-cpu", inline_weights_max_bytes=0, prepack=packed).run(inputs)
+    for got in runs.values():
+        for name, want in ref.items():
+            np.testing.assert_allclose(got[name], want, atol=1e-5)
+
+
 def test_the_model_carries_no_weight_bytes(tmp_path):
     g = _mapped_layer(tmp_path / "ckpt")
     plan = plan_session_weights(g.initializers, 0)

@@ -27,6 +27,8 @@ import numpy as np
 
 from graphc.errors import BackendError
 
+from .ort_options import packing_entry
+
 __all__ = ["IsolatedSession"]
 
 
@@ -45,9 +47,10 @@ def _serve_fds(read_fd: int, write_fd: int) -> None:  # pragma: no cover - runs 
         kind, key, payload = request
         try:
             if kind == "load":
-                model, providers, threads, basic, folder = payload
+                model, providers, threads, basic, folder, prepack = payload
                 so = ort.SessionOptions()
                 so.log_severity_level = 3
+                so.add_session_config_entry(*packing_entry(prepack))
                 if folder is not None:  # external data read from the checkpoint's files (lowering.backends.ort_weights)
                     so.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
                 if threads:
@@ -129,7 +132,7 @@ class IsolatedSession:
 
     ``basic_optimizations`` limits onnxruntime's graph rewrites to the basic
     level (see :mod:`lowering.backends.ort_backend`); ``weights_folder`` is the folder of
-    the model's external data.  ``outputs``, ``providers`` and ``version``
+    the model's external data; ``prepack`` as :class:`~lowering.backends.ort_options.OrtOptions` says.  ``outputs``, ``providers`` and ``version``
     describe the session as the worker built it.  :meth:`run` raises :class:`BackendError` when onnxruntime
     fails or the worker dies; a session whose worker died cannot run again.
     """
@@ -141,10 +144,11 @@ class IsolatedSession:
         threads: int | None = None,
         basic_optimizations: bool = False,
         weights_folder: str | None = None,
+        prepack: bool = False,
     ) -> None:
         self._worker = _worker()
         self._key = next(_KEYS)
-        payload = (model, list(providers), threads, basic_optimizations, weights_folder)
+        payload = (model, list(providers), threads, basic_optimizations, weights_folder, prepack)
         self.outputs, self.providers, self.version = self._worker.request("load", self._key, payload)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:

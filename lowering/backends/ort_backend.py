@@ -36,7 +36,7 @@ from graphc.optimizer.precision import widen_interface
 from .inputs import check_inputs
 from .ort_weights import SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
-from .ort_options import OrtOptions
+from .ort_options import OrtOptions, packing_entry
 from .ort_session_cache import cache_root, commit, entry_for, load_options, ready, save_into
 from .runner import Runner, StepFn
 
@@ -97,7 +97,7 @@ class _Sessions:
         self.name, self.graph, self.provider = name, graph, provider
         self._model, self.cache = model, cache
         self._model_bytes: bytes | None = None
-        self.threads, self.isolate, self.spin = options.threads, options.isolate, options.spin
+        self.threads, self.isolate, self.spin, self.prepack = options.threads, options.isolate, options.spin, options.prepack
         self.weights = weights
         self.tf32, self.cuda_graph, self.note = options.tf32, options.cuda_graph, ""
         self.bfloat16_io = bfloat16_io
@@ -136,7 +136,9 @@ class _Sessions:
         if self.isolate:
             from .isolated import IsolatedSession
 
-            isolated = IsolatedSession(self.model, self.providers, self.threads, basic_optimizations=basic, weights_folder=self.weights.folder)
+            isolated = IsolatedSession(
+                self.model, self.providers, self.threads, basic_optimizations=basic, weights_folder=self.weights.folder, prepack=self.prepack
+            )
             used, version, self.outputs = isolated.providers, isolated.version, isolated.outputs
             run: Callable[[Mapping[str, np.ndarray]], list[np.ndarray]] = isolated.run
         else:
@@ -148,6 +150,7 @@ class _Sessions:
                 so.intra_op_num_threads = self.threads
             if not self.spin:  # idle pool threads sleep instead of spinning: NumPy's and torch's pools in the same process keep their cores
                 so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry(*packing_entry(self.prepack))
             if basic:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             cached = self.cache is not None and not basic and ready(self.cache)
@@ -226,15 +229,19 @@ def _narrowed(step: StepFn, names: frozenset[str], inputs: Mapping[str, Any], ke
     return {k: (v.astype("bfloat16") if k in names else v) for k, v in step(inputs, keep).items()}
 
 
-def _model_and_cache(proto: Any, weights: SessionWeights, root: Path | None, graph: Graph) -> tuple[Callable[[], bytes], Path | None]:
+def _model_and_cache(proto: Any, weights: SessionWeights, root: Path | None, graph: Graph, prepack: bool) -> tuple[Callable[[], bytes], Path | None]:
     """The exported model's bytes, made on first need (a session loaded from the cache converts and serializes
     nothing), and its entry in the session cache under ``root`` (:mod:`lowering.backends.ort_session_cache`), keyed
-    before any weight is converted; the key's bytes are the model's unless weights are converted."""
-    keyed = None if root is None else proto.SerializeToString()
+    before any weight is converted; the key's bytes are the model's unless weights are converted.
+
+    A session that neither packs nor converts a weight has no entry: it reads the checkpoint's files as they are, and a
+    saved copy of them would only be read back."""
+    keyed = None if root is None or not (prepack or weights.widen) else proto.SerializeToString()
     cache = None
     if root is not None and keyed is not None:
         folder = None if weights.widen else weights.folder  # a conversion's folder is new each time; its arrays are keyed instead
-        cache = entry_for(root, keyed, [*weights.handed.values(), *weights.low.values()], folder, disabled_optimizers(graph))
+        settings = [*disabled_optimizers(graph), f"prepack={prepack}"]
+        cache = entry_for(root, keyed, [*weights.handed.values(), *weights.low.values()], folder, settings)
 
     def model() -> bytes:
         if weights.widen:
@@ -287,13 +294,14 @@ def prepare_ort(
             f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
         )
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
-    proto = export(widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph, opset, attention, sizes, weights, device)
+    exported = widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph
+    proto = export(exported, opset, attention, sizes, weights, device, fused_matmul=provider == "CPUExecutionProvider")
     if weights.inline_bytes >= _PROTOBUF_LIMIT:
         raise BackendError(
             f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "
             "lower inline_weights_max_bytes (or leave isolate off, so computed weights are handed over)"
         )
-    model, cache = _model_and_cache(proto, weights, None if isolate else cache_root(provider), graph)
+    model, cache = _model_and_cache(proto, weights, None if isolate else cache_root(provider), graph, options.prepack)
     sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept), cache=cache)
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}

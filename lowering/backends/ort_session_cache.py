@@ -84,15 +84,16 @@ def cache_root(provider: str) -> Path | None:
     return sessions
 
 
-def entry_for(root: Path, model: bytes, arrays: Iterable[np.ndarray], folder: str | None, disabled: Iterable[str]) -> Path:
+def entry_for(root: Path, model: bytes, arrays: Iterable[np.ndarray], folder: str | None, settings: Iterable[str]) -> Path:
     """The entry under ``root`` (:func:`cache_root`) of a session built from ``model`` (the exported bytes), ``arrays``
-    (the weights handed over or converted) and the files of ``folder``."""
+    (the weights handed over or converted), the files of ``folder`` and the session's ``settings`` that change what it
+    saves (its optimizers turned off, whether it packs)."""
     import onnxruntime as ort
 
     import graphc
 
     h = hashlib.sha256()
-    for part in (model, _cpu(), ort.__version__.encode(), graphc.__version__.encode(), ",".join(sorted(disabled)).encode()):
+    for part in (model, _cpu(), ort.__version__.encode(), graphc.__version__.encode(), ",".join(sorted(settings)).encode()):
         h.update(len(part).to_bytes(8, "little") + part)
     for part in [*(_array_identity(a) for a in arrays), *_folder_files(folder, model)]:
         h.update(len(part).to_bytes(8, "little") + part)
@@ -127,10 +128,8 @@ def commit(staging: Path, entry: Path) -> None:
 
 
 def load_options(so: Any, entry: Path) -> str:
-    """Options and path to load the saved session of ``entry``: its rewrites are done, so onnxruntime runs none, and
-    what it still packs it packs on all its threads (``session.prepack.enable_parallel``)."""
+    """Options and path to load the saved session of ``entry``: its rewrites are done, so onnxruntime runs none."""
     import onnxruntime as ort
 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.add_session_config_entry("session.prepack.enable_parallel", "1")
     return str(entry / _MODEL)

@@ -81,11 +81,18 @@ def _numpy(graph: Graph, compute_dtype: str | None = None, threads: int | None =
 
 
 def _export(
-    graph: Graph, opset: int | None, attention: str, sizes: Sizes, place_weights: Any = None, device: str = "cpu", quantized: str = "matmulnbits"
+    graph: Graph,
+    opset: int | None,
+    attention: str,
+    sizes: Sizes,
+    place_weights: Any = None,
+    device: str = "cpu",
+    quantized: str = "matmulnbits",
+    fused_matmul: bool = False,
 ) -> Any:
     from ..exporter.onnx_export import DEFAULT_OPSET, export
 
-    opts = {"place_weights": place_weights, "device": device, "quantized": quantized}
+    opts = {"place_weights": place_weights, "device": device, "quantized": quantized, "fused_matmul": fused_matmul}
     return export(graph, opset=opset or DEFAULT_OPSET, attention=attention, sizes=dict(sizes or {}), **opts)
 
 

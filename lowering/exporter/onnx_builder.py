@@ -44,7 +44,7 @@ QUANTIZED_FORMS = ("matmulnbits", "qdq")
 class OnnxBuilder:
     """Collects ONNX nodes and initializers; computes shape tensors for symbolic dims."""
 
-    def __init__(self, graph: Graph, quantized: str = "matmulnbits") -> None:
+    def __init__(self, graph: Graph, quantized: str = "matmulnbits", fused_matmul: bool = False) -> None:
         if quantized not in QUANTIZED_FORMS:
             raise ExportError(f"quantized must be one of {QUANTIZED_FORMS}, got {quantized!r}")
         self.graph = graph
@@ -55,6 +55,7 @@ class OnnxBuilder:
         self.known_shapes: dict[str, tuple[Dim, ...]] = {}
         self.may_carry_neg_inf = may_carry_neg_inf(graph)
         self.quantized = quantized  # how a quantized product is written (lowering.exporter.quantized_export)
+        self.fused_matmul = fused_matmul  # a transposed 2-D operand as FusedMatMul(transB=1): onnxruntime's contrib op
         self.symbol_source: dict[str, tuple[str, int]] = {}
         self._shaped: list[str] = list(graph.inputs)  # values whose shapes a Shape node may read (inputs, then computed ones)
         self._once: dict[Hashable, Any] = {}

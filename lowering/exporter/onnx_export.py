@@ -141,6 +141,11 @@ def _lower_broadcast_matmul(b: OnnxBuilder, p: MatmulPlan, a: str, ta: str, c: s
     if ta != a_order:
         a = b.op("Transpose", [a], base=f"{a}_t", perm=[ta.index(ch) for ch in a_order])
     c_order = p.contract + p.b_free
+    if b.fused_matmul and tc == p.b_free + p.contract:  # [N, K] read as stored: onnxruntime packs it transposed, no copy folded
+        y = b.op("FusedMatMul", [a, c], None if p.needs_out_transpose else out, base=f"{out}_mm", domain="com.microsoft", transB=1)
+        if p.needs_out_transpose:
+            b.op("Transpose", [y], out, perm=list(p.out_perm))
+        return
     if tc != c_order:
         c = b.op("Transpose", [c], base=f"{c}_t", perm=[tc.index(ch) for ch in c_order])
     y = b.op("MatMul", [a, c], None if p.needs_out_transpose else out, base=f"{out}_mm")
@@ -459,6 +464,7 @@ def export(
     place_weights: Callable[[str, np.ndarray], onnx.TensorProto] | None = None,
     device: str = "cpu",
     quantized: str = "matmulnbits",
+    fused_matmul: bool = False,
 ) -> onnx.ModelProto:
     """Export ``graph`` (optimized or not) to an ONNX model (written to ``path`` when given).
 
@@ -466,6 +472,11 @@ def export(
     ``quantized``: how a quantized product is written, ``"matmulnbits"`` (onnxruntime's ``MatMulNBits``, the weight
     packed as held) or ``"qdq"`` (a standard block-wise ``DequantizeLinear`` of the same bytes and a ``MatMul``), see
     :mod:`lowering.exporter.quantized_export`.
+    ``fused_matmul=True`` writes a product whose 2-D operand is read transposed (a projection over an ``[out, in]``
+    weight) as onnxruntime's ``com.microsoft.FusedMatMul`` with ``transB=1`` instead of ``Transpose`` and ``MatMul``:
+    onnxruntime then packs the weight as stored, where it would otherwise fold a transposed copy of every weight while
+    the session is built (one thread; 15 s of TinyLlama's float32 load, ``docs/export.md``).  The ort-cpu backend asks
+    for it; a file for other runtimes keeps the standard ops.
 
     ``ctx``: a :class:`~graphc.optimizer.PassContext` whose trace records the export's lowering (each attention
     recognised and the form chosen for it, what ``graphc optimize --explain -o X.onnx`` prints).
@@ -507,7 +518,7 @@ def export(
     lowered = lower(graph, onnx_target(attention, opset, device), {**(hints or {}), **(sizes or {})}, ctx)
     if attention in ("onnx-attention", "ort-gqa", "chunked"):
         _require_attention(lowered, attention, ctx)
-    b = OnnxBuilder(lowered, quantized)
+    b = OnnxBuilder(lowered, quantized, fused_matmul)
     for node in lowered.topological_order():
         _lower_node(b, node)
     b.initializers.extend(_initializers(lowered, path, external_data, place_weights))
