@@ -156,7 +156,7 @@ def all_finite(arr: np.ndarray) -> bool:
     """
     where = mapped_location(arr)
     if where is None:
-        return bool(np.isfinite(arr.astype(np.float32, copy=False)).all())
+        return _chunk_finite(np.ascontiguousarray(arr))
     found = _find(arr.__array_interface__["data"][0])
     assert found is not None
     key = (where.path, where.offset, where.length, found[1].mtime_ns)
@@ -167,8 +167,20 @@ def all_finite(arr: np.ndarray) -> bool:
     return _FINITE[key]
 
 
+_EXPONENT_BITS = {"bfloat16": 0x7F80, "float16": 0x7C00}
+"""A 2-byte float whose exponent bits are all set is an infinity or a NaN."""
+
+
+def _chunk_finite(chunk: np.ndarray) -> bool:
+    """Every element finite; a 2-byte float read by its exponent bits (no float32 copy)."""
+    exponent = _EXPONENT_BITS.get(str(chunk.dtype))
+    if exponent is None:
+        return bool(np.isfinite(chunk).all())
+    return chunk.size == 0 or int(np.bitwise_and(chunk.view(np.uint16), exponent).max()) != exponent
+
+
 def _finite_chunk(chunk: np.ndarray, found: tuple[int, _Map]) -> bool:
-    ok = bool(np.isfinite(chunk.astype(np.float32, copy=False)).all())
+    ok = _chunk_finite(chunk)
     _release(chunk, found)
     return ok
 

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from safetensors.numpy import save_file
 
 import graphc
@@ -69,7 +72,10 @@ def test_low_precision_weights_reach_the_cpu_provider_as_float32_files(tmp_path,
     onnxruntime to fold), with the numbers of the weights serialized as they are, and removes the folder with the runner."""
     import gc
 
+    import lowering.backends.ort_weights as ort_weights
+
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ort_weights, "_CHUNK", 1000)  # each weight converted in several chunks, on several threads
     g = _mapped_layer(tmp_path / "ckpt", dtype, cfg=graphc.gqa(d_model, 8, 2))
     where = _same_as_inline(g, _inputs(g, dtype))
     weight_bytes = sum(a.nbytes for a in g.initializers.values())
@@ -185,6 +191,15 @@ def test_finiteness_of_mapped_weights_is_read_in_chunks_and_remembered(tmp_path,
     assert calls == []
     assert release_mapped_pages() >= 2 * w.nbytes
     np.testing.assert_array_equal(arrays["w"], w)  # released pages read back from the file
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=hnp.arrays(np.uint16, st.integers(0, 300)), dtype=st.sampled_from(["bfloat16", "float16"]))
+def test_a_two_byte_float_is_finite_as_its_float32_value_is(bits, dtype):
+    """The exponent-bit test for bfloat16 and float16 against NumPy's ``isfinite`` of the widened values (every bit
+    pattern: infinities, NaNs, subnormals, signed zeros)."""
+    values = bits.view(dtype)
+    assert all_finite(values) == bool(np.isfinite(values.astype(np.float32)).all())
 
 
 def test_a_causal_lm_checkpoint_generates_the_same_tokens_from_its_files(tmp_path):

@@ -40,6 +40,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +63,7 @@ _SMALL = 1024
 _HANDED = "graphc-handed-initializer"  # the placeholder location of a handed weight: never read (the OrtValue replaces it)
 _LOW = ("float16", "bfloat16")
 _ALIGN = 4096
-_CHUNK = 16 << 20  # elements converted at a time
+_CHUNK = 4 << 20  # elements converted at a time
 
 
 def _external(name: str, arr: np.ndarray, location: str, offset: int) -> onnx.TensorProto:
@@ -121,19 +122,23 @@ class SessionWeights:
         outputs = {o.name for o in graph.output}
         tensors = {t.name: t for t in graph.initializer}
         renames: dict[str, str] = {}
-        with open(os.path.join(str(self.folder), "weights.f32"), "wb") as f:  # not "ab": appends ignore the aligning seek
-            for name, arr in self.low.items():
-                casts = readers.get(name, [])
-                if not casts or any(n.op_type != "Cast" or _to(n) != onnx.TensorProto.FLOAT or n.output[0] in outputs for n in casts):
-                    if self.allow_handed:
-                        self._hand(name, arr)
-                    else:  # a worker process's session: no OrtValue reaches it
-                        tensors[name].CopyFrom(self._inline(name, arr))
-                    continue
-                offset = _append_float32(f, arr)
-                tensors[name].CopyFrom(_external(name, np.empty(arr.shape, np.float32), "weights.f32", offset))
-                self.widened_bytes += arr.nbytes * 2
-                renames.update({n.output[0]: name for n in casts})
+        placed: list[tuple[np.ndarray, int]] = []
+        end = 0
+        for name, arr in self.low.items():
+            casts = readers.get(name, [])
+            if not casts or any(n.op_type != "Cast" or _to(n) != onnx.TensorProto.FLOAT or n.output[0] in outputs for n in casts):
+                if self.allow_handed:
+                    self._hand(name, arr)
+                else:  # a worker process's session: no OrtValue reaches it
+                    tensors[name].CopyFrom(self._inline(name, arr))
+                continue
+            end += -end % _ALIGN
+            placed.append((arr, end))
+            tensors[name].CopyFrom(_external(name, np.empty(arr.shape, np.float32), "weights.f32", end))
+            end += arr.size * 4
+            self.widened_bytes += arr.nbytes * 2
+            renames.update({n.output[0]: name for n in casts})
+        _write_float32(os.path.join(str(self.folder), "weights.f32"), placed, end)
         keep = [n for n in graph.node if not (n.op_type == "Cast" and n.output[0] in renames)]
         for node in keep:
             node.input[:] = [renames.get(i, i) for i in node.input]
@@ -175,17 +180,35 @@ def _to(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "to"), -1)
 
 
-def _append_float32(f: Any, arr: np.ndarray) -> int:
-    """Append ``arr`` as little-endian float32 at the next aligned offset of ``f``, a chunk at a time (a mapped
-    source's pages are dropped after each chunk); returns the offset."""
-    offset = -f.tell() % _ALIGN + f.tell()
-    f.seek(offset)
-    flat = contiguous(arr).reshape(-1)
-    for i in range(0, flat.size, _CHUNK):
-        chunk = flat[i : i + _CHUNK]
-        f.write(chunk.astype("<f4").tobytes())
-        release_pages(chunk)
-    return offset
+def _write_float32(path: str, placed: list[tuple[np.ndarray, int]], size: int) -> None:
+    """Write each array of ``placed`` as little-endian float32 at its byte offset of a new ``size``-byte file ``path``,
+    a chunk at a time on up to 4 threads, each converting into a buffer of its own (a mapped source's pages are dropped
+    after each chunk).  bfloat16 widens by a shift of its bits, exactly."""
+    flats = [(contiguous(arr).reshape(-1), offset) for arr, offset in placed]
+    chunks = [(flat[i : i + _CHUNK], offset + 4 * i) for flat, offset in flats for i in range(0, flat.size, _CHUNK)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        threads = max(1, min(4, os.cpu_count() or 1, len(chunks)))
+
+        def write(share: list[tuple[np.ndarray, int]]) -> None:
+            buffer = np.empty(_CHUNK, "<u4")
+            for chunk, offset in share:
+                out = buffer[: chunk.size]
+                if str(chunk.dtype) == "bfloat16":
+                    np.left_shift(chunk.view(np.uint16), 16, out=out, dtype=np.uint32)
+                else:
+                    out.view("<f4")[...] = chunk
+                data = memoryview(out.view(np.uint8).data)
+                while data:  # a write may take fewer bytes than it was given
+                    done = os.pwrite(fd, data, offset)
+                    data, offset = data[done:], offset + done
+                release_pages(chunk)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, [chunks[k::threads] for k in range(threads)]))
+    finally:
+        os.close(fd)
 
 
 def _cache_folder() -> str:
