@@ -1,11 +1,13 @@
-"""Time to first token on ort-cpu with and without the session cache, beside transformers: load, then a prompt's prefill.
+"""Time to first token on ort-cpu, its weights read as stored or packed (with and without the session cache), beside
+transformers: load, then a prompt's prefill.
 
     python benchmarks/bench_load.py CHECKPOINT_DIR [--prompt 512] [--out docs/bench/load.md]
 
-Each row is one process, run one after the other (nothing else running): ``graphc ort-cpu`` without
-``GRAPHC_WEIGHT_CACHE`` (the session built from the checkpoint), with an empty cache folder (cold: the session built and
-saved), with that folder again (warm: the saved session loaded), and transformers (``from_pretrained`` in the
-checkpoint's dtype, sdpa).  Load is from the process's first graphc (or transformers) call to a runnable model:
+Each row is one process, run one after the other (nothing else running): ``graphc ort-cpu`` as ``prepare`` makes it
+(the weights read from the checkpoint's files as they are), then with ``prepack=True`` (onnxruntime packs every
+weight while the session is built) without ``GRAPHC_WEIGHT_CACHE``, with an empty cache folder (cold: the session
+built and saved), with that folder again (warm: the saved session loaded), and transformers (``from_pretrained`` in
+the checkpoint's dtype, sdpa).  Load is from the process's first graphc (or transformers) call to a runnable model:
 graphc's import, build, optimize and ``prepare``; the prefill runs the prompt (random ids) once, through the first
 token's logits.  The cache folder is a temporary one, removed at the end.  Writes the table to ``--out``.
 """
@@ -44,7 +46,7 @@ else:
     from graphc.weights import load_weights
     from lowering import prepare
     g = graphc.optimize(graphc.causal_lm_from_hf(f"{folder}/config.json", load_weights(folder), logits="last")).graph
-    runner = prepare(g, "ort-cpu")
+    runner = prepare(g, "ort-cpu", prepack=runtime == "graphc-packed")
     t1 = time.perf_counter()
     runner.run(lm_feeds(g, prompt))
 t2 = time.perf_counter()
@@ -63,7 +65,7 @@ def _run(runtime: str, folder: str, prompt: int, cache: str | None) -> dict[str,
 
 
 def main() -> None:
-    """Run the four rows; print the table and write it to ``--out``."""
+    """Run the five rows; print the table and write it to ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--prompt", type=int, default=512)
@@ -81,9 +83,10 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory(prefix="graphc-bench-cache-") as cache:
         rows = [
-            ("graphc ort-cpu, no cache", "graphc", None),
-            ("graphc ort-cpu, cache cold (built and saved)", "graphc", cache),
-            ("graphc ort-cpu, cache warm (loaded)", "graphc", cache),
+            ("graphc ort-cpu (weights read as stored)", "graphc", None),
+            ("graphc ort-cpu, packed, no cache", "graphc-packed", None),
+            ("graphc ort-cpu, packed, cache cold (built and saved)", "graphc-packed", cache),
+            ("graphc ort-cpu, packed, cache warm (loaded)", "graphc-packed", cache),
             ("transformers sdpa", "transformers", None),
         ]
         for label, runtime, folder in rows:

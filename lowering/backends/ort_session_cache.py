@@ -1,12 +1,15 @@
-"""onnxruntime CPU sessions built once and loaded from then on: the optimized model and its packed weights, kept in
-the folder ``GRAPHC_WEIGHT_CACHE`` names.
+"""onnxruntime CPU sessions built once and loaded from then on: the optimized model and its weights (float32
+conversions, packed forms), kept in the folder ``GRAPHC_WEIGHT_CACHE`` names.
 
-Building a session packs every weight matrix for onnxruntime's kernels and runs its graph rewrites: most of the time
-a checkpoint takes to load.  With ``GRAPHC_WEIGHT_CACHE`` set, the first
-session of a graph is built as usual and also saved there by onnxruntime itself (``optimized_model_filepath``, the
-weights in one external file, the packed ones too: ``session.save_external_prepacked_constant_initializers``); every
-later session of the same graph loads that model with its rewrites off, the packed weights memory-mapped.  A
-bfloat16 checkpoint's float32 conversion is then skipped as well.
+A session that packs its weights (``prepack=True``) or reads a bfloat16 or float16 checkpoint through a float32
+conversion has an entry; one that reads a float32 checkpoint's files as they are has none (a saved copy would only be
+read back).  With ``GRAPHC_WEIGHT_CACHE`` set, the first such session of a graph is built as usual and also saved
+there by onnxruntime itself (``optimized_model_filepath``, the weights in one external file, the packed ones too:
+``session.save_external_prepacked_constant_initializers``); every later session of the same graph loads that model
+with its rewrites off and the weights memory-mapped, and a conversion is skipped.  onnxruntime 1.32 still packs each
+weight again while it loads a saved session (the key it finds the saved form by is a hash of the packed bytes), so a
+packed session's warm load saves the rewrites and the conversion, not the packing; the saved forms spare the memory
+of a second packed copy.
 
 The entry's key (:func:`entry_for`) covers what the session is built from: the exported model's bytes, the bytes of
 every weight handed over or converted (or, for a weight mapped from a file, the file's path, size and modification

@@ -9,8 +9,9 @@ copies of them, so a model whose weights pass ``inline_max_bytes`` (default
   at that file, at the tensor's own byte offset; the session reads the file
   itself (the folder is given by the session option
   ``session.model_external_initializers_file_folder_path``), so no byte of the
-  weights passes through graphc, and onnxruntime keeps only its own packed copy
-  of each matrix (the map is dropped once a weight is packed);
+  weights passes through graphc: its products read the map as it is (with
+  ``prepack=True``, onnxruntime keeps its own packed copy of each matrix and
+  drops the map once a weight is packed);
 - any other large array (one the optimizer computed, or a conversion the user
   asked for) is handed to the session as an ``OrtValue``
   (``SessionOptions.add_external_initializers``), which onnxruntime copies
@@ -21,12 +22,12 @@ copies of them, so a model whose weights pass ``inline_max_bytes`` (default
 onnxruntime's CPU kernels have no bfloat16 (nor, on most CPUs, float16) MatMul,
 so a low-precision graph reads each weight through a ``Cast`` to float32, which
 onnxruntime would fold into float32 copies while the low-precision ones are
-still mapped, then transpose and pack.  With ``widen=True`` (the CPU provider)
-graphc converts such weights itself instead, streaming, into float32 files in
+still mapped.  With ``widen=True`` (the CPU provider)
+graphc converts such weights itself instead, a chunk at a time on a few threads, into float32 files in
 a cache folder (``GRAPHC_WEIGHT_CACHE`` or the system's temporary folder,
 removed with the session; with ``GRAPHC_WEIGHT_CACHE`` set, a later session of the same graph loads the saved
 session instead and converts nothing: :mod:`lowering.backends.ort_session_cache`), drops the ``Cast`` nodes, and points the session
-there: onnxruntime then holds only its packed float32 copy, twice the
+there: onnxruntime then reads that float32 copy (or packs it), twice the
 checkpoint's bytes (the float32 weights it computes with), and the conversion
 (exact: every bfloat16 or float16 value is a float32 value) gives the same
 numbers.
