@@ -136,3 +136,20 @@ def test_interpreter_runs_mask_and_softmax_as_written_when_both_are_outputs():
     out = interp.run({"x": xs})
     assert np.isneginf(out["m"][:, 0, 2:]).all()
     np.testing.assert_allclose(out["p"].sum(-1), 1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=0, max_size=64),
+    dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
+)
+def test_sigmoid_in_one_buffer_is_the_textbook_formula_to_the_bit(values, dtype):
+    """The Sigmoid op computes ``1 / (1 + exp(-x))`` in place, one buffer for the steps: the formula's own bits in every
+    float dtype (NaN, infinities and overflow included)."""
+    from graphc.ops import Unary
+
+    x = np.array(values, np.float32).astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = Unary("sigmoid").evaluate([x], {})
+        want = 1 / (1 + np.exp(-x))
+    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))

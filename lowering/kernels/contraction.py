@@ -8,10 +8,12 @@ attention shapes this is 8-17x faster than unoptimized ``np.einsum`` or plain
 ``bngqd,bnkd->bngqk`` puts ``g`` and ``q`` side by side as free labels, so the
 group axis folds into the GEMM's M dimension without a copy.
 
-With ``threads``, a large unbatched GEMM (a prefill's projections and MLP) is cut into blocks of output columns (the
-weight's rows, each packed by one block only) that graphc's own threads take one at a time, BLAS held to one thread
-inside each (:func:`~lowering.kernels.softmax.run_blocks`): a thread slowed by another process on its core takes fewer
-blocks, where BLAS's own split gives each thread a fixed half and waits for the slower one.
+With ``threads``, a large unbatched GEMM (a prefill's projections and MLP) is cut into one block of output columns
+per thread (the weight's rows, each packed by one block only), BLAS held to one thread inside each
+(:func:`~lowering.kernels.softmax.run_blocks`).  Every block packs the activation rows again, so more blocks than
+threads cost more than they balance (``benchmarks/profile_model_prefill.py`` times the products; docs/export.md has
+its figures with 4 blocks a thread and with one).  A thread slowed by another process on its core is met by the
+thread choice instead (the product whole on one thread where that ran faster lately).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ FEW_ROWS = 16
 """Products of fewer rows (a decode step's) are bound by reading the weight: BLAS's own threads split them best, so
 they run on ``threads`` BLAS threads, not in graphc's blocks."""
 _BLOCK_COLUMNS = 64
-"""The narrowest column block (a k/v projection of 256 columns is still cut in four)."""
+"""The narrowest column block (a k/v projection of 256 columns is still split over the threads)."""
 
 
 def _matmul(a2: np.ndarray, b2: np.ndarray, threads: int | None) -> np.ndarray:
@@ -134,7 +136,7 @@ def _blocked_matmul(a2: np.ndarray, b2: np.ndarray, n: int) -> np.ndarray:
         run_blocks(entry, list(range(a2.shape[0])), n, pin_blas=True)
         return out
     cols = b2.shape[-1]
-    width = max(_BLOCK_COLUMNS, -(-cols // (4 * n)))
+    width = max(_BLOCK_COLUMNS, -(-cols // n))
     starts = list(range(0, cols, width))
 
     def block(j: int) -> None:
