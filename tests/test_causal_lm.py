@@ -278,6 +278,11 @@ def test_cli_generate_prints_transformers_tokens_per_backend(tmp_path, capsys):
     out = capsys.readouterr().out
     for i, (prompt, new) in enumerate(zip(PROMPTS, want.tolist())):
         assert f"[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}" in out
+    if installed("ort-cpu"):  # packed weights: the same tokens
+        assert main([*argv, "--backends", "ort-cpu", "--prepack", "--quiet"]) == 0
+        out = capsys.readouterr().out
+        for i, (prompt, new) in enumerate(zip(PROMPTS, want.tolist())):
+            assert f"[{i}] {' '.join(map(str, prompt))} | {' '.join(map(str, new))}" in out
 
 
 @pytest.mark.parametrize(
@@ -289,6 +294,7 @@ def test_cli_generate_prints_transformers_tokens_per_backend(tmp_path, capsys):
         (["--prompt-ids", "1", "--backends", "tpu"], "backend"),
         (["--prompt-ids", "1", "--layers", "3"], "n_layers must be an int in 1..2"),
         (["--prompt-ids", "1", "--cuda-graph"], "--cuda-graph is an ort-cuda option"),
+        (["--prompt-ids", "1", "--backends", "numpy", "--prepack"], "--prepack is an onnxruntime option"),
         (["--prompt-ids", "1", "--cache", "paged"], "invalid choice"),
     ],
 )

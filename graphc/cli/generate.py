@@ -258,7 +258,8 @@ def _backend_row(
     release_mapped_pages()
     reset_resident_peak()
     start = time.perf_counter()
-    options = {**decode_options(backend, sizes, args.threads), **backend_options(backend, tf32=args.tf32 or None, cuda_graph=args.cuda_graph or None)}
+    chosen = backend_options(backend, tf32=args.tf32 or None, cuda_graph=args.cuda_graph or None, prepack=args.prepack or None)
+    options = {**decode_options(backend, sizes, args.threads), **chosen}
     runner = prepare(graph, backend, **options)
     prepared = time.perf_counter() - start
     generation, cold = _warm_and_generate(graph, request, args, runner, progress, tag)
@@ -287,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, on in (("--tf32", args.tf32), ("--cuda-graph", args.cuda_graph)):
         if on and "ort-cuda" not in backends:
             raise UsageError(f"{flag} is an ort-cuda option; add ort-cuda to --backends")
+    if args.prepack and not any(b.startswith("ort-") for b in backends):
+        raise UsageError("--prepack is an onnxruntime option; add ort-cpu or ort-cuda to --backends")
     if args.cuda_graph and args.shards is not None:
         raise UsageError("--cuda-graph and --shards do not go together: CUDA graphs replay one process's ort-cuda step")
     request = _resolve(args)
@@ -346,6 +349,8 @@ def add_command(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="threads per backend (default: library default)")
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
     g.add_argument("--tf32", action="store_true", help="let ort-cuda run float32 MatMul in TF32 (default off)")
+    g.add_argument("--prepack", action="store_true",
+                   help="onnxruntime packs every weight while its session is built: seconds more to load, faster steps after")  # fmt: skip
     g.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
                    help="the KV cache: dynamic (grows each step, default) or static (fixed capacity, one shape per step)")  # fmt: skip
     g.add_argument("--cuda-graph", action="store_true", help="ort-cuda: a static cache, each one-token step replayed as a CUDA graph")

@@ -273,6 +273,11 @@ def prepare_ort(
     are read from the checkpoint's files or handed over (:mod:`lowering.backends.ort_weights`); ``None`` inlines any size
     (up to protobuf's 2 GiB).
 
+    ``prepack=False`` (default) leaves the weights unpacked: ort-cpu's projections are exported as
+    ``FusedMatMul(transB=1)`` over the weights as stored, so the session is built in a fraction of a second and its
+    products read the memory-mapped checkpoint; ``prepack=True`` has onnxruntime pack every weight for its GEMM while
+    the session is built, on all its threads (seconds for a 1B model; each step faster after: ``docs/export.md``).
+
     ``cuda_graph=True`` (ort-cuda, a causal LM with a fixed-capacity cache: ``graphc.causal_lm_graph(cache="static")``)
     captures the one-token decode step as a CUDA graph and replays it, the cache kept in two fixed buffers per layer; where
     onnxruntime refuses to capture the model, the runner's ``provider`` says so and the steps run uncaptured.

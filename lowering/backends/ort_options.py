@@ -26,8 +26,9 @@ class OrtOptions:
     ``tf32``: TF32 MatMul on CUDA; ``cuda_graph``: the decode step captured as a CUDA graph; ``prepack``: every weight
     packed into onnxruntime's blocked GEMM layout while the session is built (its own default).  graphc leaves it off: the
     products read each weight as stored (memory-mapped from the checkpoint), so a session is ready in a fraction of a
-    second instead of the seconds packing takes (5-6 s for TinyLlama's 4.4 GB on 2 cores); packed weights run a prefill
-    some 10% faster and a decode step some 10% faster, worth it for a long-lived session (``docs/export.md``)."""
+    second instead of the seconds packing takes (TinyLlama's 4.4 GB: 1.7 s against 10.4 s to load on 2 cores in
+    ``bench_scale.py``); packed weights then run each step faster (a decode step 14-24% in its runs), worth it for a
+    long-lived session (``docs/export.md``)."""
 
     threads: int | None = None
     sizes: Sizes = None
