@@ -13,6 +13,7 @@ and reported as its own column, never as the main figure.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -193,3 +194,16 @@ def torch_sdpa(feeds_list: Sequence[dict], threads: int, causal: bool) -> Callab
             ).numpy()
 
     return run
+
+
+def checkpoint_args(doc: str, out: str, **counts: int) -> argparse.Namespace:
+    """The command line of a benchmark over one checkpoint folder: ``checkpoint``, ``--prompt`` (512 tokens), each of
+    ``counts`` as an int option with its default (``runs=3`` gives ``--runs 3``), and ``--out`` (default
+    ``docs/bench/<out>``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--prompt", type=int, default=512)
+    for name, default in counts.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / out))
+    return ap.parse_args()

@@ -14,7 +14,6 @@ token's logits.  The cache folder is a temporary one, removed at the end.  Write
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import checkpoint_args, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,11 +65,7 @@ def _run(runtime: str, folder: str, prompt: int, cache: str | None) -> dict[str,
 
 def main() -> None:
     """Run the five rows; print the table and write it to ``--out``."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "load.md"))
-    args = ap.parse_args()
+    args = checkpoint_args(__doc__, "load.md")
     config = json.loads(Path(args.checkpoint, "config.json").read_text())
     lines = [
         "# `python benchmarks/bench_load.py`: one run\n",

@@ -15,7 +15,6 @@ bfloat16.  Writes the table to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -25,19 +24,12 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import lm_feeds, machine, matmul_peaks  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from _common import checkpoint_args, lm_feeds, machine, matmul_peaks  # noqa: E402
 
 
 def main() -> None:
     """Time each row; print the table and write it to ``--out``."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--blocks", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "prefill_dtype.md"))
-    args = ap.parse_args()
+    args = checkpoint_args(__doc__, "prefill_dtype.md", blocks=3)
     import torch
     import transformers
 

@@ -13,7 +13,6 @@ peak is ``_common.matmul_peaks`` in the dtype the products multiply in (float32,
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -33,9 +32,7 @@ from lowering.backends.registry import decode_options
 from lowering.kernels.bf16_gemm import bf16_gemm_description
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, matmul_peaks  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from _common import checkpoint_args, machine, matmul_peaks  # noqa: E402
 
 
 def _kind(op: Any, args: Sequence[Any]) -> str:
@@ -101,12 +98,7 @@ def _describe(folder: Path) -> str:
 
 def main() -> None:
     """Profile the prefill; print the table and write it to ``--out``."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "profile_model_prefill.md"))
-    args = ap.parse_args()
+    args = checkpoint_args(__doc__, "profile_model_prefill.md", runs=3)
     folder = Path(args.checkpoint)
     results, product_flops, dtype = profile(folder, args.prompt, args.runs)
     totals = [sum(t for t, _ in kinds.values()) for kinds, _ in results]
