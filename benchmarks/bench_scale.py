@@ -17,7 +17,7 @@ Runtimes, each in a child process of its own (two 4 GB models do not share a
   memory-mapped folder, ``optimize`` for the decode step, ``lowering.prepare`` (ort-cpu: weights read by
   onnxruntime from the safetensors files, attention forms chosen for decode) and ``lowering.generate``;
 - ``graphc ort-cpu packed``: the same with ``prepack=True`` (onnxruntime packs every weight while the session is
-  built; graphc's default reads them as stored);
+  built; graphc's default, for weights this large, reads them as stored);
 - ``graphc ort-cpu cold`` / ``graphc ort-cpu warm``: ``graphc ort-cpu`` with ``GRAPHC_WEIGHT_CACHE`` set to a folder
   under ``--work``, emptied before the cold run (the session built and saved: a bfloat16 checkpoint's float32
   conversion; a float32 checkpoint's unpacked session saves nothing) and read by the warm one, then removed;

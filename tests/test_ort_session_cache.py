@@ -113,8 +113,8 @@ def test_an_unpacked_session_is_saved_only_when_it_converts_weights(tmp_path, mo
     bfloat16 one converts them to float32 once, then loads the conversion, and computes the same."""
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
     g = graphc.optimize(graphc.attention_layer_graph(CFG, seed=4, dtype=dtype)).graph
-    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
-    second = prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+    first = prepare(g, "ort-cpu", inline_weights_max_bytes=0, prepack=False)
+    second = prepare(g, "ort-cpu", inline_weights_max_bytes=0, prepack=False)
     saved = dtype == "bfloat16"
     assert ("the session saved to the cache" in first.provider) == saved
     assert ("the session loaded from the cache" in second.provider) == saved

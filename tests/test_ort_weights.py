@@ -113,11 +113,31 @@ def test_projections_read_their_weights_as_stored_on_the_cpu_provider(tmp_path):
     for name, model in (("fused", fused), ("standard", standard)):
         sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         runs[name] = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, inputs)))
-    for packed in (False, True):
+    for packed in (False, True, None):
         runs[f"prepack={packed}"] = prepare(g, "ort-cpu", inline_weights_max_bytes=0, prepack=packed).run(inputs)
     for got in runs.values():
         for name, want in ref.items():
             np.testing.assert_allclose(got[name], want, atol=1e-5)
+
+
+def test_weights_are_packed_by_default_only_while_packing_is_cheap(tmp_path, monkeypatch):
+    """``prepack=None`` packs weights of up to ``PREPACK_AUTO_MAX_BYTES`` in float32 and leaves larger ones as stored
+    (a bfloat16 weight counted at its float32 size); the session's config says which; a bad value is named."""
+    import lowering.backends.ort_backend as ort_backend
+    from lowering.backends import ort_options
+
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(ort_backend, "packing_entry", lambda prepack: seen.append(ort_options.packing_entry(prepack)) or seen[-1])
+    for dtype in ("float32", "bfloat16"):
+        g = _mapped_layer(tmp_path / dtype, dtype)
+        float32_bytes = sum(a.size * 4 for a in g.initializers.values())
+        for limit, packed in ((float32_bytes, True), (float32_bytes - 1, False)):
+            monkeypatch.setattr(ort_backend, "PREPACK_AUTO_MAX_BYTES", limit)
+            seen.clear()
+            prepare(g, "ort-cpu", inline_weights_max_bytes=0)
+            assert seen == [ort_options.packing_entry(packed)], (dtype, limit)
+    with pytest.raises(BackendError, match=r"prepack must be True, False or None"):
+        prepare(g, "ort-cpu", prepack="yes")
 
 
 def test_the_model_carries_no_weight_bytes(tmp_path):

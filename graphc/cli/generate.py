@@ -350,7 +350,8 @@ def add_command(sub: Any, common: argparse.ArgumentParser) -> None:
     g.add_argument("--no-optimize", action="store_true", help="generate with the graph as built")
     g.add_argument("--tf32", action="store_true", help="let ort-cuda run float32 MatMul in TF32 (default off)")
     g.add_argument("--prepack", action="store_true",
-                   help="onnxruntime packs every weight while its session is built: seconds more to load, faster steps after")  # fmt: skip
+                   help="onnxruntime packs every weight while its session is built, however large (default: only weights "
+                        "under 256 MB in float32; larger ones are read as stored): seconds more to load, faster steps after")  # fmt: skip
     g.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
                    help="the KV cache: dynamic (grows each step, default) or static (fixed capacity, one shape per step)")  # fmt: skip
     g.add_argument("--cuda-graph", action="store_true", help="ort-cuda: a static cache, each one-token step replayed as a CUDA graph")

@@ -19,8 +19,9 @@ only the data gives (an imported ``NonZero``'s count: the tokens one expert of a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from graphc.optimizer.precision import widen_interface
 from .inputs import check_inputs
 from .ort_weights import SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
-from .ort_options import OrtOptions, packing_entry
+from .ort_options import PREPACK_AUTO_MAX_BYTES, OrtOptions, packing_entry
 from .ort_session_cache import cache_root, commit, entry_for, load_options, ready, save_into
 from .runner import Runner, StepFn
 
@@ -97,7 +98,7 @@ class _Sessions:
         self.name, self.graph, self.provider = name, graph, provider
         self._model, self.cache = model, cache
         self._model_bytes: bytes | None = None
-        self.threads, self.isolate, self.spin, self.prepack = options.threads, options.isolate, options.spin, options.prepack
+        self.threads, self.isolate, self.spin, self.prepack = options.threads, options.isolate, options.spin, bool(options.prepack)
         self.weights = weights
         self.tf32, self.cuda_graph, self.note = options.tf32, options.cuda_graph, ""
         self.bfloat16_io = bfloat16_io
@@ -229,6 +230,12 @@ def _narrowed(step: StepFn, names: frozenset[str], inputs: Mapping[str, Any], ke
     return {k: (v.astype("bfloat16") if k in names else v) for k, v in step(inputs, keep).items()}
 
 
+def _float32_bytes(arrays: Iterable[np.ndarray]) -> int:
+    """Bytes of the distinct ``arrays`` once each is float32 or wider (what onnxruntime's CPU kernels multiply with)."""
+    seen = {(a.__array_interface__["data"][0], a.nbytes): a.size * max(4, a.itemsize) for a in arrays if isinstance(a, np.ndarray)}
+    return sum(seen.values())
+
+
 def _model_and_cache(proto: Any, weights: SessionWeights, root: Path | None, graph: Graph, prepack: bool) -> tuple[Callable[[], bytes], Path | None]:
     """The exported model's bytes, made on first need (a session loaded from the cache converts and serializes
     nothing), and its entry in the session cache under ``root`` (:mod:`lowering.backends.ort_session_cache`), keyed
@@ -273,10 +280,11 @@ def prepare_ort(
     are read from the checkpoint's files or handed over (:mod:`lowering.backends.ort_weights`); ``None`` inlines any size
     (up to protobuf's 2 GiB).
 
-    ``prepack=False`` (default) leaves the weights unpacked: ort-cpu's projections are exported as
-    ``FusedMatMul(transB=1)`` over the weights as stored, so the session is built in a fraction of a second and its
-    products read the memory-mapped checkpoint; ``prepack=True`` has onnxruntime pack every weight for its GEMM while
-    the session is built, on all its threads (seconds for a 1B model; each step faster after: ``docs/export.md``).
+    ort-cpu's projections are exported as ``FusedMatMul(transB=1)`` over the weights as stored.  ``prepack=False``
+    leaves them unpacked, so the session is built in a fraction of a second and its products read the memory-mapped
+    checkpoint; ``prepack=True`` has onnxruntime pack every weight for its GEMM while the session is built, on all its
+    threads (seconds for a 1B model; each step faster after: ``docs/export.md``); ``None`` (default) packs weights of
+    up to :data:`~lowering.backends.ort_options.PREPACK_AUTO_MAX_BYTES` in float32 and leaves larger ones as stored.
 
     ``cuda_graph=True`` (ort-cuda, a causal LM with a fixed-capacity cache: ``graphc.causal_lm_graph(cache="static")``)
     captures the one-token decode step as a CUDA graph and replays it, the cache kept in two fixed buffers per layer; where
@@ -298,6 +306,10 @@ def prepare_ort(
             f"cuda_graph must be a bool, True only on ort-cuda (in this process) for a causal LM with a fixed-capacity cache "
             f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
         )
+    if options.prepack is not None and not isinstance(options.prepack, bool):
+        raise BackendError(f"prepack must be True, False or None (packed when the weights are small), got {options.prepack!r}")
+    if options.prepack is None:
+        options = dataclasses.replace(options, prepack=_float32_bytes(graph.initializers.values()) <= PREPACK_AUTO_MAX_BYTES)
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     exported = widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph
     proto = export(exported, opset, attention, sizes, weights, device, fused_matmul=provider == "CPUExecutionProvider")
@@ -306,7 +318,7 @@ def prepare_ort(
             f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "
             "lower inline_weights_max_bytes (or leave isolate off, so computed weights are handed over)"
         )
-    model, cache = _model_and_cache(proto, weights, None if isolate else cache_root(provider), graph, options.prepack)
+    model, cache = _model_and_cache(proto, weights, None if isolate else cache_root(provider), graph, bool(options.prepack))
     sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept), cache=cache)
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}

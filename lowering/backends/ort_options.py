@@ -7,12 +7,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-__all__ = ["OrtOptions", "DEFAULT_INLINE_MAX_BYTES", "Sizes", "packing_entry"]
+__all__ = ["OrtOptions", "DEFAULT_INLINE_MAX_BYTES", "PREPACK_AUTO_MAX_BYTES", "Sizes", "packing_entry"]
 
 Sizes = Mapping[str, int] | None
 
 DEFAULT_INLINE_MAX_BYTES = 64 << 20
 """Weight bytes an exported model carries inline by default (``lowering.backends.ort_weights`` reads the same value)."""
+
+PREPACK_AUTO_MAX_BYTES = 256 << 20
+"""With ``prepack=None``, weights of up to this many bytes in float32 (the dtype onnxruntime's CPU kernels multiply in)
+are packed: half a second or less on 2 cores."""
 
 
 @dataclass(frozen=True)
@@ -24,11 +28,13 @@ class OrtOptions:
     process; ``spin``: onnxruntime's spinning intra-op threads on; ``inline_weights_max_bytes``: weights up to this many
     bytes in all serialized into the model, larger ones read from the checkpoint or handed over (``None``: any size);
     ``tf32``: TF32 MatMul on CUDA; ``cuda_graph``: the decode step captured as a CUDA graph; ``prepack``: every weight
-    packed into onnxruntime's blocked GEMM layout while the session is built (its own default).  graphc leaves it off: the
-    products read each weight as stored (memory-mapped from the checkpoint), so a session is ready in a fraction of a
-    second instead of the seconds packing takes (TinyLlama's 4.4 GB: 1.7 s against 10.4 s to load on 2 cores in
-    ``bench_scale.py``); packed weights then run each step faster (a decode step 14-24% in its runs), worth it for a
-    long-lived session (``docs/export.md``)."""
+    packed into onnxruntime's blocked GEMM layout while the session is built (``True``), or none, the products reading
+    each weight as stored, memory-mapped from the checkpoint (``False``).  Packing costs about 2 s a GB of float32
+    weights on 2 cores (TinyLlama's 4.4 GB: 10.4 s to load against 1.7 s unpacked in ``bench_scale.py``) and then runs
+    each step faster (a decode step 14-24% in its runs); ``None`` (default) packs weights of up to
+    :data:`PREPACK_AUTO_MAX_BYTES` in float32, where it costs a fraction of a second, and leaves larger ones as stored,
+    for a first token in seconds.  A long-lived session of a large model (a server) should pass ``True``
+    (``docs/export.md``)."""
 
     threads: int | None = None
     sizes: Sizes = None
@@ -37,7 +43,7 @@ class OrtOptions:
     inline_weights_max_bytes: int | None = DEFAULT_INLINE_MAX_BYTES
     tf32: bool = False
     cuda_graph: bool = False
-    prepack: bool = False
+    prepack: bool | None = None
     CUDA_ONLY: ClassVar[frozenset[str]] = frozenset({"tf32", "cuda_graph"})
     """The options only the CUDA provider takes (not in ort-cpu's ``prepare``)."""
 
