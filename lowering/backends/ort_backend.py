@@ -230,6 +230,15 @@ def _narrowed(step: StepFn, names: frozenset[str], inputs: Mapping[str, Any], ke
     return {k: (v.astype("bfloat16") if k in names else v) for k, v in step(inputs, keep).items()}
 
 
+def _packing_decided(options: OrtOptions, graph: Graph) -> OrtOptions:
+    """``options`` with ``prepack`` True or False: ``None`` packs weights of up to ``PREPACK_AUTO_MAX_BYTES`` in float32."""
+    if options.prepack is not None and not isinstance(options.prepack, bool):
+        raise BackendError(f"prepack must be True, False or None (packed when the weights are small), got {options.prepack!r}")
+    if options.prepack is not None:
+        return options
+    return dataclasses.replace(options, prepack=_float32_bytes(graph.initializers.values()) <= PREPACK_AUTO_MAX_BYTES)
+
+
 def _float32_bytes(arrays: Iterable[np.ndarray]) -> int:
     """Bytes of the distinct ``arrays`` once each is float32 or wider (what onnxruntime's CPU kernels multiply with)."""
     seen = {(a.__array_interface__["data"][0], a.nbytes): a.size * max(4, a.itemsize) for a in arrays if isinstance(a, np.ndarray)}
@@ -306,10 +315,7 @@ def prepare_ort(
             f"cuda_graph must be a bool, True only on ort-cuda (in this process) for a causal LM with a fixed-capacity cache "
             f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
         )
-    if options.prepack is not None and not isinstance(options.prepack, bool):
-        raise BackendError(f"prepack must be True, False or None (packed when the weights are small), got {options.prepack!r}")
-    if options.prepack is None:
-        options = dataclasses.replace(options, prepack=_float32_bytes(graph.initializers.values()) <= PREPACK_AUTO_MAX_BYTES)
+    options = _packing_decided(options, graph)
     weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
     exported = widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph
     proto = export(exported, opset, attention, sizes, weights, device, fused_matmul=provider == "CPUExecutionProvider")
