@@ -196,14 +196,26 @@ def torch_sdpa(feeds_list: Sequence[dict], threads: int, causal: bool) -> Callab
     return run
 
 
-def checkpoint_args(doc: str, out: str, **counts: int) -> argparse.Namespace:
+def checkpoint_args(doc: str, out: str, **options: int | tuple[str, ...]) -> argparse.Namespace:
     """The command line of a benchmark over one checkpoint folder: ``checkpoint``, ``--prompt`` (512 tokens), each of
-    ``counts`` as an int option with its default (``runs=3`` gives ``--runs 3``), and ``--out`` (default
-    ``docs/bench/<out>``)."""
+    ``options`` (``runs=3`` gives ``--runs 3``, an int; ``backend=("numpy", "ort-cpu")`` a choice, the first the
+    default), and ``--out`` (default ``docs/bench/<out>``)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--prompt", type=int, default=512)
-    for name, default in counts.items():
-        ap.add_argument(f"--{name}", type=int, default=default)
+    for name, default in options.items():
+        if isinstance(default, tuple):
+            ap.add_argument(f"--{name}", choices=default, default=default[0])
+        else:
+            ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "bench" / out))
     return ap.parse_args()
+
+
+def prefill_flops(folder: Path | str, prompt: int) -> int:
+    """A prompt's weight-product multiply-adds for the checkpoint in ``folder``, ``2 * params * tokens`` over every
+    layer's matrices (the embedding, the head's one row and attention's scores, 2% at 512 tokens, left out)."""
+    from graphc.weights import load_weights
+
+    w = load_weights(folder)
+    return 2 * prompt * sum(a.size for n, a in w.items() if a.ndim == 2 and "embed_tokens" not in n and "lm_head" not in n)

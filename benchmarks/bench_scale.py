@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import matmul_peaks  # noqa: E402
+from _common import matmul_peaks, prefill_flops  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -302,15 +302,6 @@ def _read_bytes(hf: Path, compute_f32: bool) -> tuple[int, int]:
     return total, read
 
 
-def _prefill_flops(hf: Path, prompt: int) -> int:
-    """A prompt's weight-product multiply-adds, ``2 * params * tokens`` over every layer's matrices (the embedding, the
-    head's one row and attention's scores, 2% at 512 tokens, left out)."""
-    from graphc.weights import load_weights
-
-    w = load_weights(hf)
-    return 2 * prompt * sum(a.size for n, a in w.items() if a.ndim == 2 and "embed_tokens" not in n and "lm_head" not in n)
-
-
 def _prefill_rate(r: dict[str, Any], m: dict[str, Any]) -> str:
     dtype = r.get("prefill_dtype", "float32")
     rate = m["prefill_flops"] / (r["prefill_ms"] / 1e3) / 1e9
@@ -370,7 +361,7 @@ def main() -> None:
         dtype = MODELS[model][0]
         total, read = _read_bytes(hf, False)
         results[model] = {"dtype": dtype, "weight_bytes": total, "read_bytes": read, "read_bytes_f32": _read_bytes(hf, True)[1],
-                          "prefill_flops": _prefill_flops(hf, args.prompt), "peaks": matmul_peaks(), "runtimes": {}}  # fmt: skip
+                          "prefill_flops": prefill_flops(hf, args.prompt), "peaks": matmul_peaks(), "runtimes": {}}  # fmt: skip
         for runtime in args.runtimes.split(","):
             if runtime in ("optimum ort-cpu", "genai") and dtype != "float32":
                 results[model]["runtimes"][runtime] = {"skipped": "float32 checkpoints only (see the module doc)"}

@@ -1,7 +1,12 @@
-"""Where a whole model's prefill goes on graphc's NumPy backend: each kind of node's time, the weight products' share
-of the measured matrix-product peak on their own, and what the other nodes cost.
+"""Where a whole model's prefill goes on graphc's NumPy backend (or ort-cpu): each kind of node's time, the weight
+products' share of the measured matrix-product peak on their own, and what the other nodes cost.
 
-    python benchmarks/profile_model_prefill.py CHECKPOINT_DIR [--prompt 512] [--runs 3] [--out docs/bench/profile_model_prefill.md]
+    python benchmarks/profile_model_prefill.py CHECKPOINT_DIR [--prompt 512] [--runs 3] [--backend numpy|ort-cpu]
+        [--out docs/bench/profile_model_prefill.md]
+
+On ort-cpu the times are onnxruntime's own profile of each run (``enable_profiling``), its kernels by op type; the
+weight products are its ``FusedMatMul`` (and ``MatMulNBits``) nodes, their flops ``2 * params * tokens`` over the
+layers' matrices, the peak the float32 one.
 
 The checkpoint is built as ``graphc generate`` builds it (``causal_lm_from_hf`` over the mapped folder, optimized for
 the decode step's sizes, ``prepare(..., "numpy")``) and its prompt (random ids) run once to warm up, then ``--runs``
@@ -14,7 +19,9 @@ peak is ``_common.matmul_peaks`` in the dtype the products multiply in (float32,
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -32,7 +39,7 @@ from lowering.backends.registry import decode_options
 from lowering.kernels.bf16_gemm import bf16_gemm_description
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import checkpoint_args, machine, matmul_peaks  # noqa: E402
+from _common import checkpoint_args, machine, matmul_peaks, prefill_flops  # noqa: E402
 
 
 def _kind(op: Any, args: Sequence[Any]) -> str:
@@ -89,6 +96,47 @@ def profile(folder: Path, prompt: int, runs: int) -> tuple[list[Run], int, str]:
     return results, sum(flops.values()), dtype
 
 
+ORT_PRODUCTS = ("FusedMatMul", "MatMulNBits")
+"""The op types of ort-cpu's weight products (attention's own products are plain ``MatMul`` nodes)."""
+
+
+def profile_ort(folder: Path, prompt: int, runs: int) -> tuple[list[Run], int, str]:
+    """As :func:`profile`, on ort-cpu: its kernels' times by op type, from onnxruntime's own profile of each run."""
+    import onnxruntime as ort
+
+    plain = ort.SessionOptions
+
+    class Profiled(plain):  # the session graphc builds, with onnxruntime's profiler on
+        def __init__(self) -> None:
+            super().__init__()
+            self.enable_profiling = True
+            self.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "prefill")
+
+    g = graphc.causal_lm_from_hf(folder / "config.json", load_weights(folder), logits="last")
+    sizes = {"batch": 1, "seq": 1, "past_seq": prompt + 1}
+    g = graphc.optimize(g, hints=sizes).graph
+    setattr(ort, "SessionOptions", Profiled)
+    try:
+        runner = prepare(g, "ort-cpu", **decode_options("ort-cpu", sizes))
+    finally:
+        setattr(ort, "SessionOptions", plain)
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 1000, prompt)]
+    for _ in range(1 + runs):  # the first warms up
+        generate(g, [ids], 1, runner=runner)
+    with open(runner.session.end_profiling()) as f:
+        events = json.load(f)
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-runs:]
+    results: list[Run] = []
+    for start, end in spans:
+        kinds: dict[str, tuple[float, int]] = {}
+        for e in events:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and start <= e["ts"] <= end:
+                t, n = kinds.get(e["args"]["op_name"], (0.0, 0))
+                kinds[e["args"]["op_name"]] = (t + e["dur"] / 1e6, n + 1)
+        results.append((kinds, sum(kinds[k][0] for k in ORT_PRODUCTS if k in kinds)))
+    return results, prefill_flops(folder, prompt), "float32"
+
+
 def _describe(folder: Path) -> str:
     """``llama, 22 layers, hidden 2048, float32``: the checkpoint as its config gives it."""
     config = json.loads((folder / "config.json").read_text())
@@ -98,16 +146,16 @@ def _describe(folder: Path) -> str:
 
 def main() -> None:
     """Profile the prefill; print the table and write it to ``--out``."""
-    args = checkpoint_args(__doc__, "profile_model_prefill.md", runs=3)
+    args = checkpoint_args(__doc__, "profile_model_prefill.md", runs=3, backend=("numpy", "ort-cpu"))
     folder = Path(args.checkpoint)
-    results, product_flops, dtype = profile(folder, args.prompt, args.runs)
+    results, product_flops, dtype = (profile if args.backend == "numpy" else profile_ort)(folder, args.prompt, args.runs)
     totals = [sum(t for t, _ in kinds.values()) for kinds, _ in results]
     median, in_products = results[totals.index(sorted(totals)[len(totals) // 2])]
     total = sum(t for t, _ in median.values())
     peak = matmul_peaks()[dtype]
     lines = [
         "# `python benchmarks/profile_model_prefill.py`: one run\n",
-        f"machine: {machine()}; {_describe(folder)}, prompt {args.prompt} tokens, NumPy backend, median of {args.runs} prefills; "
+        f"machine: {machine()}; {_describe(folder)}, prompt {args.prompt} tokens, {args.backend}, median of {args.runs} prefills; "
         f"weight products in {dtype}, peak {peak:.0f} GFLOP/s\n",
         f"prefill {1e3 * total:.0f} ms in nodes: the weight products {1e3 * in_products:.0f} ms "
         f"({100 * in_products / total:.0f}%) at {product_flops / in_products / 1e9:.0f} GFLOP/s "
