@@ -58,18 +58,22 @@ Run = tuple[dict[str, tuple[float, int]], float]
 """One prefill: node kind -> (seconds, calls), and the seconds of the weight products among them."""
 
 
+def _model(folder: Path, prompt: int) -> tuple[graphc.Graph, dict[str, int], list[int]]:
+    """The checkpoint as ``graphc generate`` builds it, optimized for the decode step's ``sizes``, and the prompt's ids."""
+    sizes = {"batch": 1, "seq": 1, "past_seq": prompt + 1}
+    g = graphc.optimize(graphc.causal_lm_from_hf(folder / "config.json", load_weights(folder), logits="last"), hints=sizes).graph
+    return g, sizes, [int(i) for i in np.random.default_rng(0).integers(3, 1000, prompt)]
+
+
 def profile(folder: Path, prompt: int, runs: int) -> tuple[list[Run], int, str]:
     """The ``runs`` prefills, the weight products' flops in one, and the dtype they multiply in."""
-    g = graphc.causal_lm_from_hf(folder / "config.json", load_weights(folder), logits="last")
-    sizes = {"batch": 1, "seq": 1, "past_seq": prompt + 1}
-    g = graphc.optimize(g, hints=sizes).graph
+    g, sizes, ids = _model(folder, prompt)
     runner = prepare(g, "numpy", **decode_options("numpy", sizes))
-    ids = [int(i) for i in np.random.default_rng(0).integers(3, 1000, prompt)]
     generate(g, [ids], 1, runner=runner)  # warm: the prompt's shapes, the thread and kernel choices
     weights: set[int] = set()  # the interpreter's own weight arrays (converted or stored forms included)
     spent: Counter[str] = Counter()
     calls: Counter[str] = Counter()
-    flops = Counter[str]()
+    flops: Counter[str] = Counter()
     plain = numpy_interpreter.NumpyInterpreter._run_node
 
     def timed(self: Any, op: Any, args: list[Any], dims: Mapping[str, int], threads: int | None = None) -> Any:
@@ -112,15 +116,12 @@ def profile_ort(folder: Path, prompt: int, runs: int) -> tuple[list[Run], int, s
             self.enable_profiling = True
             self.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "prefill")
 
-    g = graphc.causal_lm_from_hf(folder / "config.json", load_weights(folder), logits="last")
-    sizes = {"batch": 1, "seq": 1, "past_seq": prompt + 1}
-    g = graphc.optimize(g, hints=sizes).graph
+    g, sizes, ids = _model(folder, prompt)
     setattr(ort, "SessionOptions", Profiled)
     try:
         runner = prepare(g, "ort-cpu", **decode_options("ort-cpu", sizes))
     finally:
         setattr(ort, "SessionOptions", plain)
-    ids = [int(i) for i in np.random.default_rng(0).integers(3, 1000, prompt)]
     for _ in range(1 + runs):  # the first warms up
         generate(g, [ids], 1, runner=runner)
     with open(runner.session.end_profiling()) as f:

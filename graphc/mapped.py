@@ -112,12 +112,13 @@ def mapped_location(arr: np.ndarray) -> MappedLocation | None:
     return MappedLocation(m.path, addr - start, arr.nbytes)
 
 
-def distinct_nbytes(arrays: Iterable[np.ndarray]) -> int:
-    """Bytes of the distinct arrays among ``arrays`` (tied weights once): what a model's weights occupy."""
+def distinct_nbytes(arrays: Iterable[np.ndarray], min_itemsize: int = 1) -> int:
+    """Bytes of the distinct arrays among ``arrays`` (tied weights once): what a model's weights occupy; with
+    ``min_itemsize=4``, what they occupy once each narrower one is widened to 4 bytes (float32)."""
     seen: dict[tuple[int, int], int] = {}
     for a in arrays:
         if isinstance(a, np.ndarray):
-            seen[(a.__array_interface__["data"][0], a.nbytes)] = a.nbytes
+            seen[(a.__array_interface__["data"][0], a.nbytes)] = a.size * max(a.itemsize, min_itemsize)
     return sum(seen.values())
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from onnx import TensorProto
 from graphc.dims import Shape, dim_symbols, eval_shape, is_static
 from graphc.errors import BackendError, InputError
 from graphc.graph import Graph
+from graphc.mapped import distinct_nbytes
 from graphc.ops import Einsum
 from graphc.optimizer.precision import widen_interface
 
@@ -236,13 +237,8 @@ def _packing_decided(options: OrtOptions, graph: Graph) -> OrtOptions:
         raise BackendError(f"prepack must be True, False or None (packed when the weights are small), got {options.prepack!r}")
     if options.prepack is not None:
         return options
-    return dataclasses.replace(options, prepack=_float32_bytes(graph.initializers.values()) <= PREPACK_AUTO_MAX_BYTES)
-
-
-def _float32_bytes(arrays: Iterable[np.ndarray]) -> int:
-    """Bytes of the distinct ``arrays`` once each is float32 or wider (what onnxruntime's CPU kernels multiply with)."""
-    seen = {(a.__array_interface__["data"][0], a.nbytes): a.size * max(4, a.itemsize) for a in arrays if isinstance(a, np.ndarray)}
-    return sum(seen.values())
+    float32_bytes = distinct_nbytes(graph.initializers.values(), min_itemsize=4)  # what onnxruntime's CPU kernels multiply with
+    return dataclasses.replace(options, prepack=float32_bytes <= PREPACK_AUTO_MAX_BYTES)
 
 
 def _model_and_cache(proto: Any, weights: SessionWeights, root: Path | None, graph: Graph, prepack: bool) -> tuple[Callable[[], bytes], Path | None]:
