@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -146,28 +147,9 @@ class _Sessions:
         else:
             import onnxruntime as ort
 
-            so = ort.SessionOptions()
-            so.log_severity_level = 3
-            if self.threads:
-                so.intra_op_num_threads = self.threads
-            if not self.spin:  # idle pool threads sleep instead of spinning: NumPy's and torch's pools in the same process keep their cores
-                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            so.add_session_config_entry(*packing_entry(self.prepack))
-            if basic:
-                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-            cached = self.cache is not None and not basic and ready(self.cache)
-            staging = save_into(so, self.cache) if self.cache is not None and not basic and not cached else None
-            handed = [] if cached else self.weights.session_options(so)
-            source = load_options(so, self.cache) if cached and self.cache is not None else self.model
-            try:
-                sess = ort.InferenceSession(source, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers)
-            except Exception as e:  # noqa: BLE001
-                raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
-            del handed  # onnxruntime copied them
-            if staging is not None and self.cache is not None:
-                commit(staging, self.cache)
-            self.note += "; the session loaded from the cache" if cached else "; the session saved to the cache" if staging else ""
-            used, version, self.outputs = sess.get_providers(), ort.__version__, [o.name for o in sess.get_outputs()]
+            sess = self._local(basic)
+            used, version = sess.get_providers(), ort.__version__
+            self.outputs = [o.name for o in sess.get_outputs()]
             out_names = list(self.outputs)
             options = None
             if self.cuda_graph:  # a plain run is never captured: only the decode step's replays are
@@ -185,6 +167,44 @@ class _Sessions:
             self.description = f"onnxruntime {version} {used[0]}" + (" (worker process)" if self.isolate else "") + graphs
         self.built[basic] = run
         return run
+
+    def _options(self, basic: bool) -> Any:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if self.threads:
+            so.intra_op_num_threads = self.threads
+        if not self.spin:  # idle pool threads sleep instead of spinning: NumPy's and torch's pools in the same process keep their cores
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry(*packing_entry(self.prepack))
+        if basic:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        return so
+
+    def _local(self, basic: bool) -> Any:
+        """An ``InferenceSession`` in this process: loaded from the session cache, or built (and saved there).  A build
+        that fails on the placeholder of a weight shared from memory (a rewrite of onnxruntime's read its bytes) is
+        done again with the weights handed over (:mod:`lowering.backends.ort_weights`)."""
+        import onnxruntime as ort
+
+        so = self._options(basic)
+        cached = self.cache is not None and not basic and ready(self.cache)
+        staging = save_into(so, self.cache) if self.cache is not None and not basic and not cached else None
+        source = load_options(so, self.cache) if cached and self.cache is not None else self.model  # the export places the weights
+        handed = [] if cached else self.weights.session_options(so)
+        try:
+            sess = ort.InferenceSession(source, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers)
+        except Exception as e:  # noqa: BLE001
+            if os.devnull in str(e) and self.weights.hand_shared():
+                return self._local(basic)
+            raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
+        del handed  # onnxruntime copied them
+        sess.graphc_weights = self.weights  # the conversions it reads in place live as long as the session
+        if staging is not None and self.cache is not None:
+            commit(staging, self.cache)
+        self.note += "; the session loaded from the cache" if cached else "; the session saved to the cache" if staging else ""
+        return sess
 
 
 def disabled_optimizers(graph: Graph) -> list[str]:
@@ -239,6 +259,21 @@ def _packing_decided(options: OrtOptions, graph: Graph) -> OrtOptions:
         return options
     float32_bytes = distinct_nbytes(graph.initializers.values(), min_itemsize=4)  # what onnxruntime's CPU kernels multiply with
     return dataclasses.replace(options, prepack=float32_bytes <= PREPACK_AUTO_MAX_BYTES)
+
+
+def _checked(options: OrtOptions, name: str, device: str, graph: Graph) -> OrtOptions:
+    """``options`` checked for backend ``name`` on ``device``, with ``prepack`` decided (:func:`_packing_decided`)."""
+    limit, tf32, cuda_graph = options.inline_weights_max_bytes, options.tf32, options.cuda_graph
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {limit!r}")
+    if not isinstance(tf32, bool) or (tf32 and device != "cuda"):
+        raise BackendError(f"tf32 (TF32 MatMul on onnxruntime's CUDA provider) must be a bool, True only on ort-cuda; got {tf32!r} on {name}")
+    if not isinstance(cuda_graph, bool) or (cuda_graph and (device != "cuda" or "cache_position" not in graph.inputs or options.isolate)):
+        raise BackendError(
+            f"cuda_graph must be a bool, True only on ort-cuda (in this process) for a causal LM with a fixed-capacity cache "
+            f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
+        )
+    return _packing_decided(options, graph)
 
 
 def _model_and_cache(proto: Any, weights: SessionWeights, root: Path | None, graph: Graph, prepack: bool) -> tuple[Callable[[], bytes], Path | None]:
@@ -296,23 +331,21 @@ def prepare_ort(
     onnxruntime refuses to capture the model, the runner's ``provider`` says so and the steps run uncaptured.
     """
     name = "ort-cuda" if provider == "CUDAExecutionProvider" else "ort-cpu"
-    isolate, tf32, cuda_graph, sizes = options.isolate, options.tf32, options.cuda_graph, options.sizes
-    limit = options.inline_weights_max_bytes
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise BackendError(f"inline_weights_max_bytes must be a non-negative int or None, got {limit!r}")
+    device = DEVICE_OF_PROVIDER.get(provider, "cpu")
+    options = _checked(options, name, device, graph)
+    isolate, sizes, limit = options.isolate, options.sizes, options.inline_weights_max_bytes
     kept = frozenset() if isolate else bfloat16_cache(graph)  # a bfloat16 decode cache stays onnxruntime's tensors
     bf16_in = [n for n in graph.inputs if graph.types[n].dtype == "bfloat16" and n not in kept]
     bf16_out = {n for n in graph.outputs if graph.types[n].dtype == "bfloat16" and n not in kept}
-    device = DEVICE_OF_PROVIDER.get(provider, "cpu")
-    if not isinstance(tf32, bool) or (tf32 and device != "cuda"):
-        raise BackendError(f"tf32 (TF32 MatMul on onnxruntime's CUDA provider) must be a bool, True only on ort-cuda; got {tf32!r} on {name}")
-    if not isinstance(cuda_graph, bool) or (cuda_graph and (device != "cuda" or "cache_position" not in graph.inputs or isolate)):
-        raise BackendError(
-            f"cuda_graph must be a bool, True only on ort-cuda (in this process) for a causal LM with a fixed-capacity cache "
-            f"(graphc.causal_lm_graph(..., cache='static'): a cache_position input); got {cuda_graph!r} on {name} for graph {graph.name!r}"
-        )
-    options = _packing_decided(options, graph)
-    weights = plan_session_weights(graph.initializers, limit, allow_handed=not isolate, widen=provider == "CPUExecutionProvider")
+    root = None if isolate else cache_root(provider)
+    weights = plan_session_weights(
+        graph.initializers,
+        limit,
+        allow_handed=not isolate,
+        widen=provider == "CPUExecutionProvider",
+        in_memory=root is None,
+        packed=bool(options.prepack),
+    )
     exported = widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph
     proto = export(exported, opset, attention, sizes, weights, device, fused_matmul=provider == "CPUExecutionProvider")
     if weights.inline_bytes >= _PROTOBUF_LIMIT:
@@ -320,7 +353,7 @@ def prepare_ort(
             f"{name}: graph {graph.name!r} carries {weights.inline_bytes / 2**30:.2f} GiB of weights inline, past protobuf's 2 GiB limit; "
             "lower inline_weights_max_bytes (or leave isolate off, so computed weights are handed over)"
         )
-    model, cache = _model_and_cache(proto, weights, None if isolate else cache_root(provider), graph, bool(options.prepack))
+    model, cache = _model_and_cache(proto, weights, root, graph, bool(options.prepack))
     sessions = _Sessions(name, graph, model, weights, provider, options, bfloat16_io=bool(kept), cache=cache)
     shapes = contraction_shapes(graph)
     input_symbols = {x for n in graph.inputs for d in graph.types[n].shape for x in dim_symbols(d)}
