@@ -110,8 +110,14 @@ def test_a_link_planted_in_the_cache_is_never_followed(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_unpacked_session_is_saved_only_when_it_converts_weights(tmp_path, monkeypatch, dtype):
     """Unpacked, a float32 session reads the weights as they are (a saved copy would only be read back): no entry; a
-    bfloat16 one converts them to float32 once, then loads the conversion, and computes the same."""
+    bfloat16 one converts them to float32 in memory, graphc writes the export and that conversion once as the entry
+    (nothing else is written, in the cache folder or the temporary one), the next session loads it, and both compute
+    the numbers of the weights serialized into the model."""
+    import tempfile
+
     monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     g = graphc.optimize(graphc.attention_layer_graph(CFG, seed=4, dtype=dtype)).graph
     first = prepare(g, "ort-cpu", inline_weights_max_bytes=0, prepack=False)
     second = prepare(g, "ort-cpu", inline_weights_max_bytes=0, prepack=False)
@@ -119,6 +125,15 @@ def test_an_unpacked_session_is_saved_only_when_it_converts_weights(tmp_path, mo
     assert ("the session saved to the cache" in first.provider) == saved
     assert ("the session loaded from the cache" in second.provider) == saved
     assert len(_entries(tmp_path / "cache")) == int(saved)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    if saved:
+        (entry,) = _entries(tmp_path / "cache")
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["sessions"]
+        assert sorted(p.name for p in entry.iterdir()) == ["exported.onnx", "weights.bin"]
+        float32_bytes = sum(a.size * 4 for a in g.initializers.values() if a.nbytes >= 1024)
+        assert float32_bytes <= (entry / "weights.bin").stat().st_size < float32_bytes + 4096 * len(g.initializers)
     inputs = _inputs(g)
+    inline = prepare(g, "ort-cpu", inline_weights_max_bytes=None).run(inputs)
     for name, got in first.run(inputs).items():
         np.testing.assert_array_equal(second.run(inputs)[name], got)
+        np.testing.assert_array_equal(got, inline[name])

@@ -40,7 +40,7 @@ from .inputs import check_inputs
 from .ort_weights import SessionWeights, host_ortvalue, plan_session_weights
 from ..decode.kv_cache import ArrayKVCache, LMInterface, zeros_cache
 from .ort_options import PREPACK_AUTO_MAX_BYTES, OrtOptions, packing_entry
-from .ort_session_cache import cache_root, commit, entry_for, load_options, ready, save_into
+from .ort_session_cache import cache_root, commit, entry_for, load_options, ready, save_into, write_entry
 from .runner import Runner, StepFn
 
 __all__ = ["prepare_ort", "contraction_shapes", "has_empty_contraction", "OrtKVCache", "provider_entry", "DEVICE_OF_PROVIDER", "bfloat16_cache"]
@@ -189,9 +189,11 @@ class _Sessions:
         import onnxruntime as ort
 
         so = self._options(basic)
-        cached = self.cache is not None and not basic and ready(self.cache)
-        staging = save_into(so, self.cache) if self.cache is not None and not basic and not cached else None
-        source = load_options(so, self.cache) if cached and self.cache is not None else self.model  # the export places the weights
+        entry = None if basic else self.cache
+        cached = ready(entry)
+        own = entry is not None and not cached and self.weights.in_memory  # onnxruntime's save would read the placeholders
+        staging = save_into(so, entry) if entry is not None and not cached and not own else None
+        source = load_options(so, entry) if cached and entry is not None else self.model  # the export places the weights
         handed = [] if cached else self.weights.session_options(so)
         try:
             sess = ort.InferenceSession(source, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers)
@@ -201,9 +203,11 @@ class _Sessions:
             raise BackendError(f"onnxruntime could not load graph {self.graph.name!r} for {self.name}: {e}") from e
         del handed  # onnxruntime copied them
         sess.graphc_weights = self.weights  # the conversions it reads in place live as long as the session
-        if staging is not None and self.cache is not None:
-            commit(staging, self.cache)
-        self.note += "; the session loaded from the cache" if cached else "; the session saved to the cache" if staging else ""
+        if staging is not None and entry is not None:
+            commit(staging, entry)
+        elif own and entry is not None:
+            write_entry(entry, self.model, {**self.weights.shared, **self.weights.handed})
+        self.note += "; the session loaded from the cache" if cached else "; the session saved to the cache" if staging or own else ""
         return sess
 
 
@@ -343,7 +347,7 @@ def prepare_ort(
         limit,
         allow_handed=not isolate,
         widen=provider == "CPUExecutionProvider",
-        in_memory=root is None,
+        in_memory=not isolate and (root is None or not options.prepack),  # a packed session is saved by onnxruntime: from files
         packed=bool(options.prepack),
     )
     exported = widen_interface(graph, keep=kept) if bf16_in or bf16_out else graph

@@ -4,12 +4,18 @@ conversions, packed forms), kept in the folder ``GRAPHC_WEIGHT_CACHE`` names.
 A session that packs its weights (``prepack=True``) or reads a bfloat16 or float16 checkpoint through a float32
 conversion has an entry; one that reads a float32 checkpoint's files as they are has none (a saved copy would only be
 read back).  With ``GRAPHC_WEIGHT_CACHE`` set, the first such session of a graph is built as usual and also saved
-there by onnxruntime itself (``optimized_model_filepath``, the weights in one external file, the packed ones too:
-``session.save_external_prepacked_constant_initializers``); every later session of the same graph loads that model
-with its rewrites off and the weights memory-mapped, and a conversion is skipped.  onnxruntime 1.32 still packs each
-weight again while it loads a saved session (the key it finds the saved form by is a hash of the packed bytes), so a
-packed session's warm load saves the rewrites and the conversion, not the packing; the saved forms spare the memory
-of a second packed copy.
+there, and every later session of the same graph loads the entry, its weights memory-mapped, and converts nothing:
+
+- a packed session is saved by onnxruntime itself (``optimized_model_filepath``, the weights in one external file, the
+  packed ones too: ``session.save_external_prepacked_constant_initializers``) and loaded with its rewrites off.
+  onnxruntime 1.32 still packs each weight again while it loads a saved session (the key it finds the saved form by
+  is a hash of the packed bytes), so a packed session's warm load saves the rewrites and the conversion, not the
+  packing; the saved forms spare the memory of a second packed copy;
+- an unpacked session of a converted checkpoint reads its float32 weights from memory
+  (:mod:`lowering.backends.ort_weights`), and graphc writes the entry itself (:func:`write_entry`): the exported model
+  with those weights in one external file, written once (onnxruntime's own save would read them back and write them
+  again); onnxruntime runs its rewrites when it loads it, a fraction of a second for a model whose projections read
+  their weights as stored.
 
 The entry's key (:func:`entry_for`) covers what the session is built from: the exported model's bytes, the bytes of
 every weight handed over or converted (or, for a weight mapped from a file, the file's path, size and modification
@@ -25,7 +31,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +40,12 @@ import numpy as np
 from graphc.errors import BackendError
 from graphc.mapped import mapped_location
 
-__all__ = ["CACHE_ENV", "cache_root", "entry_for", "ready", "save_into", "load_options", "commit"]
+__all__ = ["CACHE_ENV", "cache_root", "entry_for", "ready", "save_into", "write_entry", "load_options", "commit"]
 
 CACHE_ENV = "GRAPHC_WEIGHT_CACHE"
 _MODEL, _DATA = "model.onnx", "weights.bin"
+_EXPORTED = "exported.onnx"  # an entry graphc wrote: the export itself, onnxruntime's rewrites still to run
+_ALIGN = 4096  # each weight at a page boundary of the weights file: onnxruntime maps it
 
 
 def _cpu() -> bytes:
@@ -106,9 +114,9 @@ def entry_for(root: Path, model: bytes, arrays: Iterable[np.ndarray], folder: st
 def ready(entry: Path | None) -> bool:
     """Whether ``entry`` holds a complete saved session, read inside the cache folder only: neither the entry nor its
     files may be links (one planted there is not followed; the session is then built again, and the entry kept as it is)."""
-    if entry is None or entry.is_symlink() or any((entry / f).is_symlink() for f in (_MODEL, _DATA)):
+    if entry is None or entry.is_symlink() or any((entry / f).is_symlink() for f in (_MODEL, _EXPORTED, _DATA)):
         return False
-    return (entry / _MODEL).is_file()
+    return (entry / _MODEL).is_file() or (entry / _EXPORTED).is_file()
 
 
 def save_into(so: Any, entry: Path) -> Path:
@@ -130,9 +138,48 @@ def commit(staging: Path, entry: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def write_entry(entry: Path, model: bytes, arrays: Mapping[str, np.ndarray]) -> None:
+    """Save a session built from ``model`` (an export whose weights are placeholders) and ``arrays`` (each placeholder's
+    data) as ``entry``: the model, each array external data at a page boundary of one weights file.  Written in a
+    temporary folder beside the entry and renamed into place when complete."""
+    import onnx
+
+    saved = onnx.load_from_string(model)
+    tensors = {t.name: t for t in saved.graph.initializer}
+    missing = [t.name for t in saved.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL and t.name not in arrays]
+    if missing:
+        raise BackendError(f"cannot save the session of {entry.name}: weights {missing[:3]} are read from files outside the cache")
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    try:
+        fd = os.open(staging / _DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            end = 0
+            for name, arr in arrays.items():
+                end += -end % _ALIGN
+                tensor = tensors[name]
+                del tensor.external_data[:]
+                for key, value in (("location", _DATA), ("offset", str(end)), ("length", str(arr.nbytes))):
+                    item = tensor.external_data.add()
+                    item.key, item.value = key, value
+                data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+                while data:  # a write may take fewer bytes than it was given
+                    done = os.pwrite(fd, data, end)
+                    data, end = data[done:], end + done
+        finally:
+            os.close(fd)
+        (staging / _EXPORTED).write_bytes(saved.SerializeToString())
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    commit(staging, entry)
+
+
 def load_options(so: Any, entry: Path) -> str:
-    """Options and path to load the saved session of ``entry``: its rewrites are done, so onnxruntime runs none."""
+    """Options and path to load the saved session of ``entry``: onnxruntime's saved model has its rewrites done, so
+    onnxruntime runs none; graphc's export gets them (its weights file lies beside it)."""
     import onnxruntime as ort
 
+    if (entry / _EXPORTED).is_file():
+        return str(entry / _EXPORTED)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return str(entry / _MODEL)
