@@ -16,7 +16,8 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "release_pages",
     "distinct_nbytes",
     "all_finite",
+    "all_finite_each",
 ]
 
 
@@ -166,6 +168,16 @@ def all_finite(arr: np.ndarray) -> bool:
         step = max(1, _CHUNK // arr.itemsize)
         _FINITE[key] = all(_finite_chunk(flat[i : i + step], found) for i in range(0, flat.size, step))
     return _FINITE[key]
+
+
+def all_finite_each(arrays: Sequence[np.ndarray], threads: int | None = None) -> list[bool]:
+    """:func:`all_finite` of each of ``arrays``, read on up to ``threads`` threads (default: up to 4, one a core): a
+    model's weights are read at the memory's speed, not one core's (NumPy's reductions release the GIL)."""
+    workers = max(1, min(threads or 4, os.cpu_count() or 1, len(arrays)))
+    if workers == 1:
+        return [all_finite(a) for a in arrays]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(all_finite, arrays))
 
 
 _EXPONENT_BITS = {"bfloat16": 0x7F80, "float16": 0x7C00}

@@ -213,6 +213,21 @@ def test_finiteness_of_mapped_weights_is_read_in_chunks_and_remembered(tmp_path,
     np.testing.assert_array_equal(arrays["w"], w)  # released pages read back from the file
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_finiteness_of_many_weights_is_read_on_threads_with_the_same_answers(tmp_path, monkeypatch, threads):
+    import graphc.mapped as mapped
+
+    rng = np.random.default_rng(0)
+    stored = {f"w{i}": rng.standard_normal((64, 50)).astype(np.float32) for i in range(6)}
+    stored["w2"][63, 49], stored["w4"][0, 0] = np.nan, np.inf
+    save_file(stored, str(tmp_path / "m.safetensors"))
+    monkeypatch.setattr(mapped, "_CHUNK", 1024)  # several chunks each
+    arrays = [*load_weights(tmp_path).values(), np.array([1.0, -np.inf], np.float32), np.ones(4, "bfloat16")]
+    want = [bool(np.isfinite(np.asarray(a, np.float32)).all()) for a in arrays]
+    assert want.count(False) == 3
+    assert mapped.all_finite_each(arrays, threads=threads) == want
+
+
 @settings(max_examples=60, deadline=None)
 @given(bits=hnp.arrays(np.uint16, st.integers(0, 300)), dtype=st.sampled_from(["bfloat16", "float16"]))
 def test_a_two_byte_float_is_finite_as_its_float32_value_is(bits, dtype):

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphc.dims import Dim, dim_mul, dim_sub, dim_terms, is_static, is_symbol, min_max_args, normalize_dim
 from graphc.errors import ExportError
 from graphc.graph import Graph
-from graphc.mapped import all_finite
+from graphc.mapped import all_finite, all_finite_each
 from graphc.ops import FLOAT_DTYPES, Binary
 
 __all__ = ["OnnxBuilder", "may_carry_neg_inf", "ONNX_DTYPES", "QUANTIZED_FORMS"]
@@ -245,15 +245,13 @@ def may_carry_neg_inf(g: Graph) -> dict[str, bool]:
     """
     from_any: dict[str, bool] = {}  # counting user tensors
     from_const: dict[str, bool] = {}  # counting constants and masks only
-    finite_arrays: dict[int, bool] = {}
     float_values = {name for name, t in g.types.items() if str(t.dtype) in FLOAT_DTYPES}  # -inf lives in floating values only
     for name in g.inputs:
         from_any[name], from_const[name] = name in float_values, False
+    floating = {id(a): a for a in g.initializers.values() if str(a.dtype) in FLOAT_DTYPES}  # bfloat16 included (NumPy kind "V")
+    finite_arrays = dict(zip(floating, all_finite_each(list(floating.values()))))
     for name, arr in g.initializers.items():
-        if id(arr) not in finite_arrays:
-            floating = str(arr.dtype) in FLOAT_DTYPES  # bfloat16 included (its NumPy kind is "V")
-            finite_arrays[id(arr)] = not floating or all_finite(arr)
-        from_any[name] = from_const[name] = not finite_arrays[id(arr)]
+        from_any[name] = from_const[name] = not finite_arrays.get(id(arr), True)
     for node in g.topological_order():
         flow = node.op.neg_inf_rows([g.types[i] for i in node.inputs])  # the op says (graphc.ops.Op.neg_inf_rows)
         sources = node.inputs[1:] if flow == "select" else node.inputs
