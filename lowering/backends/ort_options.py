@@ -29,9 +29,9 @@ class OrtOptions:
     bytes in all serialized into the model, larger ones read from the checkpoint or handed over (``None``: any size);
     ``tf32``: TF32 MatMul on CUDA; ``cuda_graph``: the decode step captured as a CUDA graph; ``prepack``: every weight
     packed into onnxruntime's blocked GEMM layout while the session is built (``True``), or none, the products reading
-    each weight as stored, memory-mapped from the checkpoint (``False``).  Packing costs about 2 s a GB of float32
-    weights on 2 cores (TinyLlama's 4.4 GB: 10.4 s to load against 1.7 s unpacked in ``bench_scale.py``) and then runs
-    each step faster (a decode step 14-24% in its runs); ``None`` (default) packs weights of up to
+    each weight as stored, memory-mapped from the checkpoint (``False``).  Packing costs 1-2 s a GB of float32
+    weights on 2 cores (TinyLlama's 4.4 GB: 6.8-10.4 s to load against 1.2-2.0 s unpacked in ``bench_scale.py``) and
+    then runs each step faster (a decode step 6-24% in its runs); ``None`` (default) packs weights of up to
     :data:`PREPACK_AUTO_MAX_BYTES` in float32, where it costs a fraction of a second, and leaves larger ones as stored,
     for a first token in seconds.  A long-lived session of a large model (a server) should pass ``True``
     (``docs/export.md``)."""
