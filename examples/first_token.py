@@ -8,6 +8,8 @@ With ``prepack=False`` graphc's onnxruntime session reads each weight from the c
 so it is ready at once; ``prepack=True`` has onnxruntime pack every weight for its kernels while the session is made
 (seconds more for a 1B model, faster steps after; by default graphc packs weights under 256 MB only), and with
 ``GRAPHC_WEIGHT_CACHE`` set graphc saves that optimized session the first time (cold) and loads it the next (warm).
+A bfloat16 folder's onnxruntime rows read a float32 conversion graphc makes in memory (onnxruntime's CPU kernels
+have no bfloat16 product; the session reads the arrays in place, and nothing is written unless the cache is set).
 The NumPy backend maps the folder and is ready at once too.  For each: seconds to load, seconds to the first token of
 a prompt, ms per decode step, and the greedy tokens, which must be the same on every row.
 """
