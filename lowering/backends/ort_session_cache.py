@@ -40,12 +40,13 @@ import numpy as np
 from graphc.errors import BackendError
 from graphc.mapped import mapped_location
 
+from .ort_weights import aligned_offsets, write_at
+
 __all__ = ["CACHE_ENV", "cache_root", "entry_for", "ready", "save_into", "write_entry", "load_options", "commit"]
 
 CACHE_ENV = "GRAPHC_WEIGHT_CACHE"
 _MODEL, _DATA = "model.onnx", "weights.bin"
 _EXPORTED = "exported.onnx"  # an entry graphc wrote: the export itself, onnxruntime's rewrites still to run
-_ALIGN = 4096  # each weight at a page boundary of the weights file: onnxruntime maps it
 
 
 def _cpu() -> bytes:
@@ -153,18 +154,14 @@ def write_entry(entry: Path, model: bytes, arrays: Mapping[str, np.ndarray]) -> 
     try:
         fd = os.open(staging / _DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            end = 0
-            for name, arr in arrays.items():
-                end += -end % _ALIGN
+            offsets, _ = aligned_offsets([arr.nbytes for arr in arrays.values()])
+            for (name, arr), offset in zip(arrays.items(), offsets):
                 tensor = tensors[name]
                 del tensor.external_data[:]
-                for key, value in (("location", _DATA), ("offset", str(end)), ("length", str(arr.nbytes))):
+                for key, value in (("location", _DATA), ("offset", str(offset)), ("length", str(arr.nbytes))):
                     item = tensor.external_data.add()
                     item.key, item.value = key, value
-                data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-                while data:  # a write may take fewer bytes than it was given
-                    done = os.pwrite(fd, data, end)
-                    data, end = data[done:], end + done
+                write_at(fd, np.ascontiguousarray(arr), offset)
         finally:
             os.close(fd)
         (staging / _EXPORTED).write_bytes(saved.SerializeToString())

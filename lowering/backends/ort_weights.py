@@ -72,7 +72,7 @@ from graphc.numerics import contiguous
 from ..exporter.onnx_builder import ONNX_DTYPES
 from .ort_options import DEFAULT_INLINE_MAX_BYTES as _ORT_INLINE_DEFAULT
 
-__all__ = ["DEFAULT_INLINE_MAX_BYTES", "SessionWeights", "plan_session_weights", "host_ortvalue"]
+__all__ = ["DEFAULT_INLINE_MAX_BYTES", "SessionWeights", "plan_session_weights", "host_ortvalue", "aligned_offsets", "write_at"]
 
 DEFAULT_INLINE_MAX_BYTES = _ORT_INLINE_DEFAULT
 """Weights up to this many bytes in all are serialized into the model; above it, :class:`SessionWeights` places them."""
@@ -147,9 +147,7 @@ class SessionWeights:
         tensors = {t.name: t for t in graph.initializer}
         constant = _constant_values(graph) if self.in_memory else set()
         renames: dict[str, str] = {}
-        placed: list[tuple[np.ndarray, int]] = []
         into: list[tuple[str, np.ndarray, bool]] = []
-        end = 0
         for name, arr in self.low.items():
             casts = readers.get(name, [])
             if not casts or any(n.op_type != "Cast" or _to(n) != onnx.TensorProto.FLOAT or n.output[0] in outputs for n in casts):
@@ -159,19 +157,12 @@ class SessionWeights:
                     tensors[name].CopyFrom(self._inline(name, arr))
                 continue
             renames.update({n.output[0]: name for n in casts})
-            if self.in_memory:
-                later = [r for n in casts for r in readers.get(n.output[0], [])]
-                into.append((name, arr, all(r.op_type in _SHAREABLE_READERS and any(i and i not in constant for i in r.input) for r in later)))
-                continue
-            end += -end % _ALIGN
-            placed.append((arr, end))
-            tensors[name].CopyFrom(_external(name, np.empty(arr.shape, np.float32), "weights.f32", end))
-            end += arr.size * 4
-            self.widened_bytes += arr.nbytes * 2
+            later = [r for n in casts for r in readers.get(n.output[0], [])]
+            into.append((name, arr, all(r.op_type in _SHAREABLE_READERS and any(i and i not in constant for i in r.input) for r in later)))
         if self.in_memory:
             self._share(into, tensors)
         else:
-            _write_float32(os.path.join(str(self.folder), "weights.f32"), placed, end)
+            self._write(into, tensors)
         keep = [n for n in graph.node if not (n.op_type == "Cast" and n.output[0] in renames)]
         for node in keep:
             node.input[:] = [renames.get(i, i) for i in node.input]
@@ -191,6 +182,14 @@ class SessionWeights:
                 self._hand(name, target)
                 tensors[name].CopyFrom(_external(name, target, _HANDED, 0))
         _widen_into([(arr, target) for (_, arr, _), target in zip(into, converted)])
+
+    def _write(self, into: list[tuple[str, np.ndarray, bool]], tensors: dict[str, onnx.TensorProto]) -> None:
+        """Convert each weight of ``into`` into one float32 file in the cache folder, each at a page boundary."""
+        offsets, end = aligned_offsets([arr.size * 4 for _, arr, _ in into])
+        for (name, arr, _), offset in zip(into, offsets):
+            tensors[name].CopyFrom(_external(name, np.empty(arr.shape, np.float32), "weights.f32", offset))
+            self.widened_bytes += arr.nbytes * 2
+        _write_float32(os.path.join(str(self.folder), "weights.f32"), [(arr, offset) for (_, arr, _), offset in zip(into, offsets)], end)
 
     def hand_shared(self) -> bool:
         """Hand every shared conversion over instead (onnxruntime copies it into the session), for a session that failed
@@ -258,6 +257,25 @@ def _constant_values(graph: onnx.GraphProto) -> set[str]:
     return constant
 
 
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets that lay out blocks of ``sizes`` bytes one after another, each at a page boundary (onnxruntime
+    maps external data that starts at one), and the end of the last."""
+    offsets, end = [], 0
+    for size in sizes:
+        end += -end % _ALIGN
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+def write_at(fd: int, array: np.ndarray, offset: int) -> None:
+    """The bytes of ``array`` (C-contiguous) written at ``offset`` of the open file ``fd``, however many calls it takes."""
+    data = memoryview(array.reshape(-1).view(np.uint8).data)
+    while data:  # a write may take fewer bytes than it was given
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
+
+
 def _widen_chunk(chunk: np.ndarray, out: np.ndarray) -> None:
     """``chunk`` (bfloat16 or float16) as float32 bits in ``out`` (uint32 of its size); bfloat16 by a shift of its bits, exactly."""
     if str(chunk.dtype) == "bfloat16":
@@ -277,11 +295,7 @@ def _float32_arrays(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     """Float32 arrays of ``shapes`` in one private anonymous mapping: the kernel gives it small pages as they are
     written (NumPy asks for huge pages for a large array, and on a machine whose free memory is fragmented by the page
     cache each huge page can stall on compaction: 3-7 s against 1-2 s for 4 GiB)."""
-    offsets, end = [], 0
-    for shape in shapes:
-        end += -end % _ALIGN
-        offsets.append(end)
-        end += 4 * math.prod(shape)
+    offsets, end = aligned_offsets([4 * math.prod(shape) for shape in shapes])
     if not end:
         return [np.empty(shape, np.float32) for shape in shapes]
     memory = mmap.mmap(-1, end, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -317,10 +331,7 @@ def _write_float32(path: str, placed: list[tuple[np.ndarray, int]], size: int) -
             for chunk, offset in share:
                 out = buffer[: chunk.size]
                 _widen_chunk(chunk, out)
-                data = memoryview(out.view(np.uint8).data)
-                while data:  # a write may take fewer bytes than it was given
-                    done = os.pwrite(fd, data, offset)
-                    data, offset = data[done:], offset + done
+                write_at(fd, out, offset)
                 release_pages(chunk)
 
         _on_threads(chunks, write)
@@ -369,7 +380,7 @@ def plan_session_weights(
     low = [a for a in initializers.values() if str(a.dtype) in _LOW and a.nbytes >= _SMALL]
     if widen and low:
         cap = memory_cap()
-        needed = distinct_nbytes(low) * (4 if packed else 2)
+        needed = distinct_nbytes(low, min_itemsize=4) * (2 if packed else 1)  # the float32 copy, and the packed one
         if in_memory and allow_handed and os.path.isabs(os.devnull) and (cap is None or needed <= cap):
             return SessionWeights(inline_max_bytes, allow_handed, _NULL_FOLDER, widen=True, in_memory=True)
         cache = _cache_folder()
