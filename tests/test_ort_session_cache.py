@@ -107,6 +107,32 @@ def test_a_link_planted_in_the_cache_is_never_followed(tmp_path, monkeypatch):
     np.testing.assert_array_equal(linked.run(inputs)["out_BSM"], first.run(inputs)["out_BSM"])
 
 
+@pytest.mark.parametrize("planted", ["entry", "exported.onnx", "weights.bin"])
+def test_a_link_planted_in_graphcs_own_entry_is_never_followed(tmp_path, monkeypatch, planted):
+    """The entry graphc writes for a converted checkpoint (its export and float32 weights): the entry, or one of its
+    files, a link to files outside the cache is not loaded from and not written through; the session is built from
+    the graph again, with its numbers."""
+    monkeypatch.setenv("GRAPHC_WEIGHT_CACHE", str(tmp_path / "cache"))
+    g = graphc.optimize(graphc.attention_layer_graph(CFG, seed=8, dtype="bfloat16")).graph
+    options = {"inline_weights_max_bytes": 0, "prepack": False}
+    first = prepare(g, "ort-cpu", **options)
+    (entry,) = _entries(tmp_path / "cache")
+    outside = tmp_path / "outside"
+    entry.rename(outside)  # a complete entry, now outside the cache
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    if planted == "entry":
+        entry.symlink_to(outside)
+    else:
+        entry.mkdir()
+        for name in ("exported.onnx", "weights.bin"):
+            (entry / name).symlink_to(outside / name) if name == planted else (entry / name).write_bytes(before[name])
+    again = prepare(g, "ort-cpu", **options)
+    assert "loaded from the cache" not in again.provider
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+    inputs = _inputs(g)
+    np.testing.assert_array_equal(again.run(inputs)["out_BSM"], first.run(inputs)["out_BSM"])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_unpacked_session_is_saved_only_when_it_converts_weights(tmp_path, monkeypatch, dtype):
     """Unpacked, a float32 session reads the weights as they are (a saved copy would only be read back): no entry; a
